@@ -1,0 +1,35 @@
+"""specdec_jax: exact speculative decoding for T5-style models in JAX/Flax."""
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.4.30",
+    "flax>=0.8",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "absl-py",
+    "gin-config",
+    "tensorstore",
+    "msgpack",
+    "tqdm",
+]
+
+EXTRAS = {
+    "test": ["pytest", "hypothesis", "scipy", "pytest-timeout"],
+    # Reference implementation for parity checks. torch is pinned to the CPU
+    # wheel that this machine class carries.
+    "parity": ["torch==2.13.0", "transformers", "safetensors", "sentencepiece"],
+    "tokenizer": ["sentencepiece"],
+    "data": ["tensorflow-datasets", "datasets"],
+    "notebooks": ["jupyter", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+}
+
+setup(
+    name="specdec_jax",
+    version="0.1.0",
+    description="Exact speculative decoding for T5-style encoder-decoder models in JAX/Flax",
+    packages=find_packages(include=["specdec_jax", "specdec_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)

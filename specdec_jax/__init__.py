@@ -1,0 +1,16 @@
+"""specdec_jax: exact speculative decoding for T5-style models in JAX/Flax.
+
+Public API:
+  load_model, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
+  temperature_sample, speculative_sample, speculative_step, adjust_probs.
+"""
+
+from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample
+from specdec_jax.drafts import Draft, ModelDraft
+from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
+from specdec_jax.model import Model, load_model
+from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+from specdec_jax.sampling import adjust_probs
+from specdec_jax.speculative import batched_speculative_step, speculative_step
+
+__version__ = "0.1.0"

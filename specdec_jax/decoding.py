@@ -1,0 +1,365 @@
+"""T5X-style decode loops: autoregressive `temperature_sample` and `speculative_sample`.
+
+Both are pure functions carrying their state through one `lax.while_loop`, so
+a whole decode is a single compiled program with no host round-trips.
+
+Token conventions (T5X): decoder inputs start with 0 (BOS); decodes hold the
+generated tokens only, and every position after a row's EOS is 0.
+
+Callbacks:
+* `temperature_sample` takes T5X's `tokens_to_logits(DecodingState) ->
+  (logits [batch, vocab], new_cache)`.
+* `speculative_sample` takes *block* callbacks `(tokens [batch, k], positions
+  [batch], cache) -> (logits [batch, k, vocab], new_cache)`, scoring k tokens
+  of each row starting at that row's own position; `block_to_state_fn` adapts
+  one to the other, so both loops run the same network code.
+"""
+
+import functools
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax import sampling
+from specdec_jax import speculative
+
+Array = jax.Array
+BlockFn = Callable[[Array, Array, Any], Tuple[Array, Any]]
+
+
+class DecodingState(NamedTuple):
+  """State passed to T5X-style `tokens_to_logits`.
+
+  cur_index: [batch] int32, position of `cur_token` in each row.
+  sequences: [batch, len + 1] int32, BOS then tokens so far.
+  cur_token: [batch] int32, the decoder input at cur_index.
+  cache: the model's cache pytree.
+  """
+  cur_index: Array
+  sequences: Array
+  cur_token: Array
+  cache: Any
+
+
+def block_to_state_fn(block_fn: BlockFn) -> Callable[[DecodingState], Tuple[Array, Any]]:
+  """Adapts a block callback to T5X's one-token `tokens_to_logits(state)`."""
+
+  def tokens_to_logits(state: DecodingState):
+    logits, cache = block_fn(state.cur_token[:, None], state.cur_index, state.cache)
+    return logits[:, 0], cache
+
+  return tokens_to_logits
+
+
+def _repeat_rows(tree, n: int):
+  return jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), tree)
+
+
+def _check_inputs(inputs: Array):
+  if inputs.ndim != 2:
+    raise ValueError(f"inputs must be [batch, length] int, got shape {inputs.shape}")
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"inputs must be integer tokens, got dtype {inputs.dtype}")
+
+
+def _step_limit(length: int, max_decode_steps: Optional[int]) -> int:
+  if max_decode_steps is None:
+    return length
+  if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
+    raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
+  return min(int(max_decode_steps), length)
+
+
+def temperature_sample(inputs: Array,
+                       cache: Any,
+                       tokens_to_logits: Callable[[DecodingState], Tuple[Array, Any]],
+                       eos_id: int,
+                       decode_rng: Optional[Array] = None,
+                       num_decodes: int = 1,
+                       temperature: float = 1.0,
+                       topk: int = 1,
+                       topp: float = 0.0,
+                       cache_offset: int = 0,
+                       initial_index: Optional[Array] = None,
+                       max_decode_steps: Optional[int] = None,
+                       max_decode_steps_hard_limit: Optional[int] = None,
+                       rescale_log_probs: bool = True,
+                       state_callback_fn: Optional[Callable[[DecodingState], DecodingState]] = None,
+                       logit_callback_fn: Optional[Callable[[Array, DecodingState], Array]] = None
+                       ) -> Tuple[Array, Array]:
+  """Autoregressive sampling with T5X's signature and semantics.
+
+  Args:
+    inputs: [batch, length] int32 decoder inputs, shifted right (position 0 is
+      BOS = 0). Non-zero entries after position 0 are a forced prompt.
+    cache: the model cache for `batch` rows (repeated for num_decodes here).
+    tokens_to_logits: `(DecodingState) -> (logits [batch, vocab], cache)`.
+    eos_id: end-of-sequence id.
+    decode_rng: PRNG key (unused when greedy).
+    num_decodes: samples per input.
+    temperature / topk / topp: see `sampling.adjust_probs` (T5X's defaults:
+      temperature 1, topk 1).
+    cache_offset: accepted for T5X compatibility; must be 0 (caches here are
+      not offset-partitioned).
+    initial_index: [batch] int32, the position of each row's last prompt token.
+    max_decode_steps / max_decode_steps_hard_limit: at most this many steps.
+    rescale_log_probs: log_prob under the adjusted distribution (True) or under
+      the raw softmax (False).
+    state_callback_fn / logit_callback_fn: T5X hooks, applied every step.
+  Returns:
+    decodes [batch, num_decodes, length] int32 (0 after EOS), sorted per input
+    by increasing log probability, and log_prob [batch, num_decodes] float32.
+  """
+  _check_inputs(inputs)
+  if cache_offset != 0:
+    raise ValueError("cache_offset must be 0: specdec_jax caches are not offset-partitioned")
+  if int(num_decodes) != num_decodes or num_decodes < 1:
+    raise ValueError(f"num_decodes must be an int >= 1, got {num_decodes!r}")
+  sampling.validate_sampling(temperature, topk, topp)
+  batch, length = inputs.shape
+  step_limit = _step_limit(length, max_decode_steps)
+  if max_decode_steps_hard_limit is not None:
+    step_limit = min(step_limit, _step_limit(length, max_decode_steps_hard_limit))
+  if decode_rng is None:
+    decode_rng = jax.random.PRNGKey(0)
+  if initial_index is None:
+    initial_index = jnp.zeros((batch,), jnp.int32)
+
+  inputs = jnp.repeat(inputs.astype(jnp.int32), num_decodes, axis=0)
+  cache = _repeat_rows(cache, num_decodes)
+  initial_index = jnp.repeat(jnp.asarray(initial_index, jnp.int32), num_decodes, axis=0)
+  rows = batch * num_decodes
+  # One extra slot so the token predicted at the last position has a home.
+  sequences = jnp.pad(inputs, ((0, 0), (0, 1)))
+  row_ids = jnp.arange(rows)
+
+  def cond(carry):
+    step, _, _, ended, _, _, _ = carry
+    return (step < step_limit) & ~jnp.all(ended)
+
+  def body(carry):
+    step, index, seqs, ended, log_prob, cache, rng = carry
+    rng, step_rng = jax.random.split(rng)
+    state = DecodingState(index, seqs, seqs[row_ids, index], cache)
+    if state_callback_fn is not None:
+      state = state_callback_fn(state)
+      seqs = state.sequences
+    logits, cache = tokens_to_logits(state)
+    if logit_callback_fn is not None:
+      logits = logit_callback_fn(logits, state)
+    probs = sampling.adjust_probs(logits, temperature, topk, topp)
+    token = sampling.sample(step_rng, probs)
+    next_index = index + 1
+    prompt_token = seqs[row_ids, next_index]
+    out_of_prompt = prompt_token == 0
+    token = jnp.where(out_of_prompt, token, prompt_token)
+    token = jnp.where(ended, 0, token)
+    scores = jnp.log(probs) if rescale_log_probs else jax.nn.log_softmax(logits.astype(jnp.float32))
+    token_log_prob = jnp.take_along_axis(scores, token[:, None], axis=-1)[:, 0]
+    log_prob = log_prob + jnp.where(out_of_prompt & ~ended, token_log_prob, 0.0)
+    # Rows that already ended write nowhere (aimed past the buffer, dropped).
+    seqs = seqs.at[row_ids, jnp.where(ended, length + 1, next_index)].set(token, mode="drop")
+    # The buffer's last slot is position `length`: a row that filled it is done.
+    ended = ended | (out_of_prompt & (token == eos_id)) | (next_index >= length)
+    index = jnp.where(ended, index, next_index)
+    return step + 1, index, seqs, ended, log_prob, cache, rng
+
+  init = (jnp.int32(0), initial_index, sequences, jnp.zeros((rows,), jnp.bool_),
+          jnp.zeros((rows,), jnp.float32), cache, decode_rng)
+  _, _, sequences, _, log_prob, _, _ = jax.lax.while_loop(cond, body, init)
+  decodes = sequences[:, 1:].reshape(batch, num_decodes, length)
+  log_prob = log_prob.reshape(batch, num_decodes)
+  order = jnp.argsort(log_prob, axis=-1)
+  return (jnp.take_along_axis(decodes, order[:, :, None], axis=1),
+          jnp.take_along_axis(log_prob, order, axis=-1))
+
+
+# ---------------------------------------------------------------------------
+# Speculative decoding.
+
+ProposeFn = Callable[[Array, Any, Array, Array], Tuple[Array, Array, Array, Any]]
+
+
+def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: float,
+                     topk: int, topp: float) -> ProposeFn:
+  """Builds a proposer that drafts gamma tokens with a model's block callback.
+
+  The draft's cache has seen every position before the row's last token
+  except, after a fully accepted iteration, x_gamma (the draft never fed its
+  own last proposal). So the first call feeds the *two* last tokens: the
+  overwrite of the older one is harmless (same token, same position, same
+  keys), and it closes that gap without a branch.
+
+  The proposer maps (rng, cache, sequences [batch, len + 1], lengths [batch])
+  to (draft_tokens [batch, gamma], draft_probs [batch, gamma, vocab],
+  num_drafted [batch], cache).
+  """
+
+  def propose(rng, cache, sequences, lengths):
+    batch = sequences.shape[0]
+    row_ids = jnp.arange(batch)
+    start = jnp.maximum(lengths - 1, 0)
+    block = jnp.stack([sequences[row_ids, start], sequences[row_ids, start + 1]], axis=1)
+    logits, cache = draft_tokens_to_logits(block, start, cache)
+    # At length 0 the block is [BOS, padding]: read the BOS logits.
+    logits = logits[row_ids, lengths - start]
+    rngs = jax.random.split(rng, gamma)
+
+    def draw(logits, step_rng):
+      probs = sampling.adjust_probs(logits, temperature, topk, topp)
+      return sampling.sample(step_rng, probs), probs
+
+    token, probs = draw(logits, rngs[0])
+
+    def step(carry, xs):
+      token, cache = carry
+      position, step_rng = xs
+      logits, cache = draft_tokens_to_logits(token[:, None], lengths + position, cache)
+      next_token, probs = draw(logits[:, 0], step_rng)
+      return (next_token, cache), (next_token, probs)
+
+    (_, cache), (tokens, all_probs) = jax.lax.scan(
+        step, (token, cache), (jnp.arange(1, gamma), rngs[1:]))
+    draft_tokens = jnp.concatenate([token[:, None], jnp.moveaxis(tokens, 0, 1)], axis=1)
+    draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(all_probs, 0, 1)], axis=1)
+    return draft_tokens, draft_probs, jnp.full((batch,), gamma, jnp.int32), cache
+
+  return propose
+
+
+class SpeculativeCarry(NamedTuple):
+  sequences: Array       # [batch, len + 1] BOS then emitted tokens
+  lengths: Array         # [batch] tokens emitted so far
+  done: Array            # [batch] bool
+  cache: Any             # target cache
+  draft_state: Any       # draft cache or other proposer state
+  rng: Array
+  stats: Dict[str, Array]
+
+
+def init_stats(batch: int, gamma: int) -> Dict[str, Array]:
+  """Per-row counters accumulated by `speculative_sample`."""
+  zeros = jnp.zeros((batch,), jnp.int32)
+  return dict(iterations=zeros, drafted=zeros, accepted=zeros, accepted_raw=zeros,
+              position_accepted=jnp.zeros((batch, gamma), jnp.int32),
+              position_drafted=jnp.zeros((batch, gamma), jnp.int32),
+              beta_sum=jnp.zeros((batch,), jnp.float32), beta_count=zeros)
+
+
+def speculative_sample(inputs: Array,
+                       cache: Any,
+                       tokens_to_logits: BlockFn,
+                       draft_cache: Any,
+                       draft_tokens_to_logits: Optional[BlockFn],
+                       eos_id: int,
+                       decode_rng: Optional[Array] = None,
+                       gamma: int = 4,
+                       temperature: float = 1.0,
+                       topk: int = 1,
+                       topp: float = 0.0,
+                       max_decode_steps: Optional[int] = None,
+                       propose_fn: Optional[ProposeFn] = None
+                       ) -> Tuple[Array, Dict[str, Array]]:
+  """Speculative decoding loop; the output is distributed exactly as `temperature_sample`'s.
+
+  Each iteration: the draft proposes gamma tokens per row; the target scores
+  the row's last token and the gamma drafts (gamma + 1 positions) in one block
+  call; the vmapped `speculative_step` keeps n drafts and draws one more
+  token; each row appends its n + 1 tokens and advances its *own* length.
+  Caches roll back by position only: whatever a rejected draft wrote lies past
+  the row's length and is overwritten later.
+
+  Args:
+    inputs: [batch, length] int32; only the shape is used (decoder prompts are
+      not supported here): decodes have this length.
+    cache: target cache with at least `length` positions.
+    tokens_to_logits: target block callback.
+    draft_cache: the draft's cache (or state of `propose_fn`).
+    draft_tokens_to_logits: draft block callback (ignored with `propose_fn`).
+    eos_id: end-of-sequence id.
+    decode_rng: PRNG key.
+    gamma: tokens drafted per iteration (>= 1).
+    temperature / topk / topp: the adjustment applied to target and draft alike.
+    max_decode_steps: at most this many tokens per row.
+    propose_fn: a custom proposer `(rng, state, sequences, lengths) ->
+      (draft_tokens, draft_probs, num_drafted, state)` (see `drafts`).
+  Returns:
+    decodes [batch, length] int32 (0 after EOS) and per-row stats (see
+    `init_stats`): iterations, drafted, accepted (drafts that reached the
+    output: emitted = accepted + iterations), accepted_raw (drafts the rule
+    accepted), per-position counts, and beta sums for the alpha estimate.
+  """
+  _check_inputs(inputs)
+  if int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+  sampling.validate_sampling(temperature, topk, topp)
+  batch, length = inputs.shape
+  step_limit = _step_limit(length, max_decode_steps)
+  if decode_rng is None:
+    decode_rng = jax.random.PRNGKey(0)
+  if propose_fn is None:
+    if draft_tokens_to_logits is None:
+      raise ValueError("speculative_sample needs draft_tokens_to_logits or propose_fn")
+    propose_fn = model_propose_fn(draft_tokens_to_logits, gamma, temperature, topk, topp)
+  row_ids = jnp.arange(batch)
+  offsets = jnp.arange(gamma + 1)
+
+  def cond(carry: SpeculativeCarry):
+    return ~jnp.all(carry.done)
+
+  def body(carry: SpeculativeCarry):
+    rng, propose_rng, accept_rng = jax.random.split(carry.rng, 3)
+    lengths = carry.lengths
+    draft_tokens, draft_probs, num_drafted, draft_state = propose_fn(
+        propose_rng, carry.draft_state, carry.sequences, lengths)
+    last_token = carry.sequences[row_ids, lengths]
+    block = jnp.concatenate([last_token[:, None], draft_tokens], axis=1)
+    logits, cache = tokens_to_logits(block, lengths, carry.cache)
+    target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
+    num_accepted, next_token = speculative.batched_speculative_step(
+        jax.random.split(accept_rng, batch), draft_tokens, draft_probs, target_probs,
+        num_drafted)
+
+    # The n accepted drafts, then the new token, then nothing.
+    padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
+    new_tokens = jnp.where(offsets < num_accepted[:, None], padded_drafts,
+                           jnp.where(offsets == num_accepted[:, None], next_token[:, None], 0))
+    is_eos = (new_tokens == eos_id) & (offsets <= num_accepted[:, None])
+    eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, gamma + 1)
+    active = ~carry.done
+    emitted = jnp.minimum(jnp.minimum(num_accepted + 1, eos_cut), step_limit - lengths)
+    emitted = jnp.where(active, emitted, 0)
+    write = offsets < emitted[:, None]
+    # Unwritten slots are aimed past the buffer and dropped.
+    index = jnp.where(write, lengths[:, None] + 1 + offsets, length + 1)
+    sequences = carry.sequences.at[row_ids[:, None], index].set(new_tokens, mode="drop")
+    new_lengths = lengths + emitted
+    done = carry.done | jnp.any(is_eos & write, axis=1) | (new_lengths >= step_limit)
+
+    # beta is averaged over positions whose prefix was all accepted drafts,
+    # i.e. genuine samples: positions 0..min(n, num_drafted - 1).
+    beta = speculative.acceptance_probability(target_probs[:, :gamma], draft_probs)
+    scored = (offsets[:gamma] <= num_accepted[:, None]) & (
+        offsets[:gamma] < num_drafted[:, None]) & active[:, None]
+    drafted_mask = (offsets[:gamma] < num_drafted[:, None]) & active[:, None]
+    stats = carry.stats
+    stats = dict(
+        iterations=stats["iterations"] + active,
+        drafted=stats["drafted"] + jnp.where(active, num_drafted, 0),
+        accepted=stats["accepted"] + jnp.maximum(emitted - 1, 0),
+        accepted_raw=stats["accepted_raw"] + jnp.where(active, num_accepted, 0),
+        position_accepted=stats["position_accepted"] +
+        (drafted_mask & (offsets[:gamma] < num_accepted[:, None])),
+        position_drafted=stats["position_drafted"] + drafted_mask,
+        beta_sum=stats["beta_sum"] + jnp.sum(jnp.where(scored, beta, 0.0), axis=1),
+        beta_count=stats["beta_count"] + jnp.sum(scored, axis=1),
+    )
+    return SpeculativeCarry(sequences, new_lengths, done, cache, draft_state, rng, stats)
+
+  sequences = jnp.zeros((batch, length + 1), jnp.int32)
+  init = SpeculativeCarry(sequences, jnp.zeros((batch,), jnp.int32),
+                          jnp.zeros((batch,), jnp.bool_), cache, draft_cache, decode_rng,
+                          init_stats(batch, gamma))
+  final = jax.lax.while_loop(cond, body, init)
+  return final.sequences[:, 1:], final.stats

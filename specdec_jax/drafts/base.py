@@ -1,0 +1,55 @@
+"""The draft interface: anything that proposes gamma tokens with their q.
+
+Speculative decoding needs from a draft only (a) the proposed tokens and (b)
+the distributions q they were drawn from, after the same sampling adjustment
+as the target. Everything else (a cache, n-gram tables, the prompt) is the
+draft's own state, carried through the decode loop as a pytree.
+
+A draft is split into static structure (the object, hashable via
+`static_key`) and arrays (`params`, passed to the compiled loop as an
+argument), so a new set of weights never triggers a recompile.
+"""
+
+import abc
+from typing import Any, Hashable, Tuple
+
+import jax
+
+Array = jax.Array
+
+
+class Draft(abc.ABC):
+  """Base class for drafts used by `specdec_jax.generate(..., draft=...)`."""
+
+  vocab_size: int
+  eos_id: int = 1
+  pad_id: int = 0
+
+  @property
+  @abc.abstractmethod
+  def params(self) -> Any:
+    """Arrays the draft needs (a pytree), passed into the compiled loop."""
+
+  @abc.abstractmethod
+  def static_key(self) -> Hashable:
+    """Hashable description of everything static: equal keys share a compile."""
+
+  @abc.abstractmethod
+  def init_state(self, params: Any, encoder_tokens: Array, max_decode_len: int) -> Any:
+    """The draft's loop state for a batch (traced inside jit)."""
+
+  @abc.abstractmethod
+  def propose_fn(self, params: Any, gamma: int, temperature: float, topk: int, topp: float):
+    """Returns `propose(rng, state, sequences [batch, len + 1], lengths [batch]) ->
+    (draft_tokens [batch, gamma] int32, draft_probs [batch, gamma, vocab] float32,
+    num_drafted [batch] int32, state)`; see `decoding.speculative_sample`."""
+
+  def check_compatible(self, target_config) -> None:
+    """Raises ValueError if this draft cannot serve the target."""
+    if self.vocab_size != target_config.vocab_size:
+      raise ValueError(f"draft vocabulary size {self.vocab_size} differs from the target's "
+                       f"{target_config.vocab_size}: speculative decoding needs one vocabulary")
+    for name in ("eos_id", "pad_id"):
+      if getattr(self, name) != getattr(target_config, name):
+        raise ValueError(f"draft {name} {getattr(self, name)} differs from the target's "
+                         f"{getattr(target_config, name)}")

@@ -1,0 +1,181 @@
+"""`generate`: the user-facing entry point over both decode loops."""
+
+import dataclasses
+import threading
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax import decoding
+from specdec_jax import sampling
+from specdec_jax.drafts import Draft, as_draft
+from specdec_jax.model import Model, check_tokens
+from specdec_jax.models.t5 import T5
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStats:
+  """Acceptance statistics of one speculative `generate` call.
+
+  Per-row arrays ([batch]) count over the iterations in which the row was
+  still decoding:
+    iterations: target calls; drafted: tokens proposed; accepted: drafts that
+    reached the output (so emitted tokens = accepted + iterations);
+    accepted_raw: drafts the rejection rule accepted (>= accepted when EOS or
+    the length limit cut an iteration short);
+    position_accepted / position_drafted: [batch, gamma] per-position counts;
+    beta_sum / beta_count: sums of sum_x min(p, q) over positions whose prefix
+    was all accepted drafts (Corollary 3.6).
+  """
+  gamma: int
+  iterations: np.ndarray
+  drafted: np.ndarray
+  accepted: np.ndarray
+  accepted_raw: np.ndarray
+  position_accepted: np.ndarray
+  position_drafted: np.ndarray
+  beta_sum: np.ndarray
+  beta_count: np.ndarray
+  emitted: np.ndarray
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted drafts / drafted tokens (the rule's decisions), all rows."""
+    return float(self.accepted_raw.sum() / max(self.drafted.sum(), 1))
+
+  @property
+  def row_acceptance_rate(self) -> np.ndarray:
+    return self.accepted_raw / np.maximum(self.drafted, 1)
+
+  @property
+  def alpha(self) -> float:
+    """Estimate of alpha = E[sum_x min(p, q)] (Corollary 3.6), all rows."""
+    return float(self.beta_sum.sum() / max(self.beta_count.sum(), 1))
+
+  @property
+  def row_alpha(self) -> np.ndarray:
+    return self.beta_sum / np.maximum(self.beta_count, 1)
+
+  @property
+  def mean_tokens_per_iteration(self) -> float:
+    return float(self.emitted.sum() / max(self.iterations.sum(), 1))
+
+  @property
+  def row_tokens_per_iteration(self) -> np.ndarray:
+    return self.emitted / np.maximum(self.iterations, 1)
+
+  @property
+  def per_position_acceptance(self) -> np.ndarray:
+    """[gamma]: fraction of drafts at position i that were accepted (vLLM-style)."""
+    return self.position_accepted.sum(0) / np.maximum(self.position_drafted.sum(0), 1)
+
+  def summary(self) -> Dict[str, Any]:
+    return dict(gamma=self.gamma, iterations=int(self.iterations.sum()),
+                drafted=int(self.drafted.sum()), accepted=int(self.accepted.sum()),
+                emitted=int(self.emitted.sum()), acceptance_rate=self.acceptance_rate,
+                alpha=self.alpha, mean_tokens_per_iteration=self.mean_tokens_per_iteration,
+                per_position_acceptance=self.per_position_acceptance.tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """sequences [batch, max_decode_steps] int32 (no BOS, 0 after EOS);
+  lengths [batch] int32 (tokens up to and including EOS); stats (speculative only)."""
+  sequences: Array
+  lengths: Array
+  stats: Optional[SpeculativeStats] = None
+
+
+def sequence_lengths(sequences: Array, eos_id: int) -> Array:
+  """Tokens up to and including the first EOS (the full length when none)."""
+  is_eos = sequences == eos_id
+  return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
+                   sequences.shape[1]).astype(jnp.int32)
+
+
+_COMPILED: Dict[Any, Any] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def compile_count() -> int:
+  """How many distinct decode programs `generate` has built (for benchmarks)."""
+  return len(_COMPILED)
+
+
+def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, topp, eos_id,
+           gamma):
+  module = T5(config)
+
+  def run(params, draft_params, encoder_tokens, rng):
+    batch = encoder_tokens.shape[0]
+    cache = module.apply({"params": params}, encoder_tokens, max_decode_steps,
+                         method=T5.init_cache)
+    target_fn = Model(config, params).block_fn(params)
+    inputs = jnp.zeros((batch, max_decode_steps), jnp.int32)
+    if draft is None:
+      decodes, _ = decoding.temperature_sample(
+          inputs, cache, decoding.block_to_state_fn(target_fn), eos_id, decode_rng=rng,
+          temperature=temperature, topk=topk, topp=topp)
+      return decodes[:, 0], None
+    draft_state = draft.init_state(draft_params, encoder_tokens, max_decode_steps)
+    propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
+    return decoding.speculative_sample(
+        inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
+        temperature=temperature, topk=topk, topp=topp, propose_fn=propose)
+
+  return jax.jit(run)
+
+
+def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature: float = 0.0,
+             topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
+             rng: Optional[Array] = None, draft=None, gamma: int = 4) -> GenerateOutput:
+  """Decodes `encoder_tokens` with `model`, speculatively when `draft` is given.
+
+  Args:
+    model: the target `Model`.
+    encoder_tokens: [batch, enc_len] int32, 0-padded on the right.
+    max_decode_steps: tokens to generate per row (>= 1).
+    temperature / topk / topp: sampling (temperature 0 = greedy); the draft is
+      adjusted the same way, so outputs are distributed exactly as without it.
+    eos_id: defaults to the model's.
+    rng: PRNG key (default PRNGKey(0)).
+    draft: a smaller `Model` or any `specdec_jax.drafts.Draft`.
+    gamma: tokens drafted per iteration.
+  Returns:
+    GenerateOutput; `stats` is set when a draft was used.
+  """
+  tokens = check_tokens(encoder_tokens)
+  if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
+    raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
+  sampling.validate_sampling(temperature, topk, topp, model.config.vocab_size)
+  vocab = model.config.vocab_size
+  if int(jnp.max(tokens)) >= vocab or int(jnp.min(tokens)) < 0:
+    raise ValueError(f"encoder_tokens hold ids outside [0, {vocab})")
+  eos_id = model.config.eos_id if eos_id is None else int(eos_id)
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  draft_obj = None
+  if draft is not None:
+    if int(gamma) != gamma or gamma < 1:
+      raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+    draft_obj = as_draft(draft)
+    draft_obj.check_compatible(model.config)
+  statics = (float(temperature), int(topk), float(topp), eos_id,
+             int(gamma) if draft_obj is not None else 0)
+  key = (model.config, None if draft_obj is None else draft_obj.static_key(),
+         int(max_decode_steps)) + statics
+  with _COMPILED_LOCK:
+    if key not in _COMPILED:
+      _COMPILED[key] = _build(model.config, draft_obj, int(max_decode_steps), *statics)
+    fn = _COMPILED[key]
+  draft_params = None if draft_obj is None else draft_obj.params
+  sequences, stats = fn(model.params, draft_params, tokens, rng)
+  lengths = sequence_lengths(sequences, eos_id)
+  if stats is None:
+    return GenerateOutput(sequences, lengths)
+  stats = {k: np.asarray(v) for k, v in stats.items()}
+  return GenerateOutput(sequences, lengths, SpeculativeStats(
+      gamma=int(gamma), emitted=np.asarray(lengths), **stats))

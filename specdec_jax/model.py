@@ -1,0 +1,160 @@
+"""`Model`: a T5 config, its params and jit-compiled entry points; `load_model`."""
+
+import dataclasses
+import functools
+import os
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+from specdec_jax.models.t5 import T5
+
+Array = jax.Array
+
+
+def check_tokens(tokens, name: str = "encoder_tokens") -> Array:
+  """Validates int tokens [batch, len] and returns them as int32."""
+  shape = getattr(tokens, "shape", None)
+  dtype = getattr(tokens, "dtype", None)
+  if shape is None or dtype is None:
+    tokens = np.asarray(tokens)
+    shape, dtype = tokens.shape, tokens.dtype
+  if len(shape) != 2:
+    raise ValueError(f"{name} must have rank 2 [batch, length], got shape {tuple(shape)}")
+  if not np.issubdtype(dtype, np.integer):
+    raise ValueError(f"{name} must be integer token ids, got dtype {dtype}")
+  if shape[0] < 1 or shape[1] < 1:
+    raise ValueError(f"{name} must be non-empty, got shape {tuple(shape)}")
+  return jnp.asarray(tokens, jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(config: T5Config, method: str, static_argnums=()):
+  module = T5(config)
+  return jax.jit(functools.partial(module.apply, method=getattr(T5, method)),
+                 static_argnums=static_argnums)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+  """A T5 network with its parameters.
+
+  Attributes:
+    config: the `T5Config`.
+    params: T5X parameter tree (`{'token_embedder': ..., 'encoder': ...,
+      'decoder': ...}`), arrays in `config.dtype`.
+  """
+  config: T5Config
+  params: Any
+
+  @property
+  def module(self) -> T5:
+    return T5(self.config)
+
+  @property
+  def variables(self):
+    return {"params": self.params}
+
+  def encode(self, encoder_tokens) -> Array:
+    """[batch, enc_len] int32 -> encoder output [batch, enc_len, emb]."""
+    tokens = check_tokens(encoder_tokens)
+    return _compiled(self.config, "encode")(self.variables, tokens)
+
+  def logits(self, encoder_tokens, decoder_input_tokens) -> Array:
+    """Teacher-forced logits [batch, dec_len, vocab] float32, no cache."""
+    enc = check_tokens(encoder_tokens)
+    dec = check_tokens(decoder_input_tokens, "decoder_input_tokens")
+    if enc.shape[0] != dec.shape[0]:
+      raise ValueError(f"batch mismatch: encoder {enc.shape[0]} vs decoder {dec.shape[0]}")
+    return _compiled(self.config, "__call__")(self.variables, enc, dec)
+
+  def init_cache(self, batch_size: int, max_decode_len: int, encoder_tokens=None):
+    """Encodes `encoder_tokens` [batch_size, enc_len] once and allocates the cache.
+
+    The cache holds `max_decode_len` self-attention positions per row and the
+    cross-attention keys/values of the encoder output (see models/t5.py).
+    """
+    if encoder_tokens is None:
+      raise ValueError("init_cache needs encoder_tokens: the cache holds the cross-attention "
+                       "keys/values computed from the encoder output")
+    tokens = check_tokens(encoder_tokens)
+    if tokens.shape[0] != batch_size:
+      raise ValueError(f"encoder_tokens has {tokens.shape[0]} rows, batch_size is {batch_size}")
+    if int(max_decode_len) != max_decode_len or max_decode_len < 1:
+      raise ValueError(f"max_decode_len must be an int >= 1, got {max_decode_len!r}")
+    return _compiled(self.config, "init_cache", (2,))(self.variables, tokens, int(max_decode_len))
+
+  def decode_block(self, tokens, positions, cache):
+    """Scores tokens [batch, k] starting at positions [batch] from the cache.
+
+    Returns logits [batch, k, vocab] float32 and the updated cache.
+    """
+    tokens = check_tokens(tokens, "tokens")
+    positions = jnp.asarray(positions, jnp.int32)
+    max_len = cache["layers"][0]["self_key"].shape[1]
+    if positions.shape != (tokens.shape[0],):
+      raise ValueError(f"positions must be [batch] = ({tokens.shape[0]},), got {positions.shape}")
+    if tokens.shape[1] > max_len:
+      raise ValueError(f"a block of {tokens.shape[1]} tokens is longer than the cache "
+                       f"({max_len} positions)")
+    if not isinstance(positions, jax.core.Tracer):
+      end = int(jnp.max(positions)) + tokens.shape[1]
+      if int(jnp.min(positions)) < 0 or end > max_len:
+        raise ValueError(f"block positions [{int(jnp.min(positions))}, {end}) fall outside the "
+                         f"cache of {max_len} positions")
+    return _compiled(self.config, "decode_block")(self.variables, tokens, positions, cache)
+
+  def block_fn(self, params=None):
+    """A block callback `(tokens, positions, cache) -> (logits, cache)` for the decode loops."""
+    params = self.params if params is None else params
+    module = self.module
+    return lambda tokens, positions, cache: module.apply(
+        {"params": params}, tokens, positions, cache, method=T5.decode_block)
+
+
+def init_params(config: T5Config, seed: int = 0):
+  """Random T5X-style initialisation, cast to `config.dtype`."""
+  module = T5(config)
+  dummy = jnp.ones((1, 1), jnp.int32)
+  init = jax.jit(lambda rng: module.init(rng, dummy, dummy)["params"])
+  params = init(jax.random.PRNGKey(seed))
+  dtype = jnp.dtype(config.dtype)
+  return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+
+
+def default_dtype() -> str:
+  """float32 on CPU (bf16 is ~4x slower there), bfloat16 on TPU/GPU."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_model(name_or_path_or_config: Union[str, T5Config, os.PathLike], *,
+               dtype: Optional[str] = None, seed: int = 0, **config_overrides) -> Model:
+  """Builds a `Model`.
+
+  Args:
+    name_or_path_or_config: a named config (`t5_1_1_small`, `tiny`, ...) or a
+      `T5Config` (random init), or a checkpoint path (Hugging Face directory,
+      T5X or Orbax checkpoint; see `specdec_jax.checkpoints`).
+    dtype: 'float32' / 'bfloat16'; default: float32 on CPU, bfloat16 elsewhere
+      for random init, the same for checkpoints.
+    seed: init seed for random weights.
+    **config_overrides: T5Config fields to change (random init only).
+  """
+  source = name_or_path_or_config
+  if isinstance(source, T5Config):
+    config = source.replace(**config_overrides) if config_overrides else source
+    if dtype is not None:
+      config = config.replace(dtype=dtype)
+    return Model(config, init_params(config, seed))
+  source = os.fspath(source) if isinstance(source, os.PathLike) else source
+  if not isinstance(source, str):
+    raise TypeError(f"load_model takes a config name, T5Config or path, got {type(source)}")
+  if source in CONFIGS:
+    config = get_config(source, **config_overrides)
+    config = config.replace(dtype=dtype or default_dtype())
+    return Model(config, init_params(config, seed))
+  from specdec_jax import checkpoints  # Heavy imports only when loading files.
+  return checkpoints.load_checkpoint_model(source, dtype=dtype, **config_overrides)

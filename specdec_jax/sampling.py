@@ -1,0 +1,93 @@
+"""The sampling adjustment: logits -> the distribution a decoder draws from.
+
+Speculative decoding is exact only if the draft's q and the target's p are the
+distributions *after* the same adjustment (temperature, top-k, nucleus), so
+both go through `adjust_probs`, and every decoder samples with `sample`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# T5X takes argmax below this temperature.
+MIN_TEMPERATURE = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Static sampling settings, validated once.
+
+  temperature: 0 (or < 1e-4) means greedy: a one-hot on the first maximum.
+  topk: keep exactly the k most likely tokens (0 = off).
+  topp: keep the smallest set of most likely tokens with mass >= topp (0 = off).
+  """
+  temperature: float = 1.0
+  topk: int = 0
+  topp: float = 0.0
+
+  def __post_init__(self):
+    validate_sampling(self.temperature, self.topk, self.topp)
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature < MIN_TEMPERATURE
+
+
+def validate_sampling(temperature, topk, topp, vocab_size=None):
+  """Raises ValueError for settings that have no meaning."""
+  if temperature is None or not float(temperature) >= 0.0:
+    raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+  if int(topk) != topk or topk < 0:
+    raise ValueError(f"topk must be a non-negative int, got {topk!r}")
+  if not 0.0 <= float(topp) <= 1.0:
+    raise ValueError(f"topp must lie in [0, 1], got {topp!r}")
+  if topk > 0 and topp > 0.0:
+    raise ValueError(f"topk ({topk}) and topp ({topp}) are exclusive: set one of them")
+  if vocab_size is not None and topk > vocab_size:
+    raise ValueError(f"topk ({topk}) exceeds the vocabulary size ({vocab_size})")
+
+
+def adjust_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
+                 topp: float = 0.0) -> Array:
+  """Turns logits [..., vocab] into adjusted probabilities [..., vocab] float32.
+
+  Greedy (temperature < 1e-4) returns a one-hot on the first maximum. Otherwise
+  logits are divided by the temperature, then truncated to the top k tokens
+  (exactly k, ties broken towards lower ids) or to the nucleus of mass topp,
+  and renormalised. Settings are static Python numbers.
+  """
+  validate_sampling(temperature, topk, topp, logits.shape[-1])
+  logits = logits.astype(jnp.float32)
+  vocab = logits.shape[-1]
+  if temperature < MIN_TEMPERATURE:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  logits = logits / temperature
+  if topk > 0 and topk < vocab:
+    _, top_ids = jax.lax.top_k(logits, topk)
+    keep = jnp.sum(jax.nn.one_hot(top_ids, vocab, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if 0.0 < topp < 1.0:
+    order = jnp.argsort(-probs, axis=-1, stable=True)
+    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    # A token is in the nucleus if the mass strictly ahead of it is < topp:
+    # the smallest prefix whose mass reaches topp.
+    keep_sorted = mass_before < topp
+    keep = jnp.zeros_like(keep_sorted).at[
+        tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    probs = jnp.where(keep, probs, 0.0)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+  return probs
+
+
+def sample(rng: Array, probs: Array) -> Array:
+  """Draws token ids [...] int32 from probs [..., vocab] (zeros never drawn)."""
+  return jax.random.categorical(rng, safe_log(probs), axis=-1).astype(jnp.int32)
+
+
+def safe_log(probs: Array) -> Array:
+  return jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)

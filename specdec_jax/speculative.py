@@ -1,0 +1,87 @@
+"""The speculative sampling step (Leviathan et al. 2023, Algorithm 1, steps 3-5).
+
+Written for one sequence and `jax.vmap`ped over the batch, so every row keeps
+or rejects its own drafts with its own key.
+"""
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax import sampling
+
+Array = jax.Array
+
+
+def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target_probs: Array,
+                     num_drafted: Optional[Array] = None) -> Tuple[Array, Array]:
+  """Decides how many drafted tokens to keep and draws the next token.
+
+  Accepts x_i while r_i < p_i(x_i) / q_i(x_i) (r_i ~ U[0, 1)); on the first
+  rejection draws from norm(max(0, p - q)) at that position; if every draft is
+  accepted, draws the bonus token from p_{num_drafted + 1}. The emitted tokens
+  are then distributed exactly as the target's own samples.
+
+  Args:
+    rng: PRNG key.
+    draft_tokens: [gamma] int32, x_1..x_gamma.
+    draft_probs: [gamma, vocab] float32, q_i (adjusted), x_i ~ q_i.
+    target_probs: [gamma + 1, vocab] float32, p_1..p_{gamma+1} (adjusted).
+    num_drafted: optional int32 scalar <= gamma: only the first num_drafted
+      drafts count (adaptive draft length); it must depend only on the draft's
+      own state for exactness.
+  Returns:
+    (num_accepted int32 scalar in [0, num_drafted], next_token int32 scalar).
+  """
+  gamma, vocab = draft_probs.shape
+  if target_probs.shape != (gamma + 1, vocab):
+    raise ValueError(f"target_probs must be [gamma + 1, vocab] = {(gamma + 1, vocab)}, "
+                     f"got {target_probs.shape}")
+  if draft_tokens.shape != (gamma,):
+    raise ValueError(f"draft_tokens must be [gamma] = {(gamma,)}, got {draft_tokens.shape}")
+  if num_drafted is None:
+    num_drafted = jnp.int32(gamma)
+  accept_rng, residual_rng = jax.random.split(rng)
+  index = jnp.arange(gamma)
+  p_x = target_probs[index, draft_tokens]
+  q_x = draft_probs[index, draft_tokens]
+  r = jax.random.uniform(accept_rng, (gamma,), dtype=jnp.float32)
+  # r * q < p is r < p / q without dividing; strict so that p(x) = 0 never accepts.
+  accepted = (r * q_x < p_x) & (index < num_drafted)
+  num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32))).astype(jnp.int32)
+
+  # Rows of q past the drafted ones are zero, so the residual at
+  # n = num_drafted is p itself: one formula covers rejection and bonus.
+  q_padded = jnp.where((jnp.arange(gamma + 1) < num_drafted)[:, None],
+                       jnp.pad(draft_probs, ((0, 1), (0, 0))), 0.0)
+  p_n = target_probs[num_accepted]
+  residual = jnp.maximum(p_n - q_padded[num_accepted], 0.0)
+  mass = jnp.sum(residual)
+  # Only rounding can leave the residual without mass (p == q at a rejection);
+  # p itself is then the right distribution.
+  residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+  next_token = sampling.sample(residual_rng, residual)
+  return num_accepted, next_token
+
+
+def batched_speculative_step(rngs: Array, draft_tokens: Array, draft_probs: Array,
+                             target_probs: Array,
+                             num_drafted: Optional[Array] = None) -> Tuple[Array, Array]:
+  """`speculative_step` vmapped over the batch.
+
+  Args:
+    rngs: [batch] keys (one per row).
+    draft_tokens: [batch, gamma]; draft_probs: [batch, gamma, vocab];
+    target_probs: [batch, gamma + 1, vocab]; num_drafted: [batch] or None.
+  Returns:
+    (num_accepted [batch] int32, next_token [batch] int32).
+  """
+  if num_drafted is None:
+    num_drafted = jnp.full((draft_tokens.shape[0],), draft_tokens.shape[1], jnp.int32)
+  return jax.vmap(speculative_step)(rngs, draft_tokens, draft_probs, target_probs, num_drafted)
+
+
+def acceptance_probability(target_probs: Array, draft_probs: Array) -> Array:
+  """beta = sum_x min(p(x), q(x)) over the last axis (Corollary 3.6's alpha = E[beta])."""
+  return jnp.sum(jnp.minimum(target_probs, draft_probs), axis=-1)

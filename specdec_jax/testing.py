@@ -1,0 +1,36 @@
+"""Helpers for tests and examples: pairs of random models that disagree a little.
+
+A draft that agrees with the target everywhere (or nowhere) proves nothing
+about speculative decoding; a draft whose weights are the target's plus noise
+has an acceptance rate strictly inside (0, 1).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.model import Model, load_model
+
+
+def perturbed_model(model: Model, noise: float, seed: int = 1) -> Model:
+  """A copy of `model` with every weight w replaced by w * (1 + noise * N(0, 1))."""
+  leaves, treedef = jax.tree_util.tree_flatten(model.params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  noisy = [w * (1 + noise * jax.random.normal(k, w.shape, w.dtype)) for w, k in zip(leaves, keys)]
+  return Model(model.config, jax.tree_util.tree_unflatten(treedef, noisy))
+
+
+def tiny_pair(vocab_size: int = 64, noise: float = 0.3, seed: int = 0, **overrides):
+  """(target, draft): a tiny random target and its noisy copy."""
+  target = load_model("tiny", vocab_size=vocab_size, seed=seed, dtype="float32", **overrides)
+  return target, perturbed_model(target, noise, seed + 1)
+
+
+def random_encoder_tokens(batch: int, length: int, vocab_size: int, seed: int = 0,
+                          min_length: int = 1):
+  """[batch, length] int32 in [2, vocab) with rows 0-padded to random lengths."""
+  rng = jax.random.PRNGKey(seed)
+  tok_rng, len_rng = jax.random.split(rng)
+  tokens = jax.random.randint(tok_rng, (batch, length), 2, vocab_size, jnp.int32)
+  lengths = jax.random.randint(len_rng, (batch,), min_length, length + 1)
+  lengths = lengths.at[0].set(length)
+  return jnp.where(jnp.arange(length)[None] < lengths[:, None], tokens, 0)
