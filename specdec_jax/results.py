@@ -1,0 +1,78 @@
+"""Atomic result files and the paper's Table 2 row format, shared by experiments.
+
+A crashed or interrupted run must never leave a half-written results file: a
+resumable driver treats an existing file as a finished row. So every file is
+written to a temporary sibling and moved into place with `os.replace`, which
+is atomic on POSIX filesystems.
+"""
+
+import json
+import math
+import os
+import tempfile
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+
+def _jsonable(value):
+  """numpy scalars/arrays and tuples -> plain JSON types; NaN/inf -> None."""
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.ndarray):
+    return _jsonable(value.tolist())
+  if isinstance(value, np.generic):
+    return _jsonable(value.item())
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` via a temporary file in the same directory + os.replace."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
+                             suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  """JSON (numpy-aware, NaN -> null) written atomically."""
+  write_text_atomic(path, json.dumps(_jsonable(obj), indent=2, sort_keys=True,
+                                     allow_nan=False) + "\n")
+
+
+def read_json(path: str) -> Optional[Dict[str, Any]]:
+  """The parsed file, or None if it does not exist."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+TABLE2_HEADER = ("| task | draft | temp | γ | α | speed | predicted | c |\n"
+                 "|---|---|---|---|---|---|---|---|")
+
+
+def _fmt(value, spec: str) -> str:
+  return "n/a" if value is None else format(value, spec)
+
+
+def table2_row(task: str, draft: str, temperature: float, gamma: int, alpha: Optional[float],
+               speedup: Optional[float], predicted: Optional[float],
+               c: Optional[float]) -> str:
+  """One Markdown row in the format of the paper's Table 2 (+ Table 4's columns)."""
+  return (f"| {task} | {draft} | {temperature:g} | {gamma} | {_fmt(alpha, '.2f')} | "
+          f"{_fmt(speedup, '.1f')}X | {_fmt(predicted, '.1f')} | {_fmt(c, '.2f')} |")

@@ -1,0 +1,259 @@
+"""Inputs for experiments: tasks (datasets or local files) and tokenizers.
+
+Sources:
+* `local`: a JSONL file (one object per line with a string field, default
+  "inputs", and optionally "targets") or a TSV file (input, optionally a tab
+  and a target). Always available; bad lines fail with their line number.
+* `wmt14_ende` and `cnndm`: WMT14 English-German and CNN/DailyMail test
+  sets through tensorflow-datasets or Hugging Face `datasets` (the `data`
+  extra). They download on first use, so they need one of those packages and
+  a network connection; otherwise loading fails with a message saying so.
+
+Tokenizers map text to T5 ids (pad 0, EOS 1, unknown 2):
+* `SentencePieceTokenizer`: T5's vocabulary file (e.g. cc_all.32000 /
+  `spiece.model`) plus T5's 100 extra ids.
+* `ByteTokenizer`: UTF-8 bytes shifted by 3 (259 ids). A fallback for tiny
+  random models and tests only: real T5 checkpoints need their SentencePiece
+  model.
+"""
+
+import dataclasses
+import json
+import os
+from typing import List, Optional, Sequence
+
+import gin
+import numpy as np
+
+from specdec_jax.models.configs import T5Config
+
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  inputs: str
+  targets: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------
+# Tokenizers.
+
+
+class Tokenizer:
+  """text <-> ids with T5's special ids. `vocab_size` = ids the tokenizer can emit."""
+  vocab_size: int
+  eos_id: int = EOS_ID
+  pad_id: int = PAD_ID
+
+  def encode(self, text: str) -> List[int]:
+    raise NotImplementedError
+
+  def decode(self, ids: Sequence[int]) -> str:
+    raise NotImplementedError
+
+
+@gin.configurable
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes + 3 (ids 0..2 are pad, EOS, unknown): 259 ids, no training needed."""
+  offset = 3
+  vocab_size = 256 + offset
+
+  def encode(self, text: str) -> List[int]:
+    return [b + self.offset for b in text.encode("utf-8")]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = bytearray()
+    for i in ids:
+      i = int(i)
+      if i == self.eos_id:
+        break
+      if self.offset <= i < self.vocab_size:
+        out.append(i - self.offset)
+    return out.decode("utf-8", errors="replace")
+
+
+@gin.configurable
+class SentencePieceTokenizer(Tokenizer):
+  """A SentencePiece model plus `extra_ids` sentinel ids (T5: 100) after its pieces."""
+
+  def __init__(self, model_path: str = gin.REQUIRED, extra_ids: int = 100):
+    if not model_path or not os.path.isfile(model_path):
+      raise FileNotFoundError(f"SentencePiece model file not found: {model_path!r}")
+    try:
+      import sentencepiece  # The `tokenizer` extra.
+    except ImportError as e:
+      raise ImportError("SentencePieceTokenizer needs `pip install sentencepiece` "
+                        "(specdec_jax[tokenizer])") from e
+    self.model_path = model_path
+    self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    self.num_pieces = self._sp.get_piece_size()
+    self.vocab_size = self.num_pieces + int(extra_ids)
+    if self._sp.pad_id() not in (PAD_ID, -1) or self._sp.eos_id() != EOS_ID:
+      raise ValueError(f"{model_path}: T5 needs pad id 0 and EOS id 1, the SentencePiece model "
+                       f"has pad {self._sp.pad_id()} and EOS {self._sp.eos_id()}")
+
+  def encode(self, text: str) -> List[int]:
+    return list(self._sp.encode(text))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [int(i) for i in ids]
+    if self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    return self._sp.decode([i for i in ids if 0 < i < self.num_pieces])
+
+
+def check_vocab(tokenizer: Tokenizer, config: T5Config, name: str = "model") -> None:
+  """Raises ValueError unless `config`'s vocabulary holds every id `tokenizer` emits."""
+  if tokenizer.vocab_size > config.vocab_size:
+    raise ValueError(
+        f"tokenizer/model vocabulary mismatch: {type(tokenizer).__name__} emits ids up to "
+        f"{tokenizer.vocab_size - 1} but the {name} has only {config.vocab_size} embeddings")
+  if tokenizer.eos_id != config.eos_id or tokenizer.pad_id != config.pad_id:
+    raise ValueError(f"tokenizer EOS/pad ids ({tokenizer.eos_id}/{tokenizer.pad_id}) differ "
+                     f"from the {name}'s ({config.eos_id}/{config.pad_id})")
+
+
+def encode_batch(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> np.ndarray:
+  """[len(texts), max_length] int32: ids + EOS, truncated to max_length (EOS kept), 0-padded."""
+  if max_length < 2:
+    raise ValueError(f"max_length must be >= 2, got {max_length}")
+  out = np.zeros((len(texts), max_length), np.int32)
+  for row, text in enumerate(texts):
+    ids = tokenizer.encode(text)[:max_length - 1] + [tokenizer.eos_id]
+    out[row, :len(ids)] = ids
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Example sources.
+
+
+def load_local(path: str, input_field: str = "inputs",
+               target_field: str = "targets") -> List[Example]:
+  """Reads JSONL (`.jsonl`/`.json`) or TSV (anything else). Blank lines are skipped.
+
+  Raises:
+    FileNotFoundError; ValueError naming the file and line number of a line
+    that is not valid JSON, lacks a string `input_field`, or (TSV) has more
+    than two tab-separated columns.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"input file not found: {path!r}")
+  is_json = path.endswith((".jsonl", ".json"))
+  examples = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, start=1):
+      line = line.rstrip("\n").rstrip("\r")
+      if not line.strip():
+        continue
+      where = f"{path}:{number}"
+      if is_json:
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{where}: malformed JSON line ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(input_field), str):
+          raise ValueError(f"{where}: expected an object with a string field {input_field!r}")
+        target = record.get(target_field)
+        if target is not None and not isinstance(target, str):
+          raise ValueError(f"{where}: field {target_field!r} must be a string")
+        examples.append(Example(record[input_field], target))
+      else:
+        columns = line.split("\t")
+        if len(columns) > 2:
+          raise ValueError(f"{where}: expected 'input' or 'input<TAB>target', "
+                           f"got {len(columns)} tab-separated columns")
+        examples.append(Example(columns[0], columns[1] if len(columns) == 2 else None))
+  if not examples:
+    raise ValueError(f"{path}: no examples")
+  return examples
+
+
+# (tfds name, input key, target key), (HF name, HF config, input getter, target getter)
+_DATASETS = {
+    "wmt14_ende": (("wmt14_translate/de-en", "en", "de"),
+                   ("wmt14", "de-en", lambda r: r["translation"]["en"],
+                    lambda r: r["translation"]["de"])),
+    "cnndm": (("cnn_dailymail", "article", "highlights"),
+              ("cnn_dailymail", "3.0.0", lambda r: r["article"], lambda r: r["highlights"])),
+}
+
+
+def load_dataset(source: str, split: str = "test",
+                 num_examples: Optional[int] = None) -> List[Example]:
+  """WMT14 EnDe / CNN-DM via tensorflow-datasets, else Hugging Face `datasets`."""
+  if source not in _DATASETS:
+    raise ValueError(f"unknown dataset {source!r}; known: {sorted(_DATASETS)} (or 'local')")
+  (tfds_name, tfds_in, tfds_out), (hf_name, hf_config, hf_in, hf_out) = _DATASETS[source]
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError:
+    tfds = None
+  try:
+    if tfds is not None:
+      split_spec = split if num_examples is None else f"{split}[:{num_examples}]"
+      data = tfds.as_numpy(tfds.load(tfds_name, split=split_spec))
+      return [Example(r[tfds_in].decode("utf-8"), r[tfds_out].decode("utf-8")) for r in data]
+    try:
+      import datasets
+    except ImportError:
+      raise ImportError(
+          f"dataset {source!r} needs tensorflow-datasets or Hugging Face datasets "
+          "(pip install 'specdec_jax[data]'); or use the local task with a JSONL/TSV "
+          "file") from None
+    data = datasets.load_dataset(hf_name, hf_config, split=split)
+    if num_examples is not None:
+      data = data.select(range(min(num_examples, len(data))))
+    return [Example(hf_in(r), hf_out(r)) for r in data]
+  except ImportError:
+    raise
+  except Exception as e:  # Download/network failures surface with the dataset's name.
+    raise RuntimeError(f"could not load dataset {source!r} (split {split!r}): "
+                       f"{type(e).__name__}: {e}. It downloads on first use and needs a "
+                       "network connection; a local JSONL/TSV file works offline.") from e
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Where inputs come from and how they are prefixed.
+
+  Attributes:
+    name: short name for reports ('ende', 'cnndm', ...).
+    source: 'local', 'wmt14_ende' or 'cnndm'.
+    path: the JSONL/TSV file for 'local'.
+    split: dataset split.
+    prefix: prepended to each input (T5: "translate English to German: ").
+    input_field / target_field: JSONL field names.
+  """
+  name: str = "local"
+  source: str = "local"
+  path: Optional[str] = None
+  split: str = "test"
+  prefix: str = ""
+  input_field: str = "inputs"
+  target_field: str = "targets"
+
+  def validate(self) -> None:
+    """Fails fast (before any model loads) on a missing or unknown source."""
+    if self.source == "local":
+      if not self.path:
+        raise ValueError("the local task needs Task.path (a JSONL or TSV file)")
+      if not os.path.isfile(self.path):
+        raise FileNotFoundError(f"input file not found: {self.path!r}")
+    elif self.source not in _DATASETS:
+      raise ValueError(f"unknown Task.source {self.source!r}; known: "
+                       f"{['local'] + sorted(_DATASETS)}")
+
+  def load(self, num_examples: Optional[int] = None) -> List[Example]:
+    """The first `num_examples` examples (all when None), prefix applied."""
+    if num_examples is not None and num_examples < 1:
+      raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    self.validate()
+    if self.source == "local":
+      examples = load_local(self.path, self.input_field, self.target_field)
+    else:
+      examples = load_dataset(self.source, self.split, num_examples)
+    examples = examples[:num_examples] if num_examples is not None else examples
+    return [Example(self.prefix + e.inputs, e.targets) for e in examples]

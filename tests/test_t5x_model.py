@@ -1,0 +1,64 @@
+"""The T5X-style `predict_batch` path decodes exactly like `specdec_jax.generate`."""
+
+import jax
+import numpy as np
+import pytest
+
+from specdec_jax import decoding, generation, testing
+from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
+
+MAX_DECODE = 12
+
+
+@pytest.fixture(scope="module")
+def pair():
+  # One layer per stack keeps the four compiles of each case quick.
+  return testing.tiny_pair(vocab_size=64, noise=0.1, num_encoder_layers=1,
+                           num_decoder_layers=1)
+
+
+def _batch(target):
+  enc = testing.random_encoder_tokens(3, 7, target.config.vocab_size, seed=3)
+  return {"encoder_input_tokens": enc,
+          "decoder_input_tokens": np.zeros((3, MAX_DECODE), np.int32)}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("speculative", [False, True], ids=["temperature_sample",
+                                                            "speculative_sample"])
+def test_predict_batch_equals_generate(pair, temperature, speculative):
+  target, draft = pair
+  batch = _batch(target)
+  rng = jax.random.PRNGKey(7)
+  decode_fn = decoding.speculative_sample if speculative else decoding.temperature_sample
+  model = SpeculativeEncoderDecoderModel(target.config, draft=draft.config, decode_fn=decode_fn,
+                                         gamma=3, temperature=temperature)
+  params = {"target": target.params, "draft": draft.params}
+  decodes, aux = model.predict_batch_with_aux(params, batch, rng=rng)
+  expected = generation.generate(target, batch["encoder_input_tokens"],
+                                 max_decode_steps=MAX_DECODE, temperature=temperature, rng=rng,
+                                 draft=draft if speculative else None, gamma=3)
+  np.testing.assert_array_equal(np.asarray(decodes), np.asarray(expected.sequences))
+  np.testing.assert_array_equal(np.asarray(model.predict_batch(params, batch, rng=rng)),
+                                np.asarray(decodes))
+  if speculative:
+    np.testing.assert_array_equal(np.asarray(aux["iterations"]), expected.stats.iterations)
+  else:
+    assert aux["scores"].shape == (3,)
+
+
+def test_bad_arguments(pair):
+  target, draft = pair
+  with pytest.raises(ValueError, match="needs a draft"):
+    SpeculativeEncoderDecoderModel(target.config, decode_fn=decoding.speculative_sample)
+  with pytest.raises(ValueError, match="decode_fn"):
+    SpeculativeEncoderDecoderModel(target.config, decode_fn=print)
+  with pytest.raises(ValueError, match="vocabulary"):
+    SpeculativeEncoderDecoderModel(target.config, draft=draft.config.replace(vocab_size=32))
+  spec = SpeculativeEncoderDecoderModel(target.config, draft=draft.config,
+                                        decode_fn=decoding.speculative_sample)
+  with pytest.raises(ValueError, match="params must be"):
+    spec.predict_batch({"target": target.params}, _batch(target))
+  with pytest.raises(ValueError, match="num_decodes"):
+    spec.predict_batch({"target": target.params, "draft": draft.params}, _batch(target),
+                       num_decodes=2)
