@@ -156,5 +156,8 @@ def load_model(name_or_path_or_config: Union[str, T5Config, os.PathLike], *,
     config = get_config(source, **config_overrides)
     config = config.replace(dtype=dtype or default_dtype())
     return Model(config, init_params(config, seed))
+  if not os.path.exists(source) and "/" not in source and os.sep not in source:
+    raise ValueError(f"Unknown model config {source!r} (and no such checkpoint path). "
+                     f"Known configs: {', '.join(sorted(CONFIGS))}")
   from specdec_jax import checkpoints  # Heavy imports only when loading files.
   return checkpoints.load_checkpoint_model(source, dtype=dtype, **config_overrides)

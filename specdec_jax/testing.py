@@ -34,3 +34,20 @@ def random_encoder_tokens(batch: int, length: int, vocab_size: int, seed: int = 
   lengths = jax.random.randint(len_rng, (batch,), min_length, length + 1)
   lengths = lengths.at[0].set(length)
   return jnp.where(jnp.arange(length)[None] < lengths[:, None], tokens, 0)
+
+
+def eos_splitting_rows(sequences, first_id: int = 2) -> int:
+  """A token id that appears in some rows of `sequences` [batch, len] but not all.
+
+  Greedy decisions do not depend on the EOS id, so decoding again with this id
+  as EOS gives a batch in which some rows stop early and others run to the
+  length limit: the case where rows must advance independently.
+  """
+  import numpy as np
+  seqs = np.asarray(sequences)
+  counts = np.bincount(seqs.ravel(), minlength=first_id + 1)
+  for token in np.argsort(-counts, kind="stable"):
+    rows_with = int((seqs == token).any(axis=1).sum())
+    if token >= first_id and 0 < rows_with < len(seqs):
+      return int(token)
+  raise ValueError("no token splits the rows; use more rows or longer outputs")
