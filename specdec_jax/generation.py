@@ -10,6 +10,7 @@ import numpy as np
 
 from specdec_jax import decoding
 from specdec_jax import sampling
+from specdec_jax import sharding
 from specdec_jax.drafts import Draft, as_draft
 from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.t5 import T5
@@ -107,32 +108,53 @@ def compile_count() -> int:
 
 
 def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, topp, eos_id,
-           gamma):
+           gamma, shardings: Optional[sharding.GenerateShardings] = None):
   module = T5(config)
+  # Under a mesh, caches are pinned to their shardings where they are made and
+  # after every model call, so the while-loop carry keeps that layout.
+  constrain_target = constrain_draft = lambda state: state
+  if shardings is not None:
+    constrain_target = shardings.target.constrain_cache
+    constrain_draft = shardings.draft.constrain_cache
 
   def run(params, draft_params, encoder_tokens, rng):
     batch = encoder_tokens.shape[0]
-    cache = module.apply({"params": params}, encoder_tokens, max_decode_steps,
-                         method=T5.init_cache)
-    target_fn = Model(config, params).block_fn(params)
+    cache = constrain_target(module.apply({"params": params}, encoder_tokens, max_decode_steps,
+                                          method=T5.init_cache))
+    block_fn = Model(config, params).block_fn(params)
+
+    def target_fn(tokens, positions, cache):
+      logits, cache = block_fn(tokens, positions, cache)
+      return logits, constrain_target(cache)
+
     inputs = jnp.zeros((batch, max_decode_steps), jnp.int32)
     if draft is None:
       decodes, _ = decoding.temperature_sample(
           inputs, cache, decoding.block_to_state_fn(target_fn), eos_id, decode_rng=rng,
           temperature=temperature, topk=topk, topp=topp)
       return decodes[:, 0], None
-    draft_state = draft.init_state(draft_params, encoder_tokens, max_decode_steps)
-    propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
+    draft_state = constrain_draft(draft.init_state(draft_params, encoder_tokens,
+                                                   max_decode_steps))
+    draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
+
+    def propose(rng, state, sequences, lengths):
+      *proposal, state = draft_propose(rng, state, sequences, lengths)
+      return (*proposal, constrain_draft(state))
+
     return decoding.speculative_sample(
         inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
         temperature=temperature, topk=topk, topp=topp, propose_fn=propose)
 
-  return jax.jit(run)
+  if shardings is None:
+    return jax.jit(run)
+  return jax.jit(run, in_shardings=shardings.in_shardings, out_shardings=shardings.out_shardings)
 
 
 def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature: float = 0.0,
              topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
-             rng: Optional[Array] = None, draft=None, gamma: int = 4) -> GenerateOutput:
+             rng: Optional[Array] = None, draft=None, gamma: int = 4,
+             partitioner: Optional[sharding.Partitioner] = None,
+             draft_partitioner: Optional[sharding.Partitioner] = None) -> GenerateOutput:
   """Decodes `encoder_tokens` with `model`, speculatively when `draft` is given.
 
   Args:
@@ -145,6 +167,11 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
     rng: PRNG key (default PRNGKey(0)).
     draft: a smaller `Model` or any `specdec_jax.drafts.Draft`.
     gamma: tokens drafted per iteration.
+    partitioner: run under this `sharding.Partitioner`'s mesh: params, inputs
+      and the target cache are laid out by its rules (pass params already
+      sharded, e.g. from `sharding.load_sharded_model`, to avoid a copy).
+    draft_partitioner: the draft's rules on the same mesh (default: weights
+      replicated, batch over `data`).
   Returns:
     GenerateOutput; `stats` is set when a draft was used.
   """
@@ -167,12 +194,22 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
              int(gamma) if draft_obj is not None else 0)
   key = (model.config, None if draft_obj is None else draft_obj.static_key(),
          int(max_decode_steps)) + statics
+  params = model.params
+  draft_params = None if draft_obj is None else draft_obj.params
+  shardings = None
+  if partitioner is not None:
+    key += (partitioner, draft_partitioner)
+    shardings = sharding.generate_shardings(partitioner, draft_partitioner, params,
+                                            draft_params, tokens.shape)
+    # A no-op for arrays already laid out this way.
+    params, draft_params, tokens, rng = jax.device_put(
+        (params, draft_params, tokens, rng), shardings.in_shardings)
   with _COMPILED_LOCK:
     if key not in _COMPILED:
-      _COMPILED[key] = _build(model.config, draft_obj, int(max_decode_steps), *statics)
+      _COMPILED[key] = _build(model.config, draft_obj, int(max_decode_steps), *statics,
+                              shardings=shardings)
     fn = _COMPILED[key]
-  draft_params = None if draft_obj is None else draft_obj.params
-  sequences, stats = fn(model.params, draft_params, tokens, rng)
+  sequences, stats = fn(params, draft_params, tokens, rng)
   lengths = sequence_lengths(sequences, eos_id)
   if stats is None:
     return GenerateOutput(sequences, lengths)

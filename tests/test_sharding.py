@@ -1,0 +1,278 @@
+"""Sharding: logical axes, rules, meshes, the memory planner, sharded generate.
+
+The device count is fixed when JAX starts, so the tests named `multidevice`
+run in a subprocess with 8 CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`); when this file is run
+with 8 devices already (as that subprocess does), they run directly.
+"""
+
+import os
+import subprocess
+import sys
+
+import gin
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from specdec_jax import generate, sharding
+from specdec_jax.models.configs import get_config
+from specdec_jax.testing import random_encoder_tokens, tiny_pair
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MULTI = jax.device_count() >= 8
+multidevice = pytest.mark.skipif(not MULTI, reason="needs 8 devices (run in the subprocess)")
+
+# Every dimension a mesh axis shards divides 8. One layer per stack keeps
+# compiles short: sharding does not depend on depth.
+TINY = dict(vocab_size=64, num_heads=8, head_dim=8, emb_dim=32, mlp_dim=64,
+            num_encoder_layers=1, num_decoder_layers=1)
+BATCH, ENC_LEN, STEPS, GAMMA = 8, 8, 12, 3
+SAMPLING = dict(temperature=0.9, topp=0.95)
+MESHES = ["1,8", "2,4", "8,1"]
+
+
+# ---------------------------------------------------------------------------
+# One device: axis names, rules, meshes, the planner.
+
+def test_param_logical_axes_cover_the_t5x_tree():
+  params = sharding.abstract_params(get_config("t5_1_1_small"))
+  axes = sharding.params_logical_axes(params)
+  assert axes["token_embedder"]["embedding"] == ("vocab", "embed")
+  assert axes["decoder"]["logits_dense"]["kernel"] == ("embed", "vocab")
+  layer = axes["decoder"]["layers_0"]
+  assert layer["self_attention"]["query"]["kernel"] == ("embed", "joined_kv")
+  assert layer["encoder_decoder_attention"]["out"]["kernel"] == ("joined_kv", "embed")
+  assert layer["mlp"]["wi_1"]["kernel"] == ("embed", "mlp")
+  assert layer["mlp"]["wo"]["kernel"] == ("mlp", "embed")
+  assert layer["pre_mlp_layer_norm"]["scale"] == ("embed",)
+  assert axes["encoder"]["relpos_bias"]["rel_embedding"] == ("heads", "relpos_buckets")
+  # Original T5: single `wi`, tied logits.
+  t5 = sharding.params_logical_axes(sharding.abstract_params(get_config("t5_small")))
+  assert t5["encoder"]["layers_0"]["mlp"]["wi"]["kernel"] == ("embed", "mlp")
+  with pytest.raises(ValueError, match="no logical axes known for parameter 'foo/bar'"):
+    sharding.params_logical_axes({"foo": {"bar": np.zeros(3)}})
+
+
+def test_rules_to_partition_specs():
+  mesh = {"data": 2, "model": 4}
+  rules = sharding.DEFAULT_RULES
+  assert sharding.logical_to_spec(("embed", "joined_kv"), (32, 64), rules, mesh) == P(None, "model")
+  assert sharding.logical_to_spec(sharding.CACHE_KV_AXES, (8, 12, 8, 8), rules, mesh) == \
+      P("data", None, "model")
+  # A mesh axis is used once per array: the second 'heads' falls through to
+  # the next rule naming it (none here), so it is replicated.
+  assert sharding.logical_to_spec(("heads", "heads"), (8, 8), rules, mesh) == P("model")
+  with pytest.raises(ValueError, match=r"dimension 0 \('vocab', size 30\) is not divisible by "
+                     r"mesh axis model=4"):
+    sharding.logical_to_spec(("vocab", "embed"), (30, 32), rules, mesh, "emb")
+  with pytest.warns(UserWarning, match="Replicating"):
+    spec = sharding.logical_to_spec(("vocab", "embed"), (30, 32), rules, mesh,
+                                    on_indivisible="replicate")
+  assert spec == P()
+  with pytest.raises(ValueError, match="not in the mesh"):
+    sharding.logical_to_spec(("vocab",), (32,), (("vocab", "tensor"),), mesh)
+
+
+def test_mesh_shape_errors():
+  assert sharding.parse_mesh_shape("2,4") == (2, 4)
+  assert sharding.parse_mesh_shape("2x4") == (2, 4)
+  for bad in ["2", "a,b", "0,4", "-1,-1", "2,4,1"]:
+    with pytest.raises(ValueError, match="mesh_shape"):
+      sharding.parse_mesh_shape(bad)
+  devices = jax.devices()[:1]
+  with pytest.raises(ValueError, match="does not divide the 1 available devices"):
+    sharding.make_mesh("1,2", devices)
+
+
+def test_gin_configures_the_partitioners():
+  gin.clear_config()
+  try:
+    cwd = os.getcwd()
+    os.chdir(REPO)  # gin includes are relative to the repository root.
+    try:
+      gin.parse_config_files_and_bindings(["configs/sharding/data_parallel.gin"], [])
+    finally:
+      os.chdir(cwd)
+    target, draft = sharding.make_partitioners()
+  finally:
+    gin.clear_config()
+  assert target.mesh_shape == {"data": jax.device_count(), "model": 1}
+  assert target.rules == sharding.DEFAULT_RULES
+  assert draft.rules == sharding.DRAFT_RULES and draft.mesh == target.mesh
+
+
+def test_planner_for_xxl_shards_every_big_weight():
+  xxl = get_config("t5_1_1_xxl")
+  plan = sharding.plan_memory(xxl, batch=1, encoder_len=512, max_decode_len=128,
+                              mesh_shape="1,4", dtype="bfloat16")
+  assert plan.params_bytes == xxl.num_params * 2
+  # Only the norm scales (bf16 [4096] each) are replicated.
+  replicated = (2 * 24 + 3 * 24 + 2) * 4096 * 2
+  assert plan.params_bytes_per_device * 4 == plan.params_bytes + 3 * replicated
+  # Cache: 24 layers x (self 128 + cross 512 positions) x K,V x heads*64, bf16; mask bools.
+  assert plan.cache_bytes == 24 * 2 * (128 + 512) * 64 * 64 * 2 + 512
+  assert plan.cache_bytes_per_device == (plan.cache_bytes - 512) // 4 + 512
+
+
+# ---------------------------------------------------------------------------
+# Eight devices.
+
+def test_multidevice_in_subprocess():
+  if MULTI:
+    pytest.skip("already running with 8 devices")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             # Cheaper CPU compiles; numerics are unchanged at this level.
+             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+                       "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "multidevice",
+       os.path.abspath(__file__)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  summary = result.stdout.strip().splitlines()[-1]
+  # Everything but this test itself ran.
+  assert "1 skipped" in summary and "failed" not in summary, result.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target, draft = tiny_pair(noise=0.1, **TINY)
+  tokens = random_encoder_tokens(BATCH, ENC_LEN, TINY["vocab_size"], seed=3)
+  return target, draft, tokens
+
+
+@pytest.fixture(scope="module")
+def unsharded(pair):
+  target, draft, tokens = pair
+  greedy = generate(target, tokens, max_decode_steps=STEPS, draft=draft, gamma=GAMMA)
+  sampled = generate(target, tokens, max_decode_steps=STEPS, draft=draft, gamma=GAMMA,
+                     rng=jax.random.PRNGKey(7), **SAMPLING)
+  return greedy, sampled
+
+
+@pytest.fixture(scope="module")
+def sharded_models(pair):
+  target, draft, _ = pair
+  out = {}
+  for mesh_shape in MESHES:
+    target_part, draft_part = sharding.make_partitioners(mesh_shape)
+    out[mesh_shape] = (target_part, draft_part, sharding.shard_model(target, target_part),
+                       sharding.shard_model(draft, draft_part))
+  return out
+
+
+@multidevice
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_multidevice_params_and_cache_are_sharded(pair, sharded_models, mesh_shape):
+  _, _, tokens = pair
+  target_part, draft_part, target, draft = sharded_models[mesh_shape]
+  data, model = target_part.mesh_shape["data"], target_part.mesh_shape["model"]
+  query = target.params["decoder"]["layers_0"]["self_attention"]["query"]["kernel"]
+  assert query.sharding.spec == P(None, "model") and query.sharding.mesh == target_part.mesh
+  assert {s.data.shape for s in query.addressable_shards} == {(32, 64 // model)}
+  embedding = target.params["token_embedder"]["embedding"]
+  assert {s.data.shape for s in embedding.addressable_shards} == {(64 // model, 32)}
+  wo = target.params["encoder"]["layers_0"]["mlp"]["wo"]["kernel"]
+  assert {s.data.shape for s in wo.addressable_shards} == {(64 // model, 32)}
+  assert len(query.addressable_shards) == 8
+  # The draft's weights are replicated (its default rules).
+  draft_query = draft.params["decoder"]["layers_0"]["self_attention"]["query"]["kernel"]
+  assert {s.data.shape for s in draft_query.addressable_shards} == {(32, 64)}
+
+  cache = sharding.init_sharded_cache(target, target_part, tokens, STEPS)
+  key = cache["layers"][0]["self_key"]
+  assert key.sharding.spec == P("data", None, "model")
+  assert {s.data.shape for s in key.addressable_shards} == {(BATCH // data, STEPS, 8 // model, 8)}
+  cross = cache["layers"][0]["cross_value"]
+  assert {s.data.shape for s in cross.addressable_shards} == {
+      (BATCH // data, ENC_LEN, 8 // model, 8)}
+  draft_cache = sharding.init_sharded_cache(draft, draft_part, tokens, STEPS)
+  assert {s.data.shape for s in draft_cache["layers"][0]["self_key"].addressable_shards} == {
+      (BATCH // data, STEPS, 8, 8)}
+
+
+@multidevice
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_multidevice_speculative_equals_unsharded(pair, unsharded, sharded_models, mesh_shape):
+  _, _, tokens = pair
+  greedy, sampled = unsharded
+  target_part, draft_part, target, draft = sharded_models[mesh_shape]
+  out = generate(target, tokens, max_decode_steps=STEPS, draft=draft, gamma=GAMMA,
+                 partitioner=target_part, draft_partitioner=draft_part)
+  assert out.sequences.sharding.mesh == target_part.mesh
+  np.testing.assert_array_equal(out.sequences, greedy.sequences)
+  np.testing.assert_array_equal(out.stats.accepted, greedy.stats.accepted)
+  # The draft disagrees sometimes: both branches of the rejection rule ran.
+  assert 0 < greedy.stats.acceptance_rate < 1
+  out = generate(target, tokens, max_decode_steps=STEPS, draft=draft, gamma=GAMMA,
+                 rng=jax.random.PRNGKey(7), partitioner=target_part,
+                 draft_partitioner=draft_part, **SAMPLING)
+  np.testing.assert_array_equal(out.sequences, sampled.sequences)
+
+
+@multidevice
+def test_multidevice_temperature_sample_equals_unsharded(pair, sharded_models):
+  target, _, tokens = pair
+  target_part, _, sharded_target, _ = sharded_models["2,4"]
+  want = generate(target, tokens, max_decode_steps=STEPS, rng=jax.random.PRNGKey(3), **SAMPLING)
+  got = generate(sharded_target, tokens, max_decode_steps=STEPS, rng=jax.random.PRNGKey(3),
+                 partitioner=target_part, **SAMPLING)
+  np.testing.assert_array_equal(got.sequences, want.sequences)
+  # Unsharded params are laid out on the way in (a copy, but correct).
+  got = generate(target, tokens, max_decode_steps=STEPS, rng=jax.random.PRNGKey(3),
+                 partitioner=target_part, **SAMPLING)
+  np.testing.assert_array_equal(got.sequences, want.sequences)
+
+
+@multidevice
+@pytest.mark.parametrize("mesh_shape", ["2,4", "8,1"])
+def test_multidevice_planner_matches_allocated_bytes(pair, sharded_models, mesh_shape):
+  _, _, tokens = pair
+  target_part, draft_part, target, draft = sharded_models[mesh_shape]
+  for model, part in [(target, target_part), (draft, draft_part)]:
+    plan = sharding.plan_memory(model.config, batch=BATCH, encoder_len=ENC_LEN,
+                                max_decode_len=STEPS, mesh_shape=part.mesh_shape,
+                                rules=part.rules)
+    cache = sharding.init_sharded_cache(model, part, tokens, STEPS)
+    for device in target_part.mesh.devices.flat:
+      assert sharding.device_bytes(model.params, device) == plan.params_bytes_per_device
+      assert sharding.device_bytes(cache, device) == plan.cache_bytes_per_device
+    assert plan.params_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    assert plan.cache_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
+
+
+@multidevice
+def test_multidevice_indivisible_replicate_mode_matches_planner(pair):
+  target, _, _ = pair
+  # 6 heads: joined_kv (48) divides model=4, rel_embedding's 6 heads do not.
+  config = target.config.replace(num_heads=6)
+  part, _ = sharding.make_partitioners("2,4", on_indivisible="replicate")
+  with pytest.warns(UserWarning, match="rel_embedding"):
+    params = sharding.init_sharded_params(config, part)
+  plan = sharding.plan_memory(config, batch=BATCH, encoder_len=ENC_LEN, max_decode_len=STEPS,
+                              mesh_shape="2,4", on_indivisible="replicate")
+  assert sharding.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
+
+
+@multidevice
+def test_multidevice_bad_input_errors(pair):
+  target, draft, tokens = pair
+  with pytest.raises(ValueError, match="needs 3 devices, which does not divide the 8"):
+    sharding.make_partitioners("3,1")
+  with pytest.raises(ValueError, match="does not divide the 8 devices"):
+    sharding.make_partitioners("3,-1")
+  part, _ = sharding.make_partitioners("1,8")
+  shapes = sharding.abstract_params(target.config.replace(vocab_size=60))
+  odd = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+  with pytest.raises(ValueError, match=r"params/.*: dimension \d \('vocab', size 60\) is not "
+                     r"divisible by mesh axis model=8"):
+    part.shard_params(odd)
+  part_2d, _ = sharding.make_partitioners("4,2")
+  with pytest.raises(ValueError, match=r"encoder_tokens: dimension 0 \('batch', size 6\) is not "
+                     r"divisible by mesh axis data=4"):
+    generate(target, tokens[:6], max_decode_steps=STEPS, draft=draft, partitioner=part_2d)
+  other_mesh, _ = sharding.make_partitioners("8,1")
+  with pytest.raises(ValueError, match="share one mesh"):
+    generate(target, tokens, max_decode_steps=STEPS, draft=draft, partitioner=part_2d,
+             draft_partitioner=other_mesh)
