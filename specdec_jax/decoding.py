@@ -182,48 +182,76 @@ ProposeFn = Callable[[Array, Any, Array, Array], Tuple[Array, Array, Array, Any]
 
 
 def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: float,
-                     topk: int, topp: float) -> ProposeFn:
-  """Builds a proposer that drafts gamma tokens with a model's block callback.
+                     topk: int, topp: float,
+                     confidence_threshold: Optional[float] = None) -> ProposeFn:
+  """Builds a proposer that drafts up to gamma tokens with a model's block callback.
 
   The draft's cache has seen every position before the row's last token
-  except, after a fully accepted iteration, x_gamma (the draft never fed its
-  own last proposal). So the first call feeds the *two* last tokens: the
-  overwrite of the older one is harmless (same token, same position, same
-  keys), and it closes that gap without a branch.
+  except, after a fully accepted iteration, possibly its last draft x_k (the
+  draft need not feed its own last proposal). So the first call feeds the
+  *two* last tokens: the overwrite of the older one is harmless (same token,
+  same position, same keys), and it closes that gap without a branch. A row
+  that drafts k <= gamma tokens has fed at least x_1..x_{k-1}, so this holds
+  for every draft length.
 
-  The proposer maps (rng, cache, sequences [batch, len + 1], lengths [batch])
-  to (draft_tokens [batch, gamma], draft_probs [batch, gamma, vocab],
-  num_drafted [batch], cache).
+  Adaptive length: a row stops drafting once it has `max_drafted` tokens, or
+  (with `confidence_threshold`) when the draft's top probability for the next
+  position, under its own softmax, falls below the threshold; x_1 is always
+  drafted, and the loop ends when every row has stopped. The stopping rule
+  reads only the draft's logits at a position *before* its token is drawn,
+  never the drawn token nor the target, so exactness is kept.
+
+  The proposer maps (rng, cache, sequences [batch, len + 1], lengths [batch],
+  max_drafted [batch] int32 in [1, gamma] or None) to (draft_tokens [batch,
+  gamma] (0 past num_drafted), draft_probs [batch, gamma, vocab] (0 past
+  num_drafted), num_drafted [batch] int32, cache).
   """
 
-  def propose(rng, cache, sequences, lengths):
+  def draw(logits, step_rng):
+    probs = sampling.adjust_probs(logits, temperature, topk, topp)
+    return sampling.sample(step_rng, probs), probs
+
+  def confident(logits):
+    if confidence_threshold is None:
+      return jnp.ones(logits.shape[:-1], jnp.bool_)
+    return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1) >= (
+        confidence_threshold)
+
+  def propose(rng, cache, sequences, lengths, max_drafted=None):
     batch = sequences.shape[0]
     row_ids = jnp.arange(batch)
+    limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
+             jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
     start = jnp.maximum(lengths - 1, 0)
     block = jnp.stack([sequences[row_ids, start], sequences[row_ids, start + 1]], axis=1)
     logits, cache = draft_tokens_to_logits(block, start, cache)
     # At length 0 the block is [BOS, padding]: read the BOS logits.
     logits = logits[row_ids, lengths - start]
     rngs = jax.random.split(rng, gamma)
-
-    def draw(logits, step_rng):
-      probs = sampling.adjust_probs(logits, temperature, topk, topp)
-      return sampling.sample(step_rng, probs), probs
-
     token, probs = draw(logits, rngs[0])
+    draft_tokens = jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(token)
+    draft_probs = jnp.zeros((batch, gamma) + probs.shape[-1:], jnp.float32).at[:, 0].set(probs)
 
-    def step(carry, xs):
-      token, cache = carry
-      position, step_rng = xs
-      logits, cache = draft_tokens_to_logits(token[:, None], lengths + position, cache)
-      next_token, probs = draw(logits[:, 0], step_rng)
-      return (next_token, cache), (next_token, probs)
+    def cond(carry):
+      i, _, _, _, _, _, drafting = carry
+      return (i < gamma) & jnp.any(drafting)
 
-    (_, cache), (tokens, all_probs) = jax.lax.scan(
-        step, (token, cache), (jnp.arange(1, gamma), rngs[1:]))
-    draft_tokens = jnp.concatenate([token[:, None], jnp.moveaxis(tokens, 0, 1)], axis=1)
-    draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(all_probs, 0, 1)], axis=1)
-    return draft_tokens, draft_probs, jnp.full((batch,), gamma, jnp.int32), cache
+    def body(carry):
+      # Feeds x_i at position lengths + i and drafts x_{i + 1} into column i.
+      i, token, cache, draft_tokens, draft_probs, num_drafted, drafting = carry
+      logits, cache = draft_tokens_to_logits(token[:, None], lengths + i, cache)
+      token, probs = draw(logits[:, 0], rngs[i])
+      drafting = drafting & confident(logits[:, 0])
+      draft_tokens = draft_tokens.at[:, i].set(jnp.where(drafting, token, 0))
+      draft_probs = draft_probs.at[:, i].set(jnp.where(drafting[:, None], probs, 0.0))
+      num_drafted = num_drafted + drafting
+      return (i + 1, token, cache, draft_tokens, draft_probs, num_drafted,
+              drafting & (num_drafted < limit))
+
+    init = (jnp.int32(1), token, cache, draft_tokens, draft_probs,
+            jnp.ones((batch,), jnp.int32), limit > 1)
+    _, _, cache, draft_tokens, draft_probs, num_drafted, _ = jax.lax.while_loop(cond, body, init)
+    return draft_tokens, draft_probs, num_drafted, cache
 
   return propose
 

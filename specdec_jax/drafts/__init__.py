@@ -1,4 +1,10 @@
-"""Drafts for speculative decoding: one interface, several proposers."""
+"""Drafts for speculative decoding: one interface, several proposers.
+
+* `ModelDraft`: a smaller T5 (optionally stopping early when unsure).
+* `NgramDraft`: unigram / bigram counts from a corpus or target samples.
+* `PromptLookupDraft`: copies the continuation of a matching n-gram.
+* `AdaptiveGammaDraft`: wraps any draft with HF's `heuristic` length schedule.
+"""
 
 from specdec_jax.drafts.base import Draft
 from specdec_jax.drafts.model_draft import ModelDraft
@@ -12,3 +18,8 @@ def as_draft(draft) -> Draft:
   if isinstance(draft, Model):
     return ModelDraft(draft)
   raise TypeError(f"draft must be a specdec_jax Model or Draft, got {type(draft).__name__}")
+
+
+from specdec_jax.drafts.adaptive import AdaptiveGammaDraft, heuristic_draft_length  # noqa: E402
+from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402
+from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402

@@ -40,9 +40,18 @@ class Draft(abc.ABC):
 
   @abc.abstractmethod
   def propose_fn(self, params: Any, gamma: int, temperature: float, topk: int, topp: float):
-    """Returns `propose(rng, state, sequences [batch, len + 1], lengths [batch]) ->
-    (draft_tokens [batch, gamma] int32, draft_probs [batch, gamma, vocab] float32,
-    num_drafted [batch] int32, state)`; see `decoding.speculative_sample`."""
+    """Returns `propose(rng, state, sequences [batch, len + 1], lengths [batch],
+    max_drafted=None) -> (draft_tokens [batch, gamma] int32, draft_probs [batch,
+    gamma, vocab] float32, num_drafted [batch] int32, state)`; see
+    `decoding.speculative_sample`.
+
+    `max_drafted` ([batch] int32 in [1, gamma], or None for gamma) caps the
+    tokens drafted per row (used by `AdaptiveGammaDraft`); `num_drafted` may be
+    smaller still (0 means "no proposal": the iteration is a plain target
+    step). For exactness, num_drafted may depend on the draft's own state and
+    outputs, never on the target's distributions at this iteration; rows of
+    draft_probs past num_drafted are ignored.
+    """
 
   def check_compatible(self, target_config) -> None:
     """Raises ValueError if this draft cannot serve the target."""
