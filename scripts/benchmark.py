@@ -1,0 +1,412 @@
+r"""Speed of autoregressive vs speculative decoding, next to the paper's theory.
+
+For a target and one or more drafts, every batch size, gamma and temperature,
+in one process:
+
+* compiles both decoders (`specdec_jax.generate` without / with the draft),
+  then times them in interleaved repeats (the order alternates each repeat,
+  so machine noise hits both) and reports ms/token, tokens/s and the speedup
+  as the median of the paired per-repeat ratios (with min and max);
+* measures alpha and tokens per iteration from the speculative run's stats;
+* times single model calls inside a jitted loop on a filled cache (as they run
+  inside the decode loops): c = draft one-token step / target one-token step,
+  and the target's cost curve: scoring k tokens in one call relative to k = 1,
+  k = 1 .. gamma + 1;
+* predicts the speedup with Theorem 3.8 and with the measured cost curve
+  (`theory.predicted_speedup_with_cost_curve`), and reports
+  efficiency = measured speedup / the latter;
+* estimates the share of an iteration spent outside the two models' calls
+  (see `outside_share`), and checks that the timed repeats compiled nothing.
+
+Example (a T5-base-shaped target, a T5-small-shaped and a tiny draft, plus a
+perturbed copy of the target, 4k vocabulary to keep CPU time sane):
+
+  python scripts/benchmark.py --target=t5_1_1_base \
+    --draft=t5_1_1_small,tiny_draft --draft_noise=0.1 --vocab_size=4096 \
+    --batch_sizes=1 --gammas=4 --temperatures=0,1 --max_decode_steps=64 \
+    --repeats=5 --output_json=/tmp/bench.json
+
+Random weights: EOS is disabled by default (`--stop_at_eos=false`) so every
+row generates exactly `max_decode_steps` tokens in both decoders.
+"""
+
+import datetime
+import functools
+import os
+import platform
+import statistics
+import time
+from typing import Any, Dict, List, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax import generation
+from specdec_jax import theory
+from specdec_jax.model import Model, load_model
+from specdec_jax.models.configs import CONFIGS
+from specdec_jax.results import write_json_atomic
+from specdec_jax.testing import perturbed_model, random_encoder_tokens
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "t5_1_1_small", "Target: a config name or a checkpoint path.")
+flags.DEFINE_list("draft", ["tiny_draft"], "Drafts: config names or checkpoint paths.")
+flags.DEFINE_list("draft_noise", [], "For each value s, also a draft that is a copy of the "
+                  "target with every weight w -> w * (1 + s * N(0, 1)): alpha inside (0, 1).")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes.")
+flags.DEFINE_list("gammas", ["4"], "Drafted tokens per iteration.")
+flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures (0 = greedy).")
+flags.DEFINE_integer("max_decode_steps", 64, "Tokens generated per row.")
+flags.DEFINE_integer("encoder_length", 32, "Encoder input length (random tokens).")
+flags.DEFINE_integer("repeats", 5, "Timed repeats per decoder (after one warm-up call).")
+flags.DEFINE_integer("vocab_size", 0, "Override the vocabulary of named configs (0 = keep).")
+flags.DEFINE_integer("seed", 0, "Seed for random weights and inputs.")
+flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (random weights emit it at random).")
+flags.DEFINE_integer("cost_calls", 8, "Model calls per timed loop when measuring c and the "
+                     "cost curve.")
+flags.DEFINE_string("output_json", "", "Write the results here (atomically).")
+
+# Never emitted: with it, every row decodes exactly max_decode_steps tokens.
+NO_EOS = -1
+
+METHOD = {
+    "timing": "wall time of a whole generate call (encoder, cache, decode loop) after a warm-up "
+              "call; AR and speculative alternate within each repeat, their order flipping each "
+              "repeat; speedup = median over repeats of ar_ms / spec_ms (paired).",
+    "c": "median time of one draft decode_block call with k=1 over one target decode_block call "
+         "with k=1, each timed as `cost_calls` calls in a jitted fori_loop on a cache filled to "
+         "half its length, at the row's batch size.",
+    "block_cost": "block_cost[k-1] = target decode_block time for k tokens / for 1 token, same "
+                  "method, k = 1..gamma+1.",
+    "predictions": "theorem_3_8 = (1 - a^(g+1)) / ((1 - a)(g c + 1)); generalised = (1 - a^(g+1)) "
+                   "/ ((1 - a)(g c + block_cost[g])) with the measured alpha a; "
+                   "generalised_measured_tokens uses the measured tokens per iteration as the "
+                   "numerator instead (no i.i.d. acceptance assumption).",
+    "efficiency": "measured speedup / generalised prediction.",
+    "outside_share": "iteration_ms = (spec_ms - target and draft prefill) / loop iterations (the "
+                     "batch loop runs until its slowest row is done); model_ms = one draft call "
+                     "with k=2 + (gamma-1) draft calls with k=1 + one target call with "
+                     "k=gamma+1, timed separately; outside_share = 1 - model_ms / iteration_ms "
+                     "(sampling, acceptance, bookkeeping). ar_outside_share is the same for the "
+                     "autoregressive loop against one target k=1 call per step.",
+}
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers (unit-tested).
+
+
+def efficiency(speedup: float, alpha: float, gamma: int, c: float,
+               block_cost: Sequence[float]) -> float:
+  """Measured speedup / `theory.predicted_speedup_with_cost_curve(alpha, gamma, c, block_cost)`."""
+  return speedup / theory.predicted_speedup_with_cost_curve(alpha, gamma, c, block_cost)
+
+
+def outside_share(iteration_ms: float, model_ms: float) -> float:
+  """Share of an iteration not spent in model calls: 1 - model_ms / iteration_ms (>= 0)."""
+  if iteration_ms <= 0:
+    raise ValueError(f"iteration_ms must be > 0, got {iteration_ms}")
+  return max(0.0, 1.0 - model_ms / iteration_ms)
+
+
+def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Dict[str, float]:
+  """Median, min and max of numerators[i] / denominators[i]."""
+  if len(numerators) != len(denominators) or not numerators:
+    raise ValueError("paired_ratios needs two non-empty sequences of equal length")
+  ratios = [n / d for n, d in zip(numerators, denominators)]
+  return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+
+
+def machine_info() -> Dict[str, Any]:
+  cpu = "unknown"
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  return dict(nproc=os.cpu_count(), cpu=cpu, backend=jax.default_backend(),
+              devices=[str(d) for d in jax.devices()], jax=jax.__version__,
+              python=platform.python_version(),
+              load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+# ---------------------------------------------------------------------------
+# Timing.
+
+
+def _block(tree):
+  return jax.block_until_ready(tree)
+
+
+def _seconds(fn) -> float:
+  start = time.perf_counter()
+  _block(fn())
+  return time.perf_counter() - start
+
+
+@functools.lru_cache(maxsize=None)
+def _repeated_block_calls(config, k: int, calls: int):
+  """jit: `calls` decode_block calls of k tokens in a fori_loop carrying the cache.
+
+  The loop carries the cache as the decoders do, so keys/values are written in
+  place, and sums one logit per call so no call is dead code.
+  """
+
+  def run(params, cache, positions):
+    block_fn = Model(config, params).block_fn(params)
+    tokens = jnp.full((positions.shape[0], k), 2, jnp.int32)
+
+    def body(_, carry):
+      cache, total = carry
+      logits, cache = block_fn(tokens, positions, cache)
+      return cache, total + logits[:, -1, 0]
+
+    _, total = jax.lax.fori_loop(0, calls, body,
+                                 (cache, jnp.zeros((positions.shape[0],), jnp.float32)))
+    return total
+
+  return jax.jit(run)
+
+
+def time_block_calls(models: Dict[str, Model], encoder_tokens, max_len: int, ks: Sequence[int],
+                     repeats: int, calls: int) -> Dict[str, Dict[int, float]]:
+  """Median ms of one decode_block call of k tokens for each model and k (interleaved).
+
+  Returns {model name: {k: ms}}.
+  """
+  batch = encoder_tokens.shape[0]
+  caches = {name: m.init_cache(batch, max_len, encoder_tokens) for name, m in models.items()}
+  positions = {k: jnp.full((batch,), max(0, max_len // 2 - k), jnp.int32) for k in ks}
+  jobs = [(name, k) for name in models for k in ks]
+  run = {(name, k): functools.partial(_repeated_block_calls(models[name].config, k, calls),
+                                      models[name].params, caches[name], positions[k])
+         for name, k in jobs}
+  for job in jobs:
+    _block(run[job]())  # compile
+  samples = {job: [] for job in jobs}
+  for _ in range(repeats):
+    for job in jobs:
+      samples[job].append(_seconds(run[job]) / calls * 1e3)
+  out = {name: {} for name in models}
+  for (name, k), ms in samples.items():
+    out[name][k] = statistics.median(ms)
+  return out
+
+
+def time_prefill(model: Model, encoder_tokens, max_len: int, repeats: int) -> float:
+  """Median ms of encoding and allocating the cache (the decoders' fixed cost)."""
+  batch = encoder_tokens.shape[0]
+  fn = lambda: model.init_cache(batch, max_len, encoder_tokens)
+  _block(fn())
+  return statistics.median(_seconds(fn) * 1e3 for _ in range(repeats))
+
+
+# ---------------------------------------------------------------------------
+# One benchmark row.
+
+
+def benchmark_row(target: Model, draft: Model, draft_name: str, batch: int, gamma: int,
+                  temperature: float, max_decode_steps: int, encoder_length: int, repeats: int,
+                  seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8
+                  ) -> Dict[str, Any]:
+  """Times AR vs speculative `generate` for one setting; returns a JSON-able dict."""
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  vocab = target.config.vocab_size
+  tokens = random_encoder_tokens(batch, encoder_length, vocab, seed=seed,
+                                 min_length=encoder_length)
+  eos_id = None if stop_at_eos else NO_EOS
+  kwargs = dict(max_decode_steps=max_decode_steps, temperature=temperature, eos_id=eos_id,
+                rng=jax.random.PRNGKey(seed))
+  ar = lambda: generate_sequences(target, tokens, **kwargs)
+  spec = lambda: generate_sequences(target, tokens, draft=draft, gamma=gamma, **kwargs)
+
+  ar_out, spec_out = ar(), spec()  # compile and warm up
+  compiles_before = generation.compile_count()
+  ar_s, spec_s = [], []
+  for repeat in range(repeats):
+    order = [(ar, ar_s), (spec, spec_s)]
+    for fn, store in (order if repeat % 2 == 0 else order[::-1]):
+      store.append(_seconds(fn))
+  compiles_after = generation.compile_count()
+
+  ar_tokens = int(np.asarray(ar_out.lengths).sum())
+  spec_tokens = int(np.asarray(spec_out.lengths).sum())
+  ar_ms = statistics.median(ar_s) * 1e3
+  spec_ms = statistics.median(spec_s) * 1e3
+  speedup = paired_ratios(ar_s, spec_s)
+  stats = spec_out.stats
+  alpha = stats.alpha
+  tokens_per_iteration = stats.mean_tokens_per_iteration
+
+  ks = list(range(1, gamma + 2))
+  block_ms = time_block_calls({"target": target}, tokens, max_decode_steps, ks, repeats,
+                              cost_calls)["target"]
+  draft_ms = time_block_calls({"draft": draft}, tokens, max_decode_steps, [1, 2], repeats,
+                              cost_calls)["draft"]
+  c = draft_ms[1] / block_ms[1]
+  block_cost = [block_ms[k] / block_ms[1] for k in ks]
+  prefill_target = time_prefill(target, tokens, max_decode_steps, repeats)
+  prefill_draft = time_prefill(draft, tokens, max_decode_steps, repeats)
+
+  loop_iterations = int(np.max(stats.iterations))
+  iteration_ms = (spec_ms - prefill_target - prefill_draft) / max(loop_iterations, 1)
+  model_ms = draft_ms[2] + (gamma - 1) * draft_ms[1] + block_ms[gamma + 1]
+  ar_step_ms = (ar_ms - prefill_target) / max_decode_steps
+
+  theorem = theory.walltime_improvement(alpha, gamma, c)
+  generalised = theory.predicted_speedup_with_cost_curve(alpha, gamma, c, block_cost)
+  cost_per_iteration = gamma * c + block_cost[gamma]
+  generalised_measured = tokens_per_iteration / cost_per_iteration
+  return dict(
+      target=_describe(target),
+      draft=draft_name,
+      draft_config=_describe(draft),
+      batch_size=batch, gamma=gamma, temperature=temperature,
+      max_decode_steps=max_decode_steps, encoder_length=encoder_length, repeats=repeats,
+      tokens_ar=ar_tokens, tokens_spec=spec_tokens,
+      identical_greedy_outputs=(bool(np.array_equal(np.asarray(ar_out.sequences),
+                                                    np.asarray(spec_out.sequences)))
+                                if temperature == 0 else None),
+      ar_ms_per_token=ar_ms / ar_tokens, ar_tokens_per_s=ar_tokens / ar_ms * 1e3,
+      spec_ms_per_token=spec_ms / spec_tokens, spec_tokens_per_s=spec_tokens / spec_ms * 1e3,
+      ar_ms=ar_ms, spec_ms=spec_ms,
+      ar_ms_all=[s * 1e3 for s in ar_s], spec_ms_all=[s * 1e3 for s in spec_s],
+      speedup=speedup["median"], speedup_min=speedup["min"], speedup_max=speedup["max"],
+      alpha=alpha, acceptance_rate=stats.acceptance_rate,
+      mean_tokens_per_iteration=tokens_per_iteration,
+      expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, gamma),
+      per_position_acceptance=stats.per_position_acceptance.tolist(),
+      loop_iterations=loop_iterations,
+      target_step_ms=block_ms[1], draft_step_ms=draft_ms[1], draft_block2_ms=draft_ms[2],
+      target_block_ms={str(k): v for k, v in block_ms.items()},
+      c=c, block_cost=block_cost,
+      prefill_target_ms=prefill_target, prefill_draft_ms=prefill_draft,
+      prediction_theorem_3_8=theorem, prediction_generalised=generalised,
+      prediction_generalised_measured_tokens=generalised_measured,
+      efficiency=speedup["median"] / generalised,
+      efficiency_measured_tokens=speedup["median"] / generalised_measured,
+      iteration_ms=iteration_ms, iteration_model_ms=model_ms,
+      outside_share=outside_share(iteration_ms, model_ms) if iteration_ms > 0 else None,
+      ar_step_ms=ar_step_ms,
+      ar_outside_share=outside_share(ar_step_ms, block_ms[1]) if ar_step_ms > 0 else None,
+      compile_count_before=compiles_before, compile_count_after=compiles_after,
+      recompiled=compiles_after != compiles_before,
+  )
+
+
+def generate_sequences(model, tokens, **kwargs):
+  out = generation.generate(model, tokens, **kwargs)
+  _block(out.sequences)
+  return out
+
+
+def _describe(model: Model) -> str:
+  cfg = model.config
+  return (f"emb{cfg.emb_dim}/h{cfg.num_heads}x{cfg.head_dim}/mlp{cfg.mlp_dim}/"
+          f"L{cfg.num_encoder_layers}+{cfg.num_decoder_layers}/V{cfg.vocab_size}/"
+          f"{cfg.num_params / 1e6:.1f}M/{cfg.dtype}")
+
+
+# ---------------------------------------------------------------------------
+# Loading and the driver.
+
+
+def load(name_or_path: str, vocab_size: int, seed: int) -> Model:
+  """A named config with random weights (float32; vocabulary overridable) or a checkpoint."""
+  if name_or_path in CONFIGS:
+    overrides = dict(vocab_size=vocab_size) if vocab_size else {}
+    return load_model(name_or_path, dtype="float32", seed=seed, **overrides)
+  return load_model(name_or_path, dtype="float32")
+
+
+def load_drafts(target: Model, drafts: Sequence[str], noises: Sequence[float],
+                vocab_size: int, seed: int) -> Dict[str, Model]:
+  """Named/path drafts (named ones get the target's vocabulary) and perturbed copies."""
+  out = {}
+  for i, name in enumerate(drafts):
+    out[name] = load(name, vocab_size or target.config.vocab_size, seed + 1 + i)
+  for noise in noises:
+    if not noise > 0:
+      raise ValueError(f"--draft_noise values must be > 0, got {noise}")
+    out[f"target*(1+{noise:g}N)"] = perturbed_model(target, noise, seed + 100)
+  if not out:
+    raise ValueError("no draft: give --draft and/or --draft_noise")
+  return out
+
+
+HEADER = ("draft", "b", "g", "T", "AR ms/tok", "SD ms/tok", "speedup [min,max]", "alpha",
+          "tok/it", "c", "C(g+1)", "Th3.8", "gen", "eff", "outside")
+
+
+def format_row(row: Dict[str, Any]) -> List[str]:
+  return [row["draft"], str(row["batch_size"]), str(row["gamma"]), f"{row['temperature']:g}",
+          f"{row['ar_ms_per_token']:.2f}", f"{row['spec_ms_per_token']:.2f}",
+          f"{row['speedup']:.2f} [{row['speedup_min']:.2f},{row['speedup_max']:.2f}]",
+          f"{row['alpha']:.2f}", f"{row['mean_tokens_per_iteration']:.2f}", f"{row['c']:.3f}",
+          f"{row['block_cost'][-1]:.2f}", f"{row['prediction_theorem_3_8']:.2f}",
+          f"{row['prediction_generalised']:.2f}", f"{row['efficiency']:.2f}",
+          "-" if row["outside_share"] is None else f"{row['outside_share']:.2f}"]
+
+
+def format_table(rows: Sequence[Dict[str, Any]]) -> str:
+  cells = [list(HEADER)] + [format_row(r) for r in rows]
+  widths = [max(len(line[i]) for line in cells) for i in range(len(HEADER))]
+  lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in cells]
+  return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def run(target_name: str, drafts: Sequence[str], noises: Sequence[float],
+        batch_sizes: Sequence[int], gammas: Sequence[int], temperatures: Sequence[float],
+        max_decode_steps: int, encoder_length: int, repeats: int, vocab_size: int = 0,
+        seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8) -> Dict[str, Any]:
+  """Runs every (draft, batch, gamma, temperature) row; returns the JSON document."""
+  target = load(target_name, vocab_size, seed)
+  draft_models = load_drafts(target, drafts, noises, vocab_size, seed)
+  rows = []
+  for draft_name, draft in draft_models.items():
+    for batch in batch_sizes:
+      for gamma in gammas:
+        for temperature in temperatures:
+          logging.info("row: draft=%s batch=%d gamma=%d temperature=%g", draft_name, batch,
+                       gamma, temperature)
+          rows.append(benchmark_row(target, draft, draft_name, batch, gamma, temperature,
+                                    max_decode_steps, encoder_length, repeats, seed,
+                                    stop_at_eos, cost_calls))
+  return dict(machine=machine_info(), method=METHOD,
+              settings=dict(target=target_name, target_config=_describe(target),
+                            drafts=list(draft_models), batch_sizes=list(batch_sizes),
+                            gammas=list(gammas), temperatures=list(temperatures),
+                            max_decode_steps=max_decode_steps, encoder_length=encoder_length,
+                            repeats=repeats, vocab_size=target.config.vocab_size, seed=seed,
+                            stop_at_eos=stop_at_eos, cost_calls=cost_calls),
+              rows=rows)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  result = run(FLAGS.target, FLAGS.draft, [float(s) for s in FLAGS.draft_noise],
+               [int(b) for b in FLAGS.batch_sizes], [int(g) for g in FLAGS.gammas],
+               [float(t) for t in FLAGS.temperatures], FLAGS.max_decode_steps,
+               FLAGS.encoder_length, FLAGS.repeats, FLAGS.vocab_size, FLAGS.seed,
+               FLAGS.stop_at_eos, FLAGS.cost_calls)
+  print(f"target {result['settings']['target']} ({result['settings']['target_config']}), "
+        f"{FLAGS.max_decode_steps} new tokens, machine {result['machine']['cpu']} "
+        f"x{result['machine']['nproc']}")
+  print(format_table(result["rows"]))
+  if any(r["recompiled"] for r in result["rows"]):
+    print("WARNING: the timed repeats compiled new programs (see compile_count_*)")
+  if FLAGS.output_json:
+    write_json_atomic(FLAGS.output_json, result)
+    print(f"wrote {FLAGS.output_json}")
+
+
+if __name__ == "__main__":
+  app.run(main)
