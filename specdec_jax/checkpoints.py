@@ -1,0 +1,866 @@
+"""Loading real weights into `Model`: Hugging Face T5 directories, T5X and Orbax checkpoints.
+
+`load_checkpoint_model(path)` detects the format:
+
+* **specdec_jax** (`save_model`): a directory with `specdec_config.json` (the
+  `T5Config`) and `params/` (an Orbax PyTree checkpoint of the T5X tree).
+* **Hugging Face**: a directory with `config.json` (model_type t5 / mt5) and
+  `model.safetensors`, sharded `*.safetensors` with `model.safetensors.index.json`,
+  or `pytorch_model.bin` (optionally sharded with an index), the latter read with
+  `torch.load(weights_only=True)` so no pickled code runs. A hub id
+  (`google/flan-t5-small`) is fetched with `huggingface_hub.snapshot_download`
+  when that package is installed and the hub is reachable.
+* **T5X**: a `checkpoint_N` directory (local or any TensorStore URL such as
+  `gs://...`) holding the msgpack file `checkpoint` (`{'version', 'optimizer':
+  {'target': params, 'state': ...}}`) whose large arrays are TensorStore zarr
+  directories named with dots (`target.encoder.layers_0.attention.query.kernel`),
+  referenced from the msgpack by TensorStore specs with relative paths.
+* **Orbax**: any Orbax PyTree checkpoint with the T5X params tree somewhere
+  inside (at the root, under `target`, `optimizer/target`, `params`, ...).
+
+Optimizer state is never read. The config comes from `config.json` (HF), from
+`specdec_config.json` (ours), or from the parameter shapes (T5X / Orbax: the
+activations are inferred as gated GELU when `wi_0`/`wi_1` exist, else ReLU;
+`relative_attention_max_distance` cannot be seen in the shapes and defaults to
+128; pass a `config_overrides` to change either).
+
+Memory: tensors are read one at a time, cast to the requested dtype and placed
+on the device before the next is read, so peak host memory stays near one copy
+of the params in the requested dtype plus the largest single tensor.
+
+Hugging Face logits, three conventions (see REFERENCE.md section 4):
+  * untied `lm_head.weight` (T5 1.1 / FLAN-T5): logits = lm_head(h);
+  * tied with rescaling (original T5): logits = shared(h * d_model**-0.5), our
+    `logits_via_embedding=True`;
+  * tied without rescaling (saved by transformers 5.x with
+    `scale_decoder_outputs: false`): logits = shared(h). `T5Config` has no way
+    to say "tied, unscaled", so the loader materialises
+    `decoder/logits_dense/kernel` = shared.T (T5 1.1 layout). Likewise an
+    `lm_head.weight` in a config that rescales gets the scale folded into the
+    kernel. Both cost one extra [emb, vocab] matrix and are exact up to float
+    rounding.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import traverse_util
+
+from specdec_jax.model import Model, default_dtype
+from specdec_jax.models.configs import T5Config
+from specdec_jax.models.t5 import T5
+
+SPECDEC_CONFIG = "specdec_config.json"
+SPECDEC_PARAMS = "params"
+_FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be loaded: the message names the file or keys."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """One tensor of a checkpoint, not yet read.
+
+  Attributes:
+    source: where it lives, for error messages ("model.safetensors: shared.weight").
+    shape: its shape in our (T5X) layout.
+    read: dtype -> np.ndarray of `shape` in that dtype (reads the file now).
+  """
+  source: str
+  shape: Tuple[int, ...]
+  read: Callable[[np.dtype], np.ndarray]
+
+
+# ----------------------------------------------------------------------------
+# Public entry points.
+
+
+def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool = False,
+                          **config_overrides) -> Model:
+  """Loads a checkpoint of any supported format into a `Model`.
+
+  Args:
+    path: a local directory or file, a TensorStore URL (T5X), or a Hugging Face
+      hub id.
+    dtype: 'float32' / 'bfloat16' / 'float16' for the params and compute;
+      default `specdec_jax.model.default_dtype()` (float32 on CPU).
+    progress: show a tqdm bar while reading tensors.
+    **config_overrides: `T5Config` fields to set on top of the inferred config
+      (e.g. relative_attention_max_distance for T5X checkpoints).
+  Raises:
+    FileNotFoundError: no such path (and not a reachable hub id).
+    CheckpointError: unknown format, another architecture, damaged files, or
+      missing / unexpected / mis-shaped tensors (all listed in one message).
+  """
+  dtype = dtype or default_dtype()
+  path = os.fspath(path)
+  fmt, location = detect_format(path)
+  loaders = {"specdec": _load_specdec, "hf": _load_hf, "t5x": _load_t5x, "orbax": _load_orbax}
+  return loaders[fmt](location, dtype, progress, config_overrides)
+
+
+def save_model(model: Model, path, *, overwrite: bool = False) -> None:
+  """Saves `model` as an Orbax checkpoint that `load_model(path)` restores.
+
+  Writes `path/params` (Orbax PyTree of the T5X params, in their dtype) and then
+  `path/specdec_config.json` (the `T5Config`), atomically, so a directory with
+  the JSON is complete. Local paths only.
+  """
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(os.fspath(path))
+  if os.path.exists(path):
+    if not overwrite:
+      raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    shutil.rmtree(path)
+  os.makedirs(path)
+  ocp.PyTreeCheckpointer().save(os.path.join(path, SPECDEC_PARAMS), model.params)
+  record = dict(format="specdec_jax", format_version=_FORMAT_VERSION,
+                config=dataclasses.asdict(model.config))
+  _write_json_atomic(os.path.join(path, SPECDEC_CONFIG), record)
+
+
+def detect_format(path: str) -> Tuple[str, str]:
+  """Returns (format, location): format in {'specdec', 'hf', 't5x', 'orbax'}.
+
+  `location` is the checkpoint directory (or URL); a hub id is downloaded first.
+  """
+  if "://" in path:
+    # A TensorStore URL (gs://, s3://, file://, ...): a T5X msgpack is read
+    # through TensorStore; otherwise remote paths go to Orbax, file:// to the
+    # local checks below.
+    if _remote_exists(path, "checkpoint"):
+      return "t5x", path
+    if not path.startswith("file://"):
+      return "orbax", path
+    path = path[len("file://"):]
+  if not os.path.exists(path):
+    if _looks_like_hub_id(path):
+      return "hf", _download_from_hub(path)
+    raise FileNotFoundError(f"No checkpoint at {path!r}: no such file or directory (and not a "
+                            f"Hugging Face hub id like 'google/flan-t5-small')")
+  if os.path.isfile(path):
+    if os.path.basename(path) == "checkpoint":  # The T5X msgpack file itself.
+      return "t5x", os.path.dirname(os.path.abspath(path))
+    raise CheckpointError(f"{path} is a file; pass the checkpoint directory (a Hugging Face "
+                          f"directory with config.json, a T5X checkpoint_N directory, or an "
+                          f"Orbax checkpoint directory)")
+  names = set(os.listdir(path))
+  if SPECDEC_CONFIG in names:
+    return "specdec", path
+  if "config.json" in names:
+    return "hf", path
+  if "checkpoint" in names and os.path.isfile(os.path.join(path, "checkpoint")):
+    return "t5x", path
+  if names & {"_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "checkpoint"}:
+    return "orbax", path
+  if names & {"model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"}:
+    raise CheckpointError(f"{path} has Hugging Face weights but no config.json: copy the "
+                          f"model's config.json next to them")
+  raise CheckpointError(
+      f"{path} is not a checkpoint directory: found {sorted(names)[:20]}, expected "
+      f"config.json + model.safetensors / pytorch_model.bin (Hugging Face), a T5X 'checkpoint' "
+      f"msgpack file, an Orbax checkpoint (_METADATA), or {SPECDEC_CONFIG} (save_model)")
+
+
+# ----------------------------------------------------------------------------
+# Shared: check every tensor against the config, then read and cast one by one.
+
+
+def expected_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
+  """Flat '/'-joined T5X param names -> shapes for `config` (no allocation)."""
+  dummy = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  tree = jax.eval_shape(lambda a, b: T5(config).init(jax.random.PRNGKey(0), a, b), dummy, dummy)
+  flat = traverse_util.flatten_dict(tree["params"], sep="/")
+  return {k: tuple(v.shape) for k, v in flat.items()}
+
+
+def _check_tensors(config: T5Config, tensors: Mapping[str, _Tensor], origin: str,
+                   source_names: Optional[Mapping[str, str]] = None,
+                   unexpected: Sequence[str] = ()):
+  """Raises one CheckpointError listing every missing, unexpected or mis-shaped tensor.
+
+  Args:
+    tensors: our param name -> tensor found in the checkpoint.
+    source_names: our param name -> the checkpoint's name for it, used when
+      reporting it missing (default: our name).
+    unexpected: checkpoint tensors the format reader could not place.
+  """
+  want = expected_shapes(config)
+  source_names = source_names or {}
+  missing = [source_names.get(k, k) for k in want if k not in tensors]
+  unexpected = list(unexpected) + [f"{tensors[k].source}" for k in tensors if k not in want]
+  mismatched = [f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]}"
+                for k in want if k in tensors and tuple(tensors[k].shape) != want[k]]
+  if not (missing or unexpected or mismatched):
+    return
+  lines = [f"Checkpoint {origin} does not match the model config {_describe(config)}:"]
+  for title, items in (("missing", missing), ("unexpected", unexpected),
+                       ("shape mismatch", mismatched)):
+    if items:
+      lines.append(f"  {title} ({len(items)}):")
+      lines.extend(f"    {item}" for item in items)
+  raise CheckpointError("\n".join(lines))
+
+
+def _describe(config: T5Config) -> str:
+  return (f"(vocab {config.vocab_size}, emb {config.emb_dim}, heads {config.num_heads}x"
+          f"{config.head_dim}, mlp {config.mlp_dim} {'/'.join(config.mlp_activations)}, "
+          f"layers {config.num_encoder_layers}/{config.num_decoder_layers}, "
+          f"logits_via_embedding={config.logits_via_embedding})")
+
+
+def _assemble(config: T5Config, tensors: Mapping[str, _Tensor], origin: str, progress: bool,
+              source_names: Optional[Mapping[str, str]] = None,
+              unexpected: Sequence[str] = ()) -> Model:
+  """Checks, then reads each tensor, casts it to config.dtype and puts it on the device."""
+  _check_tensors(config, tensors, origin, source_names, unexpected)
+  dtype = jnp.dtype(config.dtype)
+  keys = list(expected_shapes(config))
+  if progress:
+    from tqdm import tqdm
+    keys = tqdm(keys, desc=f"loading {os.path.basename(origin.rstrip('/')) or origin}",
+                unit="tensor")
+  flat = {}
+  for key in keys:
+    array = tensors[key].read(dtype)
+    if array.shape != tensors[key].shape or array.dtype != dtype:  # A reader bug, not input.
+      raise AssertionError(f"{tensors[key].source} read as {array.shape} {array.dtype}")
+    flat[tuple(key.split("/"))] = jax.device_put(array)
+    del array  # Free the host copy before reading the next tensor.
+  return Model(config, traverse_util.unflatten_dict(flat))
+
+
+def _cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[float] = None):
+  """One C-contiguous copy of `array` (transposed, scaled) in `dtype`."""
+  if transpose:
+    array = array.T
+  if scale is not None:
+    array = array.astype(np.float32) * np.float32(scale)
+  out = np.empty(array.shape, dtype)  # C order: copyto transposes and casts in one pass.
+  np.copyto(out, array, casting="unsafe")
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face.
+
+_HF_MODEL_TYPES = ("t5", "mt5")
+# Present in some HF checkpoints, equal to `shared.weight` or unused by T5.
+_HF_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+               "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")
+# HF feed_forward_proj -> our mlp_activations. HF runs 'gated-gelu' with
+# gelu_new (tanh approximation), which is what our 'gelu' computes.
+_HF_ACTIVATIONS = {
+    "relu": ("relu",),
+    "gated-relu": ("relu", "linear"),
+    "gated-gelu": ("gelu", "linear"),
+    "gelu_new": ("gelu_new",),
+    "gated-gelu_new": ("gelu_new", "linear"),
+    "silu": ("silu",),
+    "gated-silu": ("silu", "linear"),
+}
+
+
+def hf_config_to_t5config(hf: Mapping[str, Any], origin: str = "config.json") -> Tuple[T5Config, bool]:
+  """Our `T5Config` from a Hugging Face T5 config dict, and whether logits are rescaled.
+
+  Returns:
+    (config, scale_decoder_outputs). `config.logits_via_embedding` is True only
+    for the tied-and-rescaled original T5 case; see the module docstring.
+  """
+  model_type = hf.get("model_type")
+  if model_type not in _HF_MODEL_TYPES:
+    raise CheckpointError(f"{origin}: model_type {model_type!r} is not a T5 encoder-decoder "
+                          f"(supported: {', '.join(_HF_MODEL_TYPES)})")
+  proj = hf.get("feed_forward_proj", "relu")
+  if proj not in _HF_ACTIVATIONS:
+    raise CheckpointError(f"{origin}: feed_forward_proj {proj!r} is not supported (exact-erf "
+                          f"'gelu' has no counterpart here); supported: {sorted(_HF_ACTIVATIONS)}")
+  tied = hf.get("tie_word_embeddings", True) is not False
+  # transformers >= 5 writes tie_word_embeddings: true always and records the
+  # rescaling separately; older configs rescale exactly when tied.
+  scale = bool(hf.get("scale_decoder_outputs", tied))
+  eos = hf.get("eos_token_id", 1)
+  if isinstance(eos, (list, tuple)):
+    eos = eos[0]
+  try:
+    num_layers = int(hf["num_layers"])
+    config = T5Config(
+        vocab_size=int(hf["vocab_size"]), emb_dim=int(hf["d_model"]),
+        num_heads=int(hf["num_heads"]), head_dim=int(hf["d_kv"]), mlp_dim=int(hf["d_ff"]),
+        num_encoder_layers=num_layers,
+        num_decoder_layers=int(hf.get("num_decoder_layers") or num_layers),
+        mlp_activations=_HF_ACTIVATIONS[proj],
+        logits_via_embedding=tied and scale,
+        relative_attention_num_buckets=int(hf.get("relative_attention_num_buckets", 32)),
+        relative_attention_max_distance=int(hf.get("relative_attention_max_distance", 128)),
+        layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-6)),
+        pad_id=int(hf.get("pad_token_id", 0) or 0), eos_id=int(eos),
+        decoder_start_id=int(hf.get("decoder_start_token_id", 0) or 0))
+  except KeyError as e:
+    raise CheckpointError(f"{origin}: missing field {e.args[0]!r}") from None
+  except ValueError as e:
+    raise CheckpointError(f"{origin}: {e}") from None
+  return config, scale
+
+
+def _hf_names(config: T5Config) -> Dict[str, Tuple[str, bool]]:
+  """Our param name -> (HF tensor name, transpose?) for everything but the logits."""
+  names = {"token_embedder/embedding": ("shared.weight", False)}
+  mlp = ["wi"] if len(config.mlp_activations) == 1 else [
+      f"wi_{i}" for i in range(len(config.mlp_activations))]
+  mlp += ["wo"]
+
+  def attention(ours, theirs):
+    for x, y in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o")):
+      names[f"{ours}/{x}/kernel"] = (f"{theirs}.{y}.weight", True)
+
+  for stack, layers in (("encoder", config.num_encoder_layers),
+                        ("decoder", config.num_decoder_layers)):
+    names[f"{stack}/relpos_bias/rel_embedding"] = (
+        f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", True)
+    names[f"{stack}/{stack}_norm/scale"] = (f"{stack}.final_layer_norm.weight", False)
+    for i in range(layers):
+      ours, theirs = f"{stack}/layers_{i}", f"{stack}.block.{i}.layer"
+      if stack == "encoder":
+        norms = ["pre_attention_layer_norm", "pre_mlp_layer_norm"]
+        attention(f"{ours}/attention", f"{theirs}.0.SelfAttention")
+      else:
+        norms = ["pre_self_attention_layer_norm", "pre_cross_attention_layer_norm",
+                 "pre_mlp_layer_norm"]
+        attention(f"{ours}/self_attention", f"{theirs}.0.SelfAttention")
+        attention(f"{ours}/encoder_decoder_attention", f"{theirs}.1.EncDecAttention")
+      for j, norm in enumerate(norms):
+        names[f"{ours}/{norm}/scale"] = (f"{theirs}.{j}.layer_norm.weight", False)
+      for w in mlp:
+        names[f"{ours}/mlp/{w}/kernel"] = (f"{theirs}.{len(norms) - 1}.DenseReluDense.{w}.weight",
+                                           True)
+  return names
+
+
+def _load_hf(directory: str, dtype: str, progress: bool, overrides) -> Model:
+  config_path = os.path.join(directory, "config.json")
+  try:
+    with open(config_path) as f:
+      hf = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{config_path}: cannot read: {e}") from None
+  config, scale = hf_config_to_t5config(hf, config_path)
+  files = _hf_weight_files(directory)
+  has_lm_head = "lm_head.weight" in files
+  if not config.logits_via_embedding or has_lm_head:
+    config = config.replace(logits_via_embedding=False)
+  config = config.replace(dtype=dtype, **overrides)
+
+  wanted = dict(_hf_names(config))
+  if not config.logits_via_embedding:
+    head = "lm_head.weight" if has_lm_head else "shared.weight"
+    wanted["decoder/logits_dense/kernel"] = (head, True)
+  tensors = {}
+  for ours, (theirs, transpose) in wanted.items():
+    if theirs in files:
+      # Rescaling the decoder output before an untied head = scaling its kernel.
+      rescale = scale and ours == "decoder/logits_dense/kernel"
+      tensors[ours] = _hf_tensor(files[theirs], transpose,
+                                 config.emb_dim ** -0.5 if rescale else None)
+  used = {theirs for theirs, _ in wanted.values()}
+  unexpected = [f"{files[k].source}" for k in sorted(files)
+                if k not in used and k not in _HF_IGNORED]
+  source_names = {ours: f"{theirs} (for {ours})" for ours, (theirs, _) in wanted.items()}
+  return _assemble(config, tensors, directory, progress, source_names, unexpected)
+
+
+def _hf_tensor(stored: _Tensor, transpose: bool, scale: Optional[float] = None) -> _Tensor:
+  shape = tuple(reversed(stored.shape)) if transpose else tuple(stored.shape)
+  return _Tensor(stored.source, shape,
+                 lambda dtype: _cast(stored.read(None), dtype, transpose, scale))
+
+
+def _hf_weight_files(directory: str) -> Dict[str, _Tensor]:
+  """HF tensor name -> stored tensor (read(None) gives the stored dtype, HF layout)."""
+  def path(name):
+    return os.path.join(directory, name)
+
+  for index_name, reader in (("model.safetensors.index.json", _safetensors_tensors),
+                             ("pytorch_model.bin.index.json", _torch_tensors)):
+    if os.path.exists(path(index_name)):
+      try:
+        with open(path(index_name)) as f:
+          weight_map = json.load(f)["weight_map"]
+      except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{path(index_name)}: not a weight index ({e})") from None
+      tensors = {}
+      for shard in sorted(set(weight_map.values())):
+        if not os.path.exists(path(shard)):
+          raise CheckpointError(f"{path(index_name)} names shard {shard}, which is missing")
+        tensors.update(reader(path(shard)))
+      absent = sorted(k for k, shard in weight_map.items() if k not in tensors)
+      if absent:
+        raise CheckpointError(f"{path(index_name)} lists tensors that its shards lack: {absent}")
+      return tensors
+  if os.path.exists(path("model.safetensors")):
+    return _safetensors_tensors(path("model.safetensors"))
+  if os.path.exists(path("pytorch_model.bin")):
+    return _torch_tensors(path("pytorch_model.bin"))
+  raise CheckpointError(
+      f"{directory} has a config.json but no weights: expected model.safetensors, "
+      f"model.safetensors.index.json (+ shards), pytorch_model.bin or pytorch_model.bin.index.json; "
+      f"found {sorted(os.listdir(directory))}")
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _safetensors_tensors(filename: str) -> Dict[str, _Tensor]:
+  """Parses a .safetensors header; each tensor is read from the file on demand.
+
+  The format is an 8-byte little-endian header length, a JSON header
+  {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. Reading
+  with plain file reads (not mmap) keeps resident memory to one tensor at a time.
+  """
+  size = os.path.getsize(filename)
+  with open(filename, "rb") as f:
+    prefix = f.read(8)
+    if len(prefix) < 8:
+      raise CheckpointError(f"{filename}: truncated safetensors file ({size} bytes)")
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > size - 8:
+      raise CheckpointError(f"{filename}: truncated or not a safetensors file (header of "
+                            f"{header_len} bytes, file of {size})")
+    try:
+      header = json.loads(f.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{filename}: unreadable safetensors header ({e})") from None
+  header.pop("__metadata__", None)
+  data_start = 8 + header_len
+  tensors = {}
+  for name, info in header.items():
+    if info.get("dtype") not in _SAFETENSORS_DTYPES:
+      raise CheckpointError(f"{filename}: tensor {name} has unsupported dtype {info.get('dtype')}")
+    stored = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+    shape = tuple(int(d) for d in info["shape"])
+    begin, end = (int(x) for x in info["data_offsets"])
+    if end - begin != int(np.prod(shape)) * stored.itemsize:
+      raise CheckpointError(f"{filename}: tensor {name} has {end - begin} bytes for shape {shape}")
+    if data_start + end > size:
+      raise CheckpointError(f"{filename}: truncated: tensor {name} ends at byte "
+                            f"{data_start + end}, the file has {size}")
+
+    def read(dtype, stored=stored, shape=shape, offset=data_start + begin):
+      array = np.fromfile(filename, dtype=stored, count=int(np.prod(shape)), offset=offset)
+      array = array.reshape(shape)
+      return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    tensors[name] = _Tensor(f"{os.path.basename(filename)}: {name}", shape, read)
+  return tensors
+
+
+def _torch_tensors(filename: str) -> Dict[str, _Tensor]:
+  """pytorch_model.bin via torch.load(weights_only=True), memory-mapped when possible."""
+  try:
+    import torch
+  except ImportError:
+    raise CheckpointError(f"{filename}: reading pytorch_model.bin needs torch (pip install "
+                          f"torch), or convert the directory to safetensors") from None
+  try:
+    state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
+  except RuntimeError:
+    # Files in torch's legacy (non-zip) format cannot be memory-mapped.
+    try:
+      state = torch.load(filename, map_location="cpu", weights_only=True)
+    except Exception as e:
+      raise CheckpointError(f"{filename}: cannot load with torch.load(weights_only=True): "
+                            f"{e}") from None
+  except Exception as e:
+    raise CheckpointError(f"{filename}: cannot load with torch.load(weights_only=True): "
+                          f"{e}") from None
+  if not isinstance(state, Mapping):
+    raise CheckpointError(f"{filename}: holds a {type(state).__name__}, not a state dict")
+  tensors = {}
+  for name, value in state.items():
+    if not isinstance(value, torch.Tensor):
+      raise CheckpointError(f"{filename}: entry {name} is a {type(value).__name__}, not a tensor")
+
+    def read(dtype, value=value):
+      if value.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits.
+        array = value.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+      else:
+        array = value.contiguous().numpy()
+      return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    tensors[name] = _Tensor(f"{os.path.basename(filename)}: {name}", tuple(value.shape), read)
+  return tensors
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+  return bool(_HUB_ID.match(path)) and not path.startswith((".", "/"))
+
+
+def _download_from_hub(repo_id: str) -> str:
+  """Downloads config + weights of a hub repo; a clear error when that is impossible."""
+  how = (f"Download it first where the hub is reachable, e.g. `huggingface-cli download "
+         f"{repo_id} config.json model.safetensors --local-dir DIR` (add the shards and "
+         f"model.safetensors.index.json for sharded models), then load_model('DIR')")
+  try:
+    import huggingface_hub
+  except ImportError:
+    raise FileNotFoundError(f"{repo_id!r} is not a local path and huggingface_hub is not "
+                            f"installed. {how}") from None
+  try:
+    directory = huggingface_hub.snapshot_download(
+        repo_id, allow_patterns=["config.json", "*.safetensors", "model.safetensors.index.json"])
+    if not any(n.endswith(".safetensors") for n in os.listdir(directory)):
+      directory = huggingface_hub.snapshot_download(
+          repo_id, allow_patterns=["config.json", "pytorch_model*.bin",
+                                   "pytorch_model.bin.index.json"])
+  except Exception as e:  # Offline, unknown repo, gated repo, ...
+    raise FileNotFoundError(f"{repo_id!r} is not a local path and could not be fetched from the "
+                            f"Hugging Face hub ({type(e).__name__}: {e}). {how}") from None
+  return directory
+
+
+def hf_tensor_layout(config: T5Config) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
+  """HF tensor name -> (our param name, HF shape, transposed?) for `config`.
+
+  Untied models get `lm_head.weight` (from `decoder/logits_dense/kernel`); tied
+  ones (logits_via_embedding) have none, as original T5 directories.
+  """
+  shapes = expected_shapes(config)
+  layout = {}
+  for ours, (theirs, transpose) in _hf_names(config).items():
+    layout[theirs] = (ours, tuple(reversed(shapes[ours])) if transpose else shapes[ours],
+                      transpose)
+  if not config.logits_via_embedding:
+    layout["lm_head.weight"] = ("decoder/logits_dense/kernel",
+                                tuple(reversed(shapes["decoder/logits_dense/kernel"])), True)
+  return layout
+
+
+def t5config_to_hf_config(config: T5Config) -> Dict[str, Any]:
+  """A transformers `config.json` dict in the published (pre-5.x) convention."""
+  reverse = {v: k for k, v in _HF_ACTIVATIONS.items()}
+  if config.mlp_activations not in reverse:
+    raise ValueError(f"mlp_activations {config.mlp_activations} have no Hugging Face "
+                     f"feed_forward_proj")
+  return dict(
+      architectures=["T5ForConditionalGeneration"], model_type="t5", is_encoder_decoder=True,
+      vocab_size=config.vocab_size, d_model=config.emb_dim, d_kv=config.head_dim,
+      d_ff=config.mlp_dim, num_heads=config.num_heads, num_layers=config.num_encoder_layers,
+      num_decoder_layers=config.num_decoder_layers,
+      feed_forward_proj=reverse[config.mlp_activations],
+      tie_word_embeddings=config.logits_via_embedding,
+      relative_attention_num_buckets=config.relative_attention_num_buckets,
+      relative_attention_max_distance=config.relative_attention_max_distance,
+      layer_norm_epsilon=config.layer_norm_epsilon, dropout_rate=0.0,
+      pad_token_id=config.pad_id, eos_token_id=config.eos_id,
+      decoder_start_token_id=config.decoder_start_id)
+
+
+def write_safetensors(filename: str, tensors: Sequence[Tuple[str, Tuple[int, ...], Any,
+                                                             Callable[[], np.ndarray]]],
+                      metadata: Optional[Mapping[str, str]] = None) -> None:
+  """Streams tensors into a .safetensors file, computing one array at a time.
+
+  Args:
+    filename: output path (written to a temp file, then renamed).
+    tensors: (name, shape, numpy dtype, make_array) in file order; make_array()
+      returns the array, called once, right before it is written.
+    metadata: optional string -> string header metadata.
+  """
+  codes = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+  header, offset = {}, 0
+  for name, shape, dtype, _ in tensors:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    header[name] = dict(dtype=codes[np.dtype(dtype)], shape=list(shape),
+                        data_offsets=[offset, offset + nbytes])
+    offset += nbytes
+  if metadata:
+    header["__metadata__"] = dict(metadata)
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)  # Align the data to 8 bytes.
+  tmp = filename + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(len(encoded).to_bytes(8, "little"))
+    f.write(encoded)
+    for name, shape, dtype, make_array in tensors:
+      array = np.ascontiguousarray(make_array(), dtype=dtype)
+      if array.shape != tuple(shape):
+        raise ValueError(f"{name}: made shape {array.shape}, declared {tuple(shape)}")
+      f.write(array.tobytes())
+      del array
+  os.replace(tmp, filename)
+
+
+def export_hf(model: Model, directory) -> None:
+  """Writes `model` as a Hugging Face directory (config.json + model.safetensors).
+
+  The layout is the published one (T5 1.1: separate `lm_head.weight`,
+  `tie_word_embeddings: false`; original T5: tied, rescaled), which both
+  transformers 4.x and 5.x load.
+  """
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  flat = traverse_util.flatten_dict(model.params, sep="/")
+  dtype = np.dtype(jnp.dtype(model.config.dtype))
+  entries = []
+  for theirs, (ours, shape, transpose) in hf_tensor_layout(model.config).items():
+    def make(ours=ours, transpose=transpose):
+      array = np.asarray(flat[ours])
+      return array.T if transpose else array
+    entries.append((theirs, shape, dtype, make))
+  write_safetensors(os.path.join(directory, "model.safetensors"), entries, {"format": "pt"})
+  _write_json_atomic(os.path.join(directory, "config.json"),
+                     t5config_to_hf_config(model.config))
+
+
+# ----------------------------------------------------------------------------
+# T5X (msgpack + TensorStore) and Orbax.
+
+# Top-level subtrees that may hold the params, most specific first.
+_PARAM_PREFIXES = (("optimizer", "target"), ("target",), ("params",), ("state", "params"),
+                   ("params", "params"), ())
+
+
+def _find_params(tree: Mapping[str, Any], origin: str) -> Tuple[Tuple[str, ...], Mapping]:
+  for prefix in _PARAM_PREFIXES:
+    node = tree
+    for key in prefix:
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if isinstance(node, Mapping) and "token_embedder" in node:
+      return prefix, node
+  raise CheckpointError(f"{origin}: no T5 params tree (with token_embedder/encoder/decoder) at "
+                        f"any of {['/'.join(p) or '<root>' for p in _PARAM_PREFIXES]}; top-level "
+                        f"keys: {sorted(tree)[:20]}")
+
+
+def infer_config_from_shapes(shapes: Mapping[str, Sequence[int]], origin: str,
+                             dtype: str, overrides) -> T5Config:
+  """A `T5Config` from flat T5X param names -> shapes.
+
+  Shapes fix every size; activations are inferred as gated GELU (T5 1.1) when
+  `wi_0` exists, else ReLU; `relative_attention_max_distance` defaults to 128.
+  """
+  needed = ["token_embedder/embedding", "encoder/relpos_bias/rel_embedding",
+            "encoder/layers_0/attention/query/kernel", "encoder/layers_0/mlp/wo/kernel"]
+  absent = [k for k in needed if k not in shapes]
+  if absent:
+    raise CheckpointError(f"{origin}: cannot infer the model config, missing params {absent}")
+
+  def count(stack):
+    return len({k.split("/")[1] for k in shapes
+                if k.startswith(f"{stack}/layers_") and k.split("/")[1][7:].isdigit()})
+
+  vocab, emb = shapes["token_embedder/embedding"]
+  heads, buckets = shapes["encoder/relpos_bias/rel_embedding"]
+  inner = shapes["encoder/layers_0/attention/query/kernel"][1]
+  gated = "encoder/layers_0/mlp/wi_0/kernel" in shapes
+  fields = dict(
+      vocab_size=int(vocab), emb_dim=int(emb), num_heads=int(heads),
+      head_dim=int(inner) // int(heads), mlp_dim=int(shapes["encoder/layers_0/mlp/wo/kernel"][0]),
+      num_encoder_layers=count("encoder"), num_decoder_layers=count("decoder"),
+      mlp_activations=("gelu", "linear") if gated else ("relu",),
+      logits_via_embedding="decoder/logits_dense/kernel" not in shapes,
+      relative_attention_num_buckets=int(buckets), dtype=dtype)
+  fields.update(overrides)
+  try:
+    return T5Config(**fields)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{origin}: inferred config is invalid: {e}") from None
+
+
+def _local_or_url(location: str) -> str:
+  return location if "://" in location else os.path.abspath(location)
+
+
+def _remote_exists(url: str, name: str) -> bool:
+  import tensorstore as ts
+  try:
+    store = ts.KvStore.open(url.rstrip("/") + "/").result()
+    return store.read(name).result().state == "value"
+  except Exception:  # Unreachable or unsupported: let the Orbax path report it.
+    return False
+
+
+def _read_t5x_msgpack(location: str) -> bytes:
+  if "://" in location:
+    import tensorstore as ts
+    result = ts.KvStore.open(location.rstrip("/") + "/").result().read("checkpoint").result()
+    if result.state != "value":
+      raise CheckpointError(f"{location}/checkpoint: not found")
+    return bytes(result.value)
+  with open(os.path.join(location, "checkpoint"), "rb") as f:
+    return f.read()
+
+
+def _load_t5x(location: str, dtype: str, progress: bool, overrides) -> Model:
+  from flax import serialization
+  location = _local_or_url(location)
+  msgpack_file = f"{location.rstrip('/')}/checkpoint"
+  try:
+    contents = serialization.msgpack_restore(_read_t5x_msgpack(location))
+  except CheckpointError:
+    raise
+  except Exception as e:
+    raise CheckpointError(f"{msgpack_file}: not a T5X msgpack checkpoint ({e})") from None
+  if not isinstance(contents, Mapping):
+    raise CheckpointError(f"{msgpack_file}: not a T5X msgpack checkpoint")
+  version = int(contents.get("version", 0))
+  prefix, params = _find_params(contents, msgpack_file)
+  flat = traverse_util.flatten_dict(params, sep="/", is_leaf=_is_ts_spec)
+  tensors = {k: _t5x_tensor(location, k, leaf, version, msgpack_file) for k, leaf in flat.items()}
+  shapes = {k: t.shape for k, t in tensors.items()}
+  config = infer_config_from_shapes(shapes, msgpack_file, dtype, overrides)
+  return _assemble(config, tensors, location, progress)
+
+
+def _is_ts_spec(path, node) -> bool:
+  del path
+  return isinstance(node, Mapping) and "driver" in node and ("kvstore" in node or "path" in node)
+
+
+def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -> _Tensor:
+  """A msgpack leaf: an inline array, or a TensorStore spec with a relative path."""
+  if not _is_ts_spec((), leaf):
+    array = np.asarray(leaf)
+    if array.dtype == object or not np.issubdtype(array.dtype, np.number):
+      raise CheckpointError(f"{origin}: param {key} is a {type(leaf).__name__}, not an array")
+    return _Tensor(f"{origin}: {key} (inline)", tuple(array.shape),
+                   lambda dtype: np.asarray(array, dtype=dtype))
+  import tensorstore as ts
+  kvstore = leaf.get("kvstore")
+  # tensorstore >= 0.1.14 specs keep the path in the kvstore, older ones at the top.
+  relative = kvstore.get("path") if isinstance(kvstore, Mapping) and "path" in kvstore else (
+      leaf.get("path"))
+  if not relative:
+    raise CheckpointError(f"{origin}: param {key} has a TensorStore spec without a path: {leaf}")
+  # The spec's own kvstore driver (file / gcs with a dummy bucket) is where the
+  # checkpoint was written; the arrays now live next to the msgpack file.
+  if "://" in location:
+    spec = {"driver": leaf["driver"], "kvstore": f"{location.rstrip('/')}/{relative}/"}
+  else:
+    spec = {"driver": leaf["driver"],
+            "kvstore": {"driver": "file", "path": os.path.join(location, relative) + "/"}}
+  source = f"{location.rstrip('/')}/{relative}"
+  try:
+    store = ts.open(spec, read=True, open=True).result()
+  except Exception as e:
+    raise CheckpointError(f"{source}: cannot open array for param {key} ({e})") from None
+  shape = tuple(int(d) for d in store.shape)
+  # T5X checkpoints before version 3 stored bfloat16 as uint16 bit patterns.
+  as_bfloat16 = version < 3 and store.dtype == ts.uint16
+
+  def read(dtype):
+    try:
+      if as_bfloat16:
+        return np.asarray(store.read().result().view(ml_dtypes.bfloat16), dtype=dtype)
+      return ts.cast(store, ts.dtype(jnp.dtype(dtype).name)).read().result()
+    except Exception as e:
+      raise CheckpointError(f"{source}: cannot read array for param {key} ({e})") from None
+
+  return _Tensor(source, shape, read)
+
+
+def _orbax_metadata_tree(location: str):
+  import orbax.checkpoint as ocp
+  try:
+    metadata = ocp.PyTreeCheckpointer().metadata(location)
+  except Exception as e:
+    raise CheckpointError(f"{location}: not a readable Orbax checkpoint ({e})") from None
+  tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  if not isinstance(tree, Mapping):
+    raise CheckpointError(f"{location}: unexpected Orbax metadata {type(metadata).__name__}")
+  return tree
+
+
+def _restore_orbax(location: str, prefix: Tuple[str, ...], config: T5Config, origin: str,
+                   metadata_params: Mapping, progress: bool) -> Model:
+  """Checks shapes from Orbax metadata, then restores only the params, cast on read."""
+  import orbax.checkpoint as ocp
+  flat = traverse_util.flatten_dict(metadata_params, sep="/")
+  tensors = {k: _Tensor(f"{origin}: {k}", tuple(getattr(v, "shape", ()) or ()), None)
+             for k, v in flat.items()}
+  _check_tensors(config, tensors, origin)
+  dtype = jnp.dtype(config.dtype)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = traverse_util.unflatten_dict(
+      {tuple(k.split("/")): jax.ShapeDtypeStruct(s, dtype)
+       for k, s in expected_shapes(config).items()})
+  restore_args = jax.tree_util.tree_map(
+      lambda s: ocp.ArrayRestoreArgs(dtype=s.dtype, sharding=sharding), target)
+  for key in reversed(prefix):
+    target, restore_args = {key: target}, {key: restore_args}
+  if progress:
+    print(f"restoring {len(tensors)} tensors from {origin} (Orbax) ...", flush=True)
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(
+        location, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                              partial_restore=True))
+  except Exception as e:
+    raise CheckpointError(f"{origin}: Orbax restore failed ({e})") from None
+  for key in prefix:
+    restored = restored[key]
+  return Model(config, restored)
+
+
+def _load_orbax(location: str, dtype: str, progress: bool, overrides) -> Model:
+  location = _local_or_url(location)
+  tree = _orbax_metadata_tree(location)
+  prefix, params = _find_params(tree, location)
+  shapes = {k: tuple(getattr(v, "shape", ()) or ())
+            for k, v in traverse_util.flatten_dict(params, sep="/").items()}
+  config = infer_config_from_shapes(shapes, location, dtype, overrides)
+  return _restore_orbax(location, prefix, config, location, params, progress)
+
+
+def _load_specdec(directory: str, dtype: str, progress: bool, overrides) -> Model:
+  config_path = os.path.join(directory, SPECDEC_CONFIG)
+  try:
+    with open(config_path) as f:
+      record = json.load(f)
+    fields = dict(record["config"])
+  except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    raise CheckpointError(f"{config_path}: unreadable ({e})") from None
+  if record.get("format") != "specdec_jax" or record.get("format_version") != _FORMAT_VERSION:
+    raise CheckpointError(f"{config_path}: unknown format {record.get('format')!r} version "
+                          f"{record.get('format_version')!r}")
+  fields.update(overrides, dtype=dtype)
+  try:
+    config = T5Config(**fields)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{config_path}: invalid config ({e})") from None
+  location = os.path.join(os.path.abspath(directory), SPECDEC_PARAMS)
+  if not os.path.isdir(location):
+    raise CheckpointError(f"{directory}: has {SPECDEC_CONFIG} but no {SPECDEC_PARAMS}/ directory")
+  params = _orbax_metadata_tree(location)
+  return _restore_orbax(location, (), config, location, params, progress)
+
+
+def _write_json_atomic(path: str, record) -> None:
+  directory = os.path.dirname(path)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
