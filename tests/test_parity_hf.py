@@ -185,3 +185,13 @@ def test_sharded_safetensors_with_index(tmp_path):
   reference = _load_reference(tmp_path)
   ours = checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
   _assert_logits_parity(ours, reference)
+
+
+def test_export_hf_loads_in_transformers(tmp_path):
+  # The reverse direction: our params written as a HF directory give
+  # transformers the same logits (T5X init, tied + untied heads).
+  for name, overrides in (("untied", {}),
+                          ("tied", dict(mlp_activations=("relu",), logits_via_embedding=True))):
+    ours = model_lib.load_model("tiny", vocab_size=VOCAB, dtype="float32", seed=5, **overrides)
+    checkpoints.export_hf(ours, tmp_path / name)
+    _assert_logits_parity(ours, _load_reference(tmp_path / name))
