@@ -1,10 +1,11 @@
 """specdec_jax: exact speculative decoding for T5-style models in JAX/Flax.
 
 Public API:
-  load_model, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
+  load_model, save_model, export_hf, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
   temperature_sample, speculative_sample, speculative_step, adjust_probs.
 """
 
+from specdec_jax.checkpoints import CheckpointError, export_hf, load_checkpoint_model, save_model
 from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample
 from specdec_jax.drafts import Draft, ModelDraft
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
