@@ -1,5 +1,6 @@
 """`generate`: the user-facing entry point over both decode loops."""
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Dict, Optional
@@ -110,21 +111,27 @@ def compile_count() -> int:
 def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, topp, eos_id,
            gamma, shardings: Optional[sharding.GenerateShardings] = None):
   module = T5(config)
-  # Under a mesh, caches are pinned to their shardings where they are made and
-  # after every model call, so the while-loop carry keeps that layout.
+  # Under a mesh, each model is traced with its own activation axis rules,
+  # and caches are pinned to their shardings where they are made and after
+  # every model call, so the while-loop carry keeps that layout.
   constrain_target = constrain_draft = lambda state: state
+  target_axes = draft_axes = contextlib.nullcontext
   if shardings is not None:
     constrain_target = shardings.target.constrain_cache
     constrain_draft = shardings.draft.constrain_cache
+    target_axes = shardings.target.activation_axes
+    draft_axes = shardings.draft.activation_axes
 
   def run(params, draft_params, encoder_tokens, rng):
     batch = encoder_tokens.shape[0]
-    cache = constrain_target(module.apply({"params": params}, encoder_tokens, max_decode_steps,
-                                          method=T5.init_cache))
+    with target_axes():
+      cache = constrain_target(module.apply({"params": params}, encoder_tokens,
+                                            max_decode_steps, method=T5.init_cache))
     block_fn = Model(config, params).block_fn(params)
 
     def target_fn(tokens, positions, cache):
-      logits, cache = block_fn(tokens, positions, cache)
+      with target_axes():
+        logits, cache = block_fn(tokens, positions, cache)
       return logits, constrain_target(cache)
 
     inputs = jnp.zeros((batch, max_decode_steps), jnp.int32)
@@ -133,12 +140,14 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
           inputs, cache, decoding.block_to_state_fn(target_fn), eos_id, decode_rng=rng,
           temperature=temperature, topk=topk, topp=topp)
       return decodes[:, 0], None
-    draft_state = constrain_draft(draft.init_state(draft_params, encoder_tokens,
-                                                   max_decode_steps))
+    with draft_axes():
+      draft_state = constrain_draft(draft.init_state(draft_params, encoder_tokens,
+                                                     max_decode_steps))
     draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
 
     def propose(rng, state, sequences, lengths):
-      *proposal, state = draft_propose(rng, state, sequences, lengths)
+      with draft_axes():
+        *proposal, state = draft_propose(rng, state, sequences, lengths)
       return (*proposal, constrain_draft(state))
 
     return decoding.speculative_sample(

@@ -27,11 +27,13 @@ and a warning says so; the memory planner follows the same choice.
 dtype, batch, lengths and mesh without allocating anything.
 """
 
+import contextlib
 import dataclasses
 import math
 import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -334,6 +336,17 @@ class Partitioner:
       return state
     return jax.lax.with_sharding_constraint(state, self.cache_shardings(state))
 
+  @contextlib.contextmanager
+  def activation_axes(self):
+    """While tracing under jit: binds these rules and this mesh so the
+    activations models/t5.py names (`batch`, `length`, `embed`, `heads`,
+    `kv`, `mlp`) are constrained to them. The jitted computation must run
+    on this mesh (mesh-sharded inputs or explicit in_shardings), as in
+    `generate` and `init_sharded_cache`."""
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), \
+        nn.logical_axis_rules(self.rules):
+      yield
+
   def shard_params(self, params, dtype=None):
     """Places every leaf on the mesh with its sharding, casting leaf by leaf.
 
@@ -429,7 +442,9 @@ def init_sharded_cache(model, partitioner: Partitioner, encoder_tokens, max_deco
   module = model.module
 
   def init(params, tokens):
-    return module.apply({"params": params}, tokens, int(max_decode_len), method=T5.init_cache)
+    with partitioner.activation_axes():
+      return module.apply({"params": params}, tokens, int(max_decode_len),
+                          method=T5.init_cache)
 
   shapes = jax.eval_shape(init, model.params, tokens)
   fn = jax.jit(init, out_shardings=partitioner.cache_shardings(shapes))
@@ -577,6 +592,17 @@ def plan_memory(config: T5Config, *, batch: int, encoder_len: int, max_decode_le
   cache_total, cache_device = _plan_tree(cache, cache_specs, sizes)
   return MemoryPlan(name, sizes, config.dtype, params_total, cache_total, params_device,
                     cache_device)
+
+
+def plan_speculative_memory(target_config: T5Config, draft_config: T5Config, *, batch: int,
+                            encoder_len: int, max_decode_len: int, mesh_shape,
+                            dtype: Optional[str] = None, rules=DEFAULT_RULES,
+                            draft_rules=DRAFT_RULES) -> Tuple[MemoryPlan, MemoryPlan]:
+  """(target plan, draft plan) for `generate(..., draft=...)` on one mesh."""
+  common = dict(batch=batch, encoder_len=encoder_len, max_decode_len=max_decode_len,
+                mesh_shape=mesh_shape, dtype=dtype)
+  return (plan_memory(target_config, rules=rules, name="target", **common),
+          plan_memory(draft_config, rules=draft_rules, name="draft", **common))
 
 
 def device_bytes(tree, device=None) -> int:

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import generate, sharding
+from specdec_jax.models import t5
 from specdec_jax.models.configs import get_config
 from specdec_jax.testing import random_encoder_tokens, tiny_pair
 
@@ -116,6 +117,11 @@ def test_planner_for_xxl_shards_every_big_weight():
   assert plan.cache_bytes_per_device == (plan.cache_bytes - 512) // 4 + 512
 
 
+def test_activation_axes_are_a_no_op_without_rules():
+  x = np.ones((2, 3, 4), np.float32)
+  assert t5._axes(x, ("batch", "length", "mlp")) is x
+
+
 # ---------------------------------------------------------------------------
 # Eight devices.
 
@@ -162,11 +168,20 @@ def sharded_models(pair):
   return out
 
 
+@pytest.fixture(scope="module")
+def sharded_caches(pair, sharded_models):
+  """mesh -> (target cache, draft cache), allocated in their shardings."""
+  _, _, tokens = pair
+  return {mesh_shape: (sharding.init_sharded_cache(target, target_part, tokens, STEPS),
+                       sharding.init_sharded_cache(draft, draft_part, tokens, STEPS))
+          for mesh_shape, (target_part, draft_part, target, draft) in sharded_models.items()}
+
+
 @multidevice
 @pytest.mark.parametrize("mesh_shape", MESHES)
-def test_multidevice_params_and_cache_are_sharded(pair, sharded_models, mesh_shape):
-  _, _, tokens = pair
+def test_multidevice_params_and_cache_are_sharded(sharded_models, sharded_caches, mesh_shape):
   target_part, draft_part, target, draft = sharded_models[mesh_shape]
+  cache, draft_cache = sharded_caches[mesh_shape]
   data, model = target_part.mesh_shape["data"], target_part.mesh_shape["model"]
   query = target.params["decoder"]["layers_0"]["self_attention"]["query"]["kernel"]
   assert query.sharding.spec == P(None, "model") and query.sharding.mesh == target_part.mesh
@@ -180,14 +195,12 @@ def test_multidevice_params_and_cache_are_sharded(pair, sharded_models, mesh_sha
   draft_query = draft.params["decoder"]["layers_0"]["self_attention"]["query"]["kernel"]
   assert {s.data.shape for s in draft_query.addressable_shards} == {(32, 64)}
 
-  cache = sharding.init_sharded_cache(target, target_part, tokens, STEPS)
   key = cache["layers"][0]["self_key"]
   assert key.sharding.spec == P("data", None, "model")
   assert {s.data.shape for s in key.addressable_shards} == {(BATCH // data, STEPS, 8 // model, 8)}
   cross = cache["layers"][0]["cross_value"]
   assert {s.data.shape for s in cross.addressable_shards} == {
       (BATCH // data, ENC_LEN, 8 // model, 8)}
-  draft_cache = sharding.init_sharded_cache(draft, draft_part, tokens, STEPS)
   assert {s.data.shape for s in draft_cache["layers"][0]["self_key"].addressable_shards} == {
       (BATCH // data, STEPS, 8, 8)}
 
@@ -226,15 +239,14 @@ def test_multidevice_temperature_sample_equals_unsharded(pair, sharded_models):
 
 
 @multidevice
-@pytest.mark.parametrize("mesh_shape", ["2,4", "8,1"])
-def test_multidevice_planner_matches_allocated_bytes(pair, sharded_models, mesh_shape):
-  _, _, tokens = pair
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_multidevice_planner_matches_allocated_bytes(sharded_models, sharded_caches, mesh_shape):
   target_part, draft_part, target, draft = sharded_models[mesh_shape]
-  for model, part in [(target, target_part), (draft, draft_part)]:
+  for model, part, cache in zip((target, draft), (target_part, draft_part),
+                                sharded_caches[mesh_shape]):
     plan = sharding.plan_memory(model.config, batch=BATCH, encoder_len=ENC_LEN,
                                 max_decode_len=STEPS, mesh_shape=part.mesh_shape,
                                 rules=part.rules)
-    cache = sharding.init_sharded_cache(model, part, tokens, STEPS)
     for device in target_part.mesh.devices.flat:
       assert sharding.device_bytes(model.params, device) == plan.params_bytes_per_device
       assert sharding.device_bytes(cache, device) == plan.cache_bytes_per_device
@@ -248,10 +260,15 @@ def test_multidevice_indivisible_replicate_mode_matches_planner(pair):
   # 6 heads: joined_kv (48) divides model=4, rel_embedding's 6 heads do not.
   config = target.config.replace(num_heads=6)
   part, _ = sharding.make_partitioners("2,4", on_indivisible="replicate")
+  host = jax.tree_util.tree_map(lambda s: np.ones(s.shape, s.dtype),
+                                sharding.abstract_params(config))
   with pytest.warns(UserWarning, match="rel_embedding"):
-    params = sharding.init_sharded_params(config, part)
-  plan = sharding.plan_memory(config, batch=BATCH, encoder_len=ENC_LEN, max_decode_len=STEPS,
-                              mesh_shape="2,4", on_indivisible="replicate")
+    params = part.shard_params(host)
+  rel = params["decoder"]["relpos_bias"]["rel_embedding"]
+  assert {s.data.shape for s in rel.addressable_shards} == {(6, 32)}
+  with pytest.warns(UserWarning, match="rel_embedding"):
+    plan = sharding.plan_memory(config, batch=BATCH, encoder_len=ENC_LEN, max_decode_len=STEPS,
+                                mesh_shape="2,4", on_indivisible="replicate")
   assert sharding.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
 
 
@@ -276,3 +293,18 @@ def test_multidevice_bad_input_errors(pair):
   with pytest.raises(ValueError, match="share one mesh"):
     generate(target, tokens, max_decode_steps=STEPS, draft=draft, partitioner=part_2d,
              draft_partitioner=other_mesh)
+
+
+@multidevice
+def test_multidevice_activation_axes_constrain_under_jit():
+  part, draft_part = sharding.make_partitioners("2,4")
+
+  def named(partitioner):
+    def f(x):
+      with partitioner.activation_axes():
+        return t5._axes(x * 2, ("batch", "length", "mlp"))
+    x = jax.device_put(np.ones((8, 4, 16), np.float32), part.replicated())
+    return jax.jit(f)(x).sharding.spec
+
+  assert named(part) == P("data", None, "model")
+  assert named(draft_part) == P("data")

@@ -47,6 +47,15 @@ def _dtype(config: T5Config):
   return jnp.dtype(config.dtype)
 
 
+def _axes(x: Array, logical_axes: Tuple[str, ...]) -> Array:
+  """Names x's dimensions for GSPMD (T5X style, see specdec_jax/sharding.py).
+
+  A no-op unless the caller binds Flax logical axis rules and a mesh while
+  tracing (`Partitioner.activation_axes`).
+  """
+  return nn.with_logical_constraint(x, logical_axes)
+
+
 def relative_position_bucket(relative_position: Array, bidirectional: bool,
                              num_buckets: int, max_distance: int) -> Array:
   """T5's bucketing of (key position - query position) into int32 buckets.
@@ -151,7 +160,8 @@ class Attention(nn.Module):
     self.out = Dense(cfg.emb_dim, cfg)
 
   def _split(self, x: Array) -> Array:
-    return x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
+    x = x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
+    return _axes(x, ("batch", "length", "heads", "kv"))
 
   def project_query(self, x: Array) -> Array:
     return self._split(self.query(x))
@@ -180,6 +190,7 @@ class Mlp(nn.Module):
       name = "wi" if len(acts) == 1 else f"wi_{i}"
       h = _ACTIVATIONS[act](Dense(cfg.mlp_dim, cfg, name=name)(x))
       hidden = h if hidden is None else hidden * h
+    hidden = _axes(hidden, ("batch", "length", "mlp"))
     return Dense(cfg.emb_dim, cfg, name="wo")(hidden)
 
 
@@ -191,7 +202,8 @@ class EncoderLayer(nn.Module):
     cfg = self.config
     h = RMSNorm(cfg, name="pre_attention_layer_norm")(x)
     x = x + Attention(cfg, name="attention")(h, h, bias)
-    return x + Mlp(cfg, name="mlp")(RMSNorm(cfg, name="pre_mlp_layer_norm")(x))
+    x = x + Mlp(cfg, name="mlp")(RMSNorm(cfg, name="pre_mlp_layer_norm")(x))
+    return _axes(x, ("batch", "length", "embed"))
 
 
 class Encoder(nn.Module):
@@ -249,7 +261,7 @@ class DecoderLayer(nn.Module):
     x = x + self.encoder_decoder_attention.project_out(
         _attend(query, cross_key, cross_value, cross_bias))
     x = x + self.mlp(self.pre_mlp_layer_norm(x))
-    return x, new_cache
+    return _axes(x, ("batch", "length", "embed")), new_cache
 
 
 def _set_block(cache: Array, block: Array, positions: Array) -> Array:
