@@ -115,15 +115,6 @@ def test_ngram_bad_input_gives_clear_errors(tmp_path):
     NgramDraft.load(tmp_path / "other.npz")
 
 
-def test_draft_vocabulary_must_match_the_target():
-  target = load_model("tiny", vocab_size=16, dtype="float32", **ONE_LAYER)
-  tokens = jnp.array([[3, 4, 5]])
-  for draft in (NgramDraft.fit(CORPUS, vocab_size=6), PromptLookupDraft(vocab_size=6),
-                AdaptiveGammaDraft(PromptLookupDraft(vocab_size=6))):
-    with pytest.raises(ValueError, match="vocabulary size 6 differs from the target's 16"):
-      generate(target, tokens, max_decode_steps=4, draft=draft)
-  with pytest.raises(ValueError, match="eos_id 2 differs"):
-    generate(target, tokens, max_decode_steps=4, draft=PromptLookupDraft(16, eos_id=2))
 
 
 # ---------------------------------------------------------------------------
@@ -173,6 +164,16 @@ def greedy_setup():
   # Rows end early on EOS (the decode must handle them).
   assert int(jnp.min(reference.lengths)) < 12 and int(jnp.max(reference.lengths)) == 12
   return target, draft_model, tokens, reference
+
+
+def test_draft_vocabulary_must_match_the_target(greedy_setup):
+  target, _, tokens, _ = greedy_setup
+  for draft in (NgramDraft.fit(CORPUS, vocab_size=6), PromptLookupDraft(vocab_size=6),
+                AdaptiveGammaDraft(PromptLookupDraft(vocab_size=6))):
+    with pytest.raises(ValueError, match="vocabulary size 6 differs from the target's 64"):
+      generate(target, tokens, max_decode_steps=4, draft=draft)
+  with pytest.raises(ValueError, match="eos_id 2 differs"):
+    generate(target, tokens, max_decode_steps=4, draft=PromptLookupDraft(64, eos_id=2))
 
 
 def _adaptive_model_draft(model, threshold):
@@ -355,3 +356,49 @@ def test_prompt_lookup_accepts_almost_everything_on_a_copy_task():
   assert copied >= 0.9, f"the model did not learn to copy (loss {loss:.3f})"
   assert out.stats.acceptance_rate > 0.9, out.stats.summary()
   assert out.stats.mean_tokens_per_iteration > 3.0, out.stats.summary()
+
+
+def test_model_draft_cache_holds_every_accepted_position(greedy_setup):
+  """Direct check of the draft cache under adaptive lengths.
+
+  Before each proposal at length n, the draft's cache must hold, at positions
+  0..n-2, the keys/values of the tokens the row actually has (the proposer
+  refeeds positions n-1 and n itself), whatever was drafted and accepted
+  before. Compared against one teacher-forced block over the whole prefix.
+  """
+  _, draft_model, _, _ = greedy_setup
+  draft = ModelDraft(draft_model, confidence_threshold=GREEDY_THRESHOLD)
+  gamma, batch, max_len = 4, 4, 24
+  encoder = random_encoder_tokens(batch, 5, 64, seed=5)
+  propose = jax.jit(draft.propose_fn(draft.params, gamma, 1.0, 0, 0.0))
+  cache = draft.init_state(draft.params, encoder, max_len)
+  fresh = cache
+  block_fn = jax.jit(draft_model.block_fn())
+  sequences = np.zeros((batch, max_len + 1), np.int32)
+  lengths = np.zeros((batch,), np.int32)
+  rng = np.random.default_rng(0)
+  drafted_lengths = set()
+  for step in range(5):
+    max_drafted = jnp.asarray(rng.integers(1, gamma + 1, batch), jnp.int32)
+    tokens, _, num_drafted, cache = propose(jax.random.PRNGKey(step), cache,
+                                            jnp.asarray(sequences), jnp.asarray(lengths),
+                                            max_drafted=max_drafted)
+    tokens, num_drafted = np.asarray(tokens), np.asarray(num_drafted)
+    assert np.all((1 <= num_drafted) & (num_drafted <= np.asarray(max_drafted)))
+    drafted_lengths.update(num_drafted.tolist())
+    for b in range(batch):
+      # Any outcome of the rejection rule: keep a drafts, then one new token.
+      accepted = int(rng.integers(0, num_drafted[b] + 1))
+      new = list(tokens[b, :accepted]) + [int(rng.integers(2, 64))]
+      sequences[b, lengths[b] + 1:lengths[b] + 1 + len(new)] = new
+      lengths[b] += len(new)
+    # Teacher-forced keys/values of every row's whole prefix.
+    _, reference = block_fn(jnp.asarray(sequences[:, :max_len]), jnp.zeros((batch,), jnp.int32),
+                            fresh)
+    for layer, ref_layer in zip(cache["layers"], reference["layers"]):
+      for name in ("self_key", "self_value"):
+        for b in range(batch):
+          seen = lengths[b] - 1
+          np.testing.assert_allclose(layer[name][b, :seen], ref_layer[name][b, :seen],
+                                     atol=1e-5, err_msg=f"step {step} row {b} {name}")
+  assert len(drafted_lengths) >= 3, drafted_lengths
