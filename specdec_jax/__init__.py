@@ -7,7 +7,8 @@ Public API:
 
 from specdec_jax.checkpoints import CheckpointError, export_hf, load_checkpoint_model, save_model
 from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample
-from specdec_jax.drafts import Draft, ModelDraft
+from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraft,
+                                PromptLookupDraft, as_draft)
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
 from specdec_jax.model import Model, load_model
 from specdec_jax.models.configs import CONFIGS, T5Config, get_config
