@@ -43,6 +43,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 Array = jax.Array
 PyTree = Any
 
+# Compiled decoders shared by every model instance with the same static
+# structure, so re-creating a model (one per experiment) never recompiles.
+_COMPILED: Dict[Any, Callable[..., Any]] = {}
+
 gin.external_configurable(decoding.temperature_sample, module="specdec_jax.decoding")
 gin.external_configurable(decoding.speculative_sample, module="specdec_jax.decoding")
 
@@ -101,7 +105,6 @@ class SpeculativeEncoderDecoderModel(_BASE):
       super().__init__(module=self.module, input_vocabulary=input_vocabulary,
                        output_vocabulary=output_vocabulary, optimizer_def=None,
                        decode_fn=decode_fn)
-    self._jitted = {}
 
   @property
   def is_speculative(self) -> bool:
@@ -172,11 +175,13 @@ class SpeculativeEncoderDecoderModel(_BASE):
     if "target" not in params or (self.is_speculative and "draft" not in params):
       raise ValueError("params must be {'target': ..., 'draft': ...}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    key = (int(num_decodes), max_decode_steps)
-    if key not in self._jitted:
-      self._jitted[key] = jax.jit(functools.partial(
+    key = (self.target_config, None if self.draft is None else self.draft.static_key(),
+           self._decode_fn.__name__, self.gamma, self.temperature, self.topk, self.topp,
+           int(num_decodes), max_decode_steps)
+    if key not in _COMPILED:
+      _COMPILED[key] = jax.jit(functools.partial(
           self._decode, num_decodes=int(num_decodes), max_decode_steps=max_decode_steps))
-    decodes, aux = self._jitted[key](dict(params), encoder_tokens, decoder_inputs, rng)
+    decodes, aux = _COMPILED[key](dict(params), encoder_tokens, decoder_inputs, rng)
     if not self.is_speculative and not return_all_decodes:
       # T5X: decodes are sorted by increasing log-prob; keep the most likely.
       decodes, aux = decodes[:, -1], {"scores": aux["scores"][:, -1]}

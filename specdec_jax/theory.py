@@ -102,10 +102,17 @@ def predicted_speedup_with_cost_curve(alpha: float, gamma: int, c: float,
     one target step per token without speculation.
   """
   gamma = _check_gamma(gamma)
-  c = _check_cost(c)
   if len(block_cost) < gamma + 1:
     raise ValueError(f"block_cost needs entries for k = 1..{gamma + 1}, got {len(block_cost)}")
-  cost = _check_cost(block_cost[gamma], f"block_cost[{gamma}]")
-  if cost == 0:
-    raise ValueError("block_cost entries must be > 0")
-  return expected_tokens_per_iteration(alpha, gamma) / (gamma * c + cost)
+  return predicted_speedup_with_verify_cost(alpha, gamma, c, block_cost[gamma])
+
+
+def predicted_speedup_with_verify_cost(alpha: float, gamma: int, c: float,
+                                       verify_cost: float) -> float:
+  """As `predicted_speedup_with_cost_curve`, given only the cost of scoring
+  gamma + 1 tokens in one target call relative to one token."""
+  gamma, c = _check_gamma(gamma), _check_cost(c)
+  verify_cost = _check_cost(verify_cost, "verify_cost")
+  if verify_cost == 0:
+    raise ValueError("verify_cost must be > 0")
+  return expected_tokens_per_iteration(alpha, gamma) / (gamma * c + verify_cost)

@@ -69,6 +69,7 @@ def test_cost_curve_generalises_theorem_3_8():
   curve = [1.0, 1.2, 1.4, 1.6, 1.7, 1.8, 1.85, 1.9]
   expected = theory.expected_tokens_per_iteration(0.75, 7) / (7 * 0.02 + 1.9)
   assert theory.predicted_speedup_with_cost_curve(0.75, 7, 0.02, curve) == pytest.approx(expected)
+  assert theory.predicted_speedup_with_verify_cost(0.75, 7, 0.02, 1.9) == pytest.approx(expected)
   with pytest.raises(ValueError, match="k = 1..8"):
     theory.predicted_speedup_with_cost_curve(0.75, 7, 0.02, curve[:4])
 

@@ -1,0 +1,161 @@
+"""The experiment launcher, the Table 2 driver and their error handling, on tiny models."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gin
+import numpy as np
+import pytest
+
+from experiments import reproduce_table2
+from experiments import run as run_lib
+from experiments.paper_tables import TABLE2
+
+ROOT = run_lib.REPO_ROOT
+# One layer per stack and short sequences keep each compile to seconds.
+SMALL = ["tiny/T5Config.num_encoder_layers = 1", "tiny/T5Config.num_decoder_layers = 1",
+         "MAX_INPUT_LENGTH = 32", "MAX_DECODE_STEPS = 12", "Experiment.timing_repeats = 2"]
+TINY_FILES = ["configs/pairs/tiny_demo.gin", "configs/tasks/local_file.gin"]
+
+
+@pytest.fixture
+def input_file(tmp_path):
+  path = tmp_path / "inputs.jsonl"
+  lines = [{"inputs": "hello world"}, {"inputs": "the cat sat on the mat", "targets": "x"},
+           {"inputs": "speculative decoding"}, {"inputs": "one more input"}]
+  path.write_text("".join(json.dumps(l) + "\n" for l in lines))
+  return str(path)
+
+
+def _launch(args, tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "experiments.run"] + args, cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_launcher_end_to_end(tmp_path, input_file):
+  out = tmp_path / "out"
+  args = [f"--gin_file={f}" for f in TINY_FILES]
+  args += [f"--gin_bindings={b}" for b in SMALL]
+  args += [f"--gin.INPUT_FILE='{input_file}'", "--gin.GAMMA=3", "--gin.BATCH_SIZE=2",
+           f"--output_dir={out}", "--num_examples=3"]
+  proc = _launch(args, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((out / "results.json").read_text())
+  assert result["identical_outputs"] is True
+  assert result["identical_fraction"] == 1.0
+  assert result["num_examples"] == 3 and result["gamma"] == 3 and result["batch_size"] == 2
+  assert 0 < result["alpha"] < 1
+  assert len(result["per_position_acceptance"]) == 3
+  for key in ("walltime_baseline_s", "walltime_speculative_s", "speedup", "c",
+              "predicted_speedup", "predicted_speedup_measured_verify_cost", "target_verify_cost"):
+    assert result[key] > 0, key
+  assert 1 <= result["mean_tokens_per_iteration"] <= 4
+  assert result["tokens_baseline"] == result["tokens_speculative"]
+  assert "| local | tiny_noisy | 0 | 3 |" in result["markdown_row"]
+  assert result["markdown_row"] in (out / "results.md").read_text()
+  assert result["markdown_row"] in proc.stdout
+
+
+def test_launcher_rejects_unknown_binding(tmp_path, input_file):
+  out = tmp_path / "out"
+  args = [f"--gin_file={f}" for f in TINY_FILES]
+  args += [f"--gin.INPUT_FILE='{input_file}'", "--gin.Experiment.no_such_setting=3",
+           f"--output_dir={out}"]
+  proc = _launch(args, tmp_path)
+  assert proc.returncode != 0
+  assert "no_such_setting" in proc.stderr
+  assert not out.exists()
+
+
+def _run_in_process(bindings, out):
+  run_lib.parse_gin(TINY_FILES, SMALL + bindings)
+  try:
+    return run_lib.run_experiment(run_lib.Experiment(), str(out))
+  finally:
+    gin.clear_config()
+
+
+def test_missing_checkpoint_path(tmp_path, input_file):
+  with pytest.raises(FileNotFoundError, match="target checkpoint not found.*no/such/ckpt"):
+    _run_in_process([f"INPUT_FILE = '{input_file}'",
+                     f"TARGET_CHECKPOINT = '{tmp_path}/no/such/ckpt'"], tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"inputs": "ok"}\n{"inputs": "broken"\n', r"inputs\.jsonl:2: malformed JSON"),
+    ('{"inputs": "ok"}\n\n{"text": "x"}\n', r"inputs\.jsonl:3: expected an object with a "
+     "string field 'inputs'"),
+])
+def test_malformed_input_line(tmp_path, content, message):
+  path = tmp_path / "inputs.jsonl"
+  path.write_text(content)
+  with pytest.raises(ValueError, match=message):
+    _run_in_process([f"INPUT_FILE = '{path}'"], tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+def test_malformed_tsv_line(tmp_path):
+  path = tmp_path / "inputs.tsv"
+  path.write_text("a\tb\nc\td\te\n")
+  with pytest.raises(ValueError, match=r"inputs\.tsv:2: .* 3 tab-separated columns"):
+    _run_in_process([f"INPUT_FILE = '{path}'"], tmp_path / "out")
+
+
+def test_tokenizer_model_vocab_mismatch(tmp_path, input_file):
+  # The byte tokenizer emits ids up to 258; a 128-id model cannot embed them.
+  with pytest.raises(ValueError, match="vocabulary mismatch.*258.*128"):
+    _run_in_process([f"INPUT_FILE = '{input_file}'", "tiny/T5Config.vocab_size = 128"],
+                    tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+def test_sign_test_p_values():
+  assert run_lib.sign_test_p_value([1, 1, 1, 1, 1]) == pytest.approx(2 / 32)
+  assert run_lib.sign_test_p_value([1, -1, 0, 1, -1]) == 1.0
+  assert run_lib.sign_test_p_value([]) == 1.0
+
+
+def test_reproduce_table2_runs_all_rows_and_resumes(tmp_path, input_file, monkeypatch):
+  out = str(tmp_path / "table2")
+  kwargs = dict(num_examples=2, stand_in=True, input_file=input_file,
+                extra=SMALL[:2] + ["MAX_DECODE_STEPS = 10", "Experiment.timing_repeats = 2"])
+  real_run = run_lib.run_experiment
+  calls = []
+
+  def interrupted_run(*args, **kw):
+    if len(calls) == 5:
+      raise KeyboardInterrupt  # The user presses ^C during the sixth row.
+    calls.append(args[1])
+    return real_run(*args, **kw)
+
+  monkeypatch.setattr(run_lib, "run_experiment", interrupted_run)
+  with pytest.raises(KeyboardInterrupt):
+    reproduce_table2.run_rows(out, **kwargs)
+  finished = [r.name for r in TABLE2[:5]]
+  assert sorted(os.listdir(out)) == sorted(finished)
+  stamps = {n: os.stat(os.path.join(out, n, "results.json")).st_mtime_ns for n in finished}
+
+  calls.clear()
+  monkeypatch.setattr(run_lib, "run_experiment", lambda *a, **kw: (calls.append(a[1]),
+                                                                   real_run(*a, **kw))[1])
+  results = reproduce_table2.run_rows(out, **kwargs)
+  assert [os.path.basename(c) for c in calls] == [r.name for r in TABLE2[5:]]
+  assert {n: os.stat(os.path.join(out, n, "results.json")).st_mtime_ns
+          for n in finished} == stamps
+  assert set(results) == {r.name for r in TABLE2}
+  for row in TABLE2:
+    result = results[row.name]
+    assert result["gamma"] == row.gamma and result["temperature"] == row.temperature
+    assert result["task"] == row.task and result["draft"] == row.draft
+    if row.temperature == 0:
+      assert result["identical_outputs"] is True
+    else:
+      check = result["distribution_check"]
+      assert set(check["p_values"]) == {"length", "mean_log_prob"}
+  table = reproduce_table2.comparison_table(results)
+  assert len(table.strip().splitlines()) == 2 + 12
+  assert "| ende | small | 0 | 7 |" in table and "/ 3.4X" in table
