@@ -43,6 +43,7 @@ import tqdm
 from specdec_jax import decoding
 from specdec_jax import results as results_lib
 from specdec_jax import sampling
+from specdec_jax import sharding
 from specdec_jax import tasks
 from specdec_jax import theory
 from specdec_jax.drafts import Draft, ModelDraft
@@ -254,8 +255,19 @@ def distribution_check(base_stats: Dict[str, np.ndarray],
 # The experiment.
 
 
-def run_experiment(exp: Experiment, output_dir: str,
-                   num_examples: Optional[int] = None) -> Dict[str, Any]:
+def make_partitioners(mesh_shape: Optional[str]):
+  """--mesh_shape, else a configs/sharding/*.gin binding, else None (one device)."""
+  if mesh_shape is None:
+    try:
+      gin.query_parameter("specdec_jax.sharding.make_partitioners.mesh_shape")
+    except ValueError:
+      return None
+    return sharding.make_partitioners()
+  return sharding.make_partitioners(mesh_shape)
+
+
+def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
+                   mesh_shape: Optional[str] = None) -> Dict[str, Any]:
   """Runs `exp`, writes results.json and results.md into output_dir, returns the results."""
   if exp.max_decode_steps < exp.gamma + 1:
     raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= gamma + 1 "
@@ -276,6 +288,15 @@ def run_experiment(exp: Experiment, output_dir: str,
   tasks.check_vocab(exp.tokenizer, target.config, "target")
   draft = load_draft(exp.draft, target)
   draft.check_compatible(target.config)
+  partitioners = make_partitioners(mesh_shape)
+  if partitioners is not None:
+    # Params go onto the mesh leaf by leaf; the compiled decode follows their
+    # shardings (GSPMD), the batch is split over `data`.
+    target_part, draft_part = partitioners
+    target = sharding.shard_model(target, target_part)
+    if isinstance(draft, ModelDraft):
+      draft = ModelDraft(sharding.shard_model(draft.model, draft_part),
+                         draft.confidence_threshold)
   draft_model = draft.model if isinstance(draft, ModelDraft) else None
 
   encoder_tokens = tasks.encode_batch(exp.tokenizer, [e.inputs for e in examples],
@@ -290,10 +311,15 @@ def run_experiment(exp: Experiment, output_dir: str,
 
   def decode(model, batch, key):
     start = time.perf_counter()
+    if partitioners is not None:
+      batch = jax.device_put(batch, partitioners[0].batch_sharding(batch.shape))
     decodes, aux = model.predict_batch_with_aux(
         params, {"encoder_input_tokens": batch, "decoder_input_tokens": decoder_inputs},
         rng=key)
     decodes = jax.block_until_ready(decodes)
+    if jax.process_count() > 1:  # Rows live on other hosts' devices too.
+      from jax.experimental import multihost_utils
+      decodes, aux = multihost_utils.process_allgather((decodes, aux), tiled=True)
     return np.asarray(decodes), jax.device_get(aux), time.perf_counter() - start
 
   all_batches = list(batches(encoder_tokens, exp.batch_size))
@@ -387,9 +413,10 @@ def run_experiment(exp: Experiment, output_dir: str,
       result["task"], result["draft"], exp.temperature, exp.gamma, alpha, speedup,
       result["predicted_speedup"], c)
 
-  results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
-  results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
-                                results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n")
+  if sharding.is_output_process():  # Multi-host: one writer.
+    results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
+    results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
+                                  results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n")
   logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", speedup, alpha, c,
                result["identical_outputs"])
   return result
@@ -407,6 +434,16 @@ GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
     "gin_search_paths", [REPO_ROOT], "Directories to resolve gin `include`s against.")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.json/results.md go.")
 NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "Use only the first N examples.")
+MESH_SHAPE = flags.DEFINE_string(
+    "mesh_shape", None, "Shard across devices on a 'data,model' mesh, e.g. '2,4' or '1,-1' "
+    "(target: T5X rules, draft: replicated; see configs/sharding/*.gin). Default: one device.")
+MULTIHOST = flags.DEFINE_bool(
+    "multihost", False, "Call jax.distributed.initialize first (TPU pods and SLURM are "
+    "auto-detected); only process 0 writes results.")
+COORDINATOR_ADDRESS = flags.DEFINE_string("coordinator_address", None,
+                                          "host:port of process 0 (multihost, if not detected).")
+NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes (multihost, if not detected).")
+PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (multihost, if not detected).")
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> List[str]:
@@ -443,10 +480,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not OUTPUT_DIR.value:
     raise app.UsageError("--output_dir is required")
+  if MULTIHOST.value:  # Before any other JAX call.
+    sharding.initialize_distributed(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value,
+                                    PROCESS_ID.value)
   try:
     parse_gin(GIN_FILES.value, GIN_BINDINGS.value, GIN_SEARCH_PATHS.value)
     exp = Experiment()
-    result = run_experiment(exp, OUTPUT_DIR.value, NUM_EXAMPLES.value)
+    result = run_experiment(exp, OUTPUT_DIR.value, NUM_EXAMPLES.value, MESH_SHAPE.value)
   except (ValueError, FileNotFoundError, ImportError, RuntimeError, TypeError) as e:
     # A clean one-line error instead of a traceback for configuration and
     # input mistakes; nothing has been written.
