@@ -12,7 +12,9 @@ from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraf
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
 from specdec_jax.model import Model, load_model
 from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+from specdec_jax import theory
 from specdec_jax.sampling import adjust_probs
 from specdec_jax.speculative import batched_speculative_step, speculative_step
+from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
 
 __version__ = "0.1.0"

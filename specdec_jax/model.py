@@ -115,12 +115,17 @@ class Model:
         {"params": params}, tokens, positions, cache, method=T5.decode_block)
 
 
-def init_params(config: T5Config, seed: int = 0):
-  """Random T5X-style initialisation, cast to `config.dtype`."""
+@functools.lru_cache(maxsize=None)
+def _init_fn(config: T5Config):
   module = T5(config)
   dummy = jnp.ones((1, 1), jnp.int32)
-  init = jax.jit(lambda rng: module.init(rng, dummy, dummy)["params"])
-  params = init(jax.random.PRNGKey(seed))
+  return jax.jit(lambda rng: module.init(rng, dummy, dummy)["params"])
+
+
+def init_params(config: T5Config, seed: int = 0):
+  """Random T5X-style initialisation, cast to `config.dtype`."""
+  # One compiled initialiser per config: tests and launchers build many models.
+  params = _init_fn(config)(jax.random.PRNGKey(seed))
   dtype = jnp.dtype(config.dtype)
   return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
 
