@@ -12,8 +12,10 @@ from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraf
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
 from specdec_jax.model import Model, load_model
 from specdec_jax.models.configs import CONFIGS, T5Config, get_config
-from specdec_jax import theory
+from specdec_jax import sharding, theory
 from specdec_jax.sampling import adjust_probs
+from specdec_jax.sharding import (Partitioner, load_sharded_model, make_partitioners, plan_memory,
+                                  plan_speculative_memory, shard_model)
 from specdec_jax.speculative import batched_speculative_step, speculative_step
 from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
 
