@@ -149,7 +149,7 @@ def temperature_sample(inputs: Array,
     if logit_callback_fn is not None:
       logits = logit_callback_fn(logits, state)
     probs = sampling.adjust_probs(logits, temperature, topk, topp)
-    token = sampling.sample(step_rng, probs)
+    token = sampling.sample(step_rng, probs, greedy=temperature < sampling.MIN_TEMPERATURE)
     next_index = index + 1
     prompt_token = seqs[row_ids, next_index]
     out_of_prompt = prompt_token == 0
@@ -209,7 +209,7 @@ def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: f
 
   def draw(logits, step_rng):
     probs = sampling.adjust_probs(logits, temperature, topk, topp)
-    return sampling.sample(step_rng, probs), probs
+    return sampling.sample(step_rng, probs, greedy=temperature < sampling.MIN_TEMPERATURE), probs
 
   def confident(logits):
     if confidence_threshold is None:
@@ -347,7 +347,7 @@ def speculative_sample(inputs: Array,
     target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
     num_accepted, next_token = speculative.batched_speculative_step(
         jax.random.split(accept_rng, batch), draft_tokens, draft_probs, target_probs,
-        num_drafted)
+        num_drafted, greedy=temperature < sampling.MIN_TEMPERATURE)
 
     # The n accepted drafts, then the new token, then nothing.
     padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))

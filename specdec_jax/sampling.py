@@ -84,8 +84,16 @@ def adjust_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
   return probs
 
 
-def sample(rng: Array, probs: Array) -> Array:
-  """Draws token ids [...] int32 from probs [..., vocab] (zeros never drawn)."""
+def sample(rng: Array, probs: Array, greedy: bool = False) -> Array:
+  """Draws token ids [...] int32 from probs [..., vocab] (zeros never drawn).
+
+  `greedy` (static) promises that probs is `adjust_probs`'s one-hot at
+  temperature 0: its one token is then taken by argmax, the same draw without
+  generating noise over the whole vocabulary (a measurable cost per step on
+  CPU with 32k-token vocabularies).
+  """
+  if greedy:
+    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
   return jax.random.categorical(rng, safe_log(probs), axis=-1).astype(jnp.int32)
 
 

@@ -4,6 +4,7 @@ Written for one sequence and `jax.vmap`ped over the batch, so every row keeps
 or rejects its own drafts with its own key.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -15,7 +16,8 @@ Array = jax.Array
 
 
 def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target_probs: Array,
-                     num_drafted: Optional[Array] = None) -> Tuple[Array, Array]:
+                     num_drafted: Optional[Array] = None, greedy: bool = False
+                     ) -> Tuple[Array, Array]:
   """Decides how many drafted tokens to keep and draws the next token.
 
   Accepts x_i while r_i < p_i(x_i) / q_i(x_i) (r_i ~ U[0, 1)); on the first
@@ -31,6 +33,8 @@ def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target
     num_drafted: optional int32 scalar <= gamma: only the first num_drafted
       drafts count (adaptive draft length); it must depend only on the draft's
       own state for exactness.
+    greedy: static; True when p and q are temperature-0 one-hots, so the
+      residual is one-hot too and its token is read by argmax (no noise drawn).
   Returns:
     (num_accepted int32 scalar in [0, num_drafted], next_token int32 scalar).
   """
@@ -61,25 +65,28 @@ def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target
   # Only rounding can leave the residual without mass (p == q at a rejection);
   # p itself is then the right distribution.
   residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
-  next_token = sampling.sample(residual_rng, residual)
+  next_token = sampling.sample(residual_rng, residual, greedy=greedy)
   return num_accepted, next_token
 
 
 def batched_speculative_step(rngs: Array, draft_tokens: Array, draft_probs: Array,
                              target_probs: Array,
-                             num_drafted: Optional[Array] = None) -> Tuple[Array, Array]:
+                             num_drafted: Optional[Array] = None,
+                             greedy: bool = False) -> Tuple[Array, Array]:
   """`speculative_step` vmapped over the batch.
 
   Args:
     rngs: [batch] keys (one per row).
     draft_tokens: [batch, gamma]; draft_probs: [batch, gamma, vocab];
-    target_probs: [batch, gamma + 1, vocab]; num_drafted: [batch] or None.
+    target_probs: [batch, gamma + 1, vocab]; num_drafted: [batch] or None;
+    greedy: see `speculative_step`.
   Returns:
     (num_accepted [batch] int32, next_token [batch] int32).
   """
   if num_drafted is None:
     num_drafted = jnp.full((draft_tokens.shape[0],), draft_tokens.shape[1], jnp.int32)
-  return jax.vmap(speculative_step)(rngs, draft_tokens, draft_probs, target_probs, num_drafted)
+  step = functools.partial(speculative_step, greedy=greedy)
+  return jax.vmap(step)(rngs, draft_tokens, draft_probs, target_probs, num_drafted)
 
 
 def acceptance_probability(target_probs: Array, draft_probs: Array) -> Array:
