@@ -87,7 +87,7 @@ class _Tensor:
 
 
 def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool = False,
-                          **config_overrides) -> Model:
+                          place=None, **config_overrides) -> Model:
   """Loads a checkpoint of any supported format into a `Model`.
 
   Args:
@@ -96,6 +96,10 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
     dtype: 'float32' / 'bfloat16' / 'float16' for the params and compute;
       default `specdec_jax.model.default_dtype()` (float32 on CPU).
     progress: show a tqdm bar while reading tensors.
+    place: `(key tuple, numpy array) -> array` putting one tensor where it
+      belongs (default `jax.device_put`); `sharding.load_sharded_model` passes
+      one that sends each device only its slice. Hugging Face and T5X formats
+      call it tensor by tensor; Orbax checkpoints are restored whole.
     **config_overrides: `T5Config` fields to set on top of the inferred config
       (e.g. relative_attention_max_distance for T5X checkpoints).
   Raises:
@@ -107,7 +111,8 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
   path = os.fspath(path)
   fmt, location = detect_format(path)
   loaders = {"specdec": _load_specdec, "hf": _load_hf, "t5x": _load_t5x, "orbax": _load_orbax}
-  return loaders[fmt](location, dtype, progress, config_overrides)
+  model = loaders[fmt](location, dtype, progress, config_overrides, place or _device_put)
+  return model
 
 
 def save_model(model: Model, path, *, overwrite: bool = False) -> None:
@@ -220,8 +225,13 @@ def _describe(config: T5Config) -> str:
           f"logits_via_embedding={config.logits_via_embedding})")
 
 
+def _device_put(key, array):
+  del key
+  return jax.device_put(array)
+
+
 def _assemble(config: T5Config, tensors: Mapping[str, _Tensor], origin: str, progress: bool,
-              source_names: Optional[Mapping[str, str]] = None,
+              place, source_names: Optional[Mapping[str, str]] = None,
               unexpected: Sequence[str] = ()) -> Model:
   """Checks, then reads each tensor, casts it to config.dtype and puts it on the device."""
   _check_tensors(config, tensors, origin, source_names, unexpected)
@@ -236,7 +246,7 @@ def _assemble(config: T5Config, tensors: Mapping[str, _Tensor], origin: str, pro
     array = tensors[key].read(dtype)
     if array.shape != tensors[key].shape or array.dtype != dtype:  # A reader bug, not input.
       raise AssertionError(f"{tensors[key].source} read as {array.shape} {array.dtype}")
-    flat[tuple(key.split("/"))] = jax.device_put(array)
+    flat[tuple(key.split("/"))] = place(tuple(key.split("/")), array)
     del array  # Free the host copy before reading the next tensor.
   return Model(config, traverse_util.unflatten_dict(flat))
 
@@ -349,7 +359,7 @@ def _hf_names(config: T5Config) -> Dict[str, Tuple[str, bool]]:
   return names
 
 
-def _load_hf(directory: str, dtype: str, progress: bool, overrides) -> Model:
+def _load_hf(directory: str, dtype: str, progress: bool, overrides, place) -> Model:
   config_path = os.path.join(directory, "config.json")
   try:
     with open(config_path) as f:
@@ -378,7 +388,7 @@ def _load_hf(directory: str, dtype: str, progress: bool, overrides) -> Model:
   unexpected = [f"{files[k].source}" for k in sorted(files)
                 if k not in used and k not in _HF_IGNORED]
   source_names = {ours: f"{theirs} (for {ours})" for ours, (theirs, _) in wanted.items()}
-  return _assemble(config, tensors, directory, progress, source_names, unexpected)
+  return _assemble(config, tensors, directory, progress, place, source_names, unexpected)
 
 
 def _hf_tensor(stored: _Tensor, transpose: bool, scale: Optional[float] = None) -> _Tensor:
@@ -710,7 +720,7 @@ def _read_t5x_msgpack(location: str) -> bytes:
     return f.read()
 
 
-def _load_t5x(location: str, dtype: str, progress: bool, overrides) -> Model:
+def _load_t5x(location: str, dtype: str, progress: bool, overrides, place) -> Model:
   from flax import serialization
   location = _local_or_url(location)
   msgpack_file = f"{location.rstrip('/')}/checkpoint"
@@ -728,7 +738,7 @@ def _load_t5x(location: str, dtype: str, progress: bool, overrides) -> Model:
   tensors = {k: _t5x_tensor(location, k, leaf, version, msgpack_file) for k, leaf in flat.items()}
   shapes = {k: t.shape for k, t in tensors.items()}
   config = infer_config_from_shapes(shapes, msgpack_file, dtype, overrides)
-  return _assemble(config, tensors, location, progress)
+  return _assemble(config, tensors, location, progress, place)
 
 
 def _is_ts_spec(path, node) -> bool:
@@ -820,7 +830,8 @@ def _restore_orbax(location: str, prefix: Tuple[str, ...], config: T5Config, ori
   return Model(config, restored)
 
 
-def _load_orbax(location: str, dtype: str, progress: bool, overrides) -> Model:
+def _load_orbax(location: str, dtype: str, progress: bool, overrides, place) -> Model:
+  del place  # Orbax restores whole arrays; see load_checkpoint_model.
   location = _local_or_url(location)
   tree = _orbax_metadata_tree(location)
   prefix, params = _find_params(tree, location)
@@ -830,7 +841,8 @@ def _load_orbax(location: str, dtype: str, progress: bool, overrides) -> Model:
   return _restore_orbax(location, prefix, config, location, params, progress)
 
 
-def _load_specdec(directory: str, dtype: str, progress: bool, overrides) -> Model:
+def _load_specdec(directory: str, dtype: str, progress: bool, overrides, place) -> Model:
+  del place  # Orbax restores whole arrays; see load_checkpoint_model.
   config_path = os.path.join(directory, SPECDEC_CONFIG)
   try:
     with open(config_path) as f:

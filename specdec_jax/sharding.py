@@ -425,7 +425,16 @@ def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
     if dtype is not None or not isinstance(source, T5Config):
       config = config.replace(dtype=dtype or default_dtype())
     return Model(config, init_sharded_params(config, partitioner, seed))
-  model = load_model(source, dtype=dtype, seed=seed, **config_overrides)
+  from specdec_jax import checkpoints
+
+  def place(key, array):
+    # Each device receives only its slice of the host tensor.
+    spec = partitioner.spec(param_logical_axes(key, array.ndim), array.shape, "/".join(key))
+    return jax.make_array_from_callback(array.shape, partitioner.sharding(spec),
+                                        lambda index: array[index])
+
+  model = checkpoints.load_checkpoint_model(source, dtype=dtype, place=place, **config_overrides)
+  # Formats restored whole (Orbax) are re-placed here; placed leaves stay put.
   return Model(model.config, partitioner.shard_params(model.params))
 
 

@@ -308,3 +308,22 @@ def test_multidevice_activation_axes_constrain_under_jit():
 
   assert named(part) == P("data", None, "model")
   assert named(draft_part) == P("data")
+
+
+@multidevice
+def test_multidevice_checkpoint_loads_straight_into_shards(pair, tmp_path):
+  """A Hugging Face checkpoint lands sliced per device, with the same values."""
+  from specdec_jax import checkpoints
+  target, _, _ = pair
+  checkpoints.export_hf(target, str(tmp_path / "hf"))
+  target_part, _ = sharding.make_partitioners("2,4")
+
+  loaded = sharding.load_sharded_model(str(tmp_path / "hf"), target_part, dtype="float32")
+  kernel = loaded.params["decoder"]["logits_dense"]["kernel"]
+  assert kernel.sharding.spec == target_part.param_specs(loaded.params)["decoder"][
+      "logits_dense"]["kernel"]
+  assert {s.data.shape for s in kernel.addressable_shards} == {
+      (kernel.shape[0], kernel.shape[1] // 4)}
+  for got, want in zip(jax.tree_util.tree_leaves(loaded.params),
+                       jax.tree_util.tree_leaves(target.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
