@@ -47,7 +47,7 @@ import numpy as np
 
 from specdec_jax import generation
 from specdec_jax import theory
-from specdec_jax.model import Model, load_model
+from specdec_jax.model import Model, default_dtype, load_model
 from specdec_jax.models.configs import CONFIGS
 from specdec_jax.results import write_json_atomic
 from specdec_jax.testing import perturbed_model, random_encoder_tokens
@@ -65,6 +65,8 @@ flags.DEFINE_integer("encoder_length", 32, "Encoder input length (random tokens)
 flags.DEFINE_integer("repeats", 5, "Timed repeats per decoder (after one warm-up call).")
 flags.DEFINE_integer("vocab_size", 0, "Override the vocabulary of named configs (0 = keep).")
 flags.DEFINE_integer("seed", 0, "Seed for random weights and inputs.")
+flags.DEFINE_string("dtype", "", "Weights dtype: float32 / bfloat16 (default: float32 on CPU, "
+                    "bfloat16 on accelerators).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (random weights emit it at random).")
 flags.DEFINE_integer("cost_calls", 8, "Model calls per timed loop when measuring c and the "
                      "cost curve.")
@@ -318,20 +320,21 @@ def _describe(model: Model) -> str:
 # Loading and the driver.
 
 
-def load(name_or_path: str, vocab_size: int, seed: int) -> Model:
-  """A named config with random weights (float32; vocabulary overridable) or a checkpoint."""
+def load(name_or_path: str, vocab_size: int, seed: int, dtype: str = "") -> Model:
+  """A named config with random weights (vocabulary overridable) or a checkpoint."""
+  dtype = dtype or default_dtype()
   if name_or_path in CONFIGS:
     overrides = dict(vocab_size=vocab_size) if vocab_size else {}
-    return load_model(name_or_path, dtype="float32", seed=seed, **overrides)
-  return load_model(name_or_path, dtype="float32")
+    return load_model(name_or_path, dtype=dtype, seed=seed, **overrides)
+  return load_model(name_or_path, dtype=dtype)
 
 
 def load_drafts(target: Model, drafts: Sequence[str], noises: Sequence[float],
-                vocab_size: int, seed: int) -> Dict[str, Model]:
+                vocab_size: int, seed: int, dtype: str = "") -> Dict[str, Model]:
   """Named/path drafts (named ones get the target's vocabulary) and perturbed copies."""
   out = {}
   for i, name in enumerate(drafts):
-    out[name] = load(name, vocab_size or target.config.vocab_size, seed + 1 + i)
+    out[name] = load(name, vocab_size or target.config.vocab_size, seed + 1 + i, dtype)
   for noise in noises:
     if not noise > 0:
       raise ValueError(f"--draft_noise values must be > 0, got {noise}")
@@ -365,10 +368,11 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
 def run(target_name: str, drafts: Sequence[str], noises: Sequence[float],
         batch_sizes: Sequence[int], gammas: Sequence[int], temperatures: Sequence[float],
         max_decode_steps: int, encoder_length: int, repeats: int, vocab_size: int = 0,
-        seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8) -> Dict[str, Any]:
+        seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8,
+        dtype: str = "") -> Dict[str, Any]:
   """Runs every (draft, batch, gamma, temperature) row; returns the JSON document."""
-  target = load(target_name, vocab_size, seed)
-  draft_models = load_drafts(target, drafts, noises, vocab_size, seed)
+  target = load(target_name, vocab_size, seed, dtype)
+  draft_models = load_drafts(target, drafts, noises, vocab_size, seed, dtype)
   rows = []
   for draft_name, draft in draft_models.items():
     for batch in batch_sizes:
@@ -396,7 +400,7 @@ def main(argv):
                [int(b) for b in FLAGS.batch_sizes], [int(g) for g in FLAGS.gammas],
                [float(t) for t in FLAGS.temperatures], FLAGS.max_decode_steps,
                FLAGS.encoder_length, FLAGS.repeats, FLAGS.vocab_size, FLAGS.seed,
-               FLAGS.stop_at_eos, FLAGS.cost_calls)
+               FLAGS.stop_at_eos, FLAGS.cost_calls, FLAGS.dtype)
   print(f"target {result['settings']['target']} ({result['settings']['target_config']}), "
         f"{FLAGS.max_decode_steps} new tokens, machine {result['machine']['cpu']} "
         f"x{result['machine']['nproc']}")
