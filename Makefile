@@ -26,7 +26,7 @@ demo: $(VENV)/.core
 	$(PY) -m experiments.demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q -x --timeout=900 tests
+	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -15,7 +15,7 @@ CORE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest", "hypothesis", "scipy", "pytest-timeout"],
+    "test": ["pytest", "hypothesis", "scipy", "pytest-timeout", "pytest-xdist"],
     # Reference implementation for parity checks. torch is pinned to the CPU
     # wheel that this machine class carries.
     "parity": ["torch==2.13.0", "transformers", "safetensors", "sentencepiece"],

@@ -84,6 +84,9 @@ def kernel_env(tmp_path_factory):
     os.environ["JUPYTER_PATH"] = old
 
 
+# One xdist worker runs every notebook: kernels started side by side have
+# raced for ports on this machine class.
+@pytest.mark.xdist_group("notebooks")
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT + 60)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, kernel_env):
