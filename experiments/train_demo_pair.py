@@ -40,6 +40,8 @@ flags.DEFINE_string("out_dir", "demo_pair", "Where `export` writes the shipped a
 flags.DEFINE_list("stages", ["data", "pretrain", "distill", "ngram", "export"], "Stages to run.")
 flags.DEFINE_multi_string("gin_file", [], "Gin files.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings.")
+flags.DEFINE_string("mini_table2_json", "results/mini_table2/results.json",
+                    "experiments.mini_table2 results to quote in the model card, if present.")
 
 STAGES = ("data", "pretrain", "distill", "ngram", "export")
 
@@ -291,7 +293,8 @@ def stage_export(s: DemoPairSettings, workdir: str, out_dir: str):
   info = dict(models={n: demo_pair.config_to_json(m.config) for n, m in models.items()},
               params={n: m.config.num_params for n, m in models.items()},
               settings=dataclasses.asdict(s), provenance=_read_json(paths["provenance"]),
-              stats=_read_json(os.path.join(workdir, "stats.json"), {}))
+              stats=_read_json(os.path.join(workdir, "stats.json"), {}),
+              mini_table2=_read_json(FLAGS.mini_table2_json) if FLAGS.mini_table2_json else None)
   _write_json(os.path.join(out_dir, "config.json"), json.loads(json.dumps(info)))
   data.write_bytes_atomic(os.path.join(out_dir, "MODEL_CARD.md"), model_card(info).encode())
   total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
@@ -341,19 +344,20 @@ def model_card(info) -> str:
         f"{pre['examples_seen'] / max(prov['train_examples'], 1):.2f} epochs), "
         f"{pre['seconds_this_session'] / 60:.0f} min wall-clock.",
         "   Held-out loss (nats/token) / next-token accuracy: " + ", ".join(
-            f"{n} {h.get(n + '/loss', float('nan')):.3f} / {h.get(n + '/accuracy', float('nan')):.3f}"
+            f"{n} {h.get(n + '/loss', float('nan')):.3f} / {h.get(n + '/correct', float('nan')):.3f}"
             for n in ("target", "small", "tiny")) + "."]
   if dist:
     lines += [
         f"2. Distillation of both drafts from the target: {dist['divergence']} on the target's "
-        f"temperature-{dist['distill_temperature']:g} distributions, sequences = target outputs "
-        f"({dist['source']}), {dist['steps']} steps x {dist['batch_size']}, "
+        f"temperature-{dist['distill_temperature']:g} distributions, on the target's own "
+        f"samples at temperature {dist['decode_temperature']:g} for training inputs "
+        f"(source '{dist['source']}'), {dist['steps']} steps x {dist['batch_size']}, "
         f"{dist['seconds'] / 60:.1f} min.",
         "   Held-out divergence / greedy agreement before -> after: " + ", ".join(
             f"{n} {dist['eval_before'].get(n + '/loss', 0):.3f} / "
-            f"{dist['eval_before'].get(n + '/accuracy', 0):.3f} -> "
+            f"{dist['eval_before'].get(n + '/correct', 0):.3f} -> "
             f"{dist['eval_after'].get(n + '/loss', 0):.3f} / "
-            f"{dist['eval_after'].get(n + '/accuracy', 0):.3f}" for n in ("small", "tiny")) + "."]
+            f"{dist['eval_after'].get(n + '/correct', 0):.3f}" for n in ("small", "tiny")) + "."]
   if ngram:
     lines.append(f"3. Unigram and bigram drafts: counts over {ngram['fitted_on']}.")
   lines += ["", "## Acceptance rate alpha (held-out inputs, gamma 4, pooled over 64 inputs)", "",
@@ -365,12 +369,27 @@ def model_card(info) -> str:
                    f"{after['0.0']:.2f} | {before['1.0']:.2f} -> {after['1.0']:.2f} |")
   for name, a in ngram.get("alpha", {}).items():
     lines.append(f"| {name} | {a['0.0']:.2f} | {a['1.0']:.2f} |")
-  lines += ["", "Speedups on this machine: `python -m experiments.mini_table2` (BENCHMARKS.md).",
-            "", "## Limitations", "",
+  table = info.get("mini_table2")
+  if table:
+    lines += ["", f"## Speedups (CPU, batch 1, {table['num_inputs']} held-out inputs, "
+              "`python -m experiments.mini_table2`)", "",
+              "| draft | temp | alpha | c | gamma (theory) | speedup | best gamma | speedup | "
+              "greedy output identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in table["rows"]:
+      same = {True: "yes", False: "NO", None: "n/a"}[r["identical_outputs"]]
+      lines.append(f"| {r['draft']} | {r['temperature']:g} | {r['alpha']:.2f} | {r['c']:.3f} | "
+                   f"{r['gamma_theory']} | {r['speedup_theory_gamma']:.2f}X | {r['gamma_best']} | "
+                   f"{r['speedup_best']:.2f}X | {same} |")
+  else:
+    lines += ["", "Speedups on this machine: `python -m experiments.mini_table2`."]
+  lines += ["", "## Limitations", "",
             "- Tiny by design (a CPU-trainable pair): the target is far weaker than a real code "
             "model; its completions are plausible-looking Python, often wrong.",
             "- Trained once with one seed on a shared CPU; wall-clock times are not comparable "
-            "across machines.", ""]
+            "across machines, and speedups measured on a CPU shared with other jobs are noisy "
+            "(a few tenths of X between runs).",
+            "- Greedy decoding of a weak model often repeats lines; alpha is measured on what the "
+            "target actually generates, so it includes those easy repetitions.", ""]
   return "\n".join(lines)
 
 

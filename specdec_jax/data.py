@@ -147,6 +147,12 @@ class Tokenizer(tasks.Tokenizer):
   def encode(self, text: str) -> List[int]:
     return self.sp.encode(text)
 
+  def encode_lines(self, text: str) -> List[int]:
+    """Encodes line by line and concatenates: the form the code-completion examples use
+    (`completion_examples`). It can differ from `encode(text)` by a few pieces around line
+    starts; both decode back to `text`."""
+    return [t for line in text.splitlines(keepends=True) for t in self.sp.encode(line)]
+
   def decode(self, ids: Iterable[int]) -> str:
     """Decodes ids, stopping at the first EOS and dropping padding."""
     out = []
@@ -256,7 +262,7 @@ def completion_examples(files: Sequence[SourceFile], tokenizer: Tokenizer, task:
   inputs, targets, texts = [], [], []
   for source in files:
     lines = source.text.splitlines(keepends=True)
-    line_ids = [tokenizer.encode(line) for line in lines]
+    line_ids = [tokenizer.encode(line) for line in lines]  # As in Tokenizer.encode_lines.
     for i in range(1, len(lines), task.stride):
       if not lines[i].strip():
         continue

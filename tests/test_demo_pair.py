@@ -52,8 +52,12 @@ def test_tokenizer_round_trips_heldout_text(pair):
   for row in pair.heldout:
     text = row["input"] + row["target"]
     assert pair.tokenizer.decode(pair.tokenizer.encode(text)) == text
-    # The shipped ids are the tokenizer's (the input keeps its last input_len tokens).
-    assert row["input_ids"] == pair.tokenizer.encode(row["input"])[-pair.input_len:]
+    # The shipped ids are the line-by-line encoding the models were trained on (the input
+    # keeps its last input_len tokens, the target its first target_len - 1 and EOS).
+    assert row["input_ids"] == pair.tokenizer.encode_lines(row["input"])[-pair.input_len:]
+    assert row["input"].endswith(pair.tokenizer.decode(row["input_ids"]))
+    assert row["target_ids"][-1] == 1 or len(row["target_ids"]) == pair.max_decode_steps
+    assert row["target"].startswith(pair.tokenizer.decode(row["target_ids"]))
 
 
 @needs_pair
