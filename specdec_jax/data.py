@@ -105,7 +105,9 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, *, max_sentences: int
                     seed: int = 0) -> bytes:
   """Trains a lossless SentencePiece unigram model on `lines`; returns its proto bytes.
 
-  Ids: pad=0, eos=1, unk=2, no BOS (T5's convention). Whitespace is kept
+  Ids: pad=0, eos=1, unk=2, no BOS (T5's convention). vocab_size is an upper
+  bound (a small corpus may yield fewer pieces); it must exceed the 256 byte
+  pieces plus the corpus's distinct characters. Whitespace is kept
   exactly (identity normalisation, no dummy prefix, no whitespace squashing)
   and unknown characters fall back to bytes, so `decode(encode(text)) == text`.
   """
@@ -120,7 +122,8 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, *, max_sentences: int
       normalization_rule_name="identity", remove_extra_whitespaces=False,
       add_dummy_prefix=False, byte_fallback=True, user_defined_symbols=_WHITESPACE_SYMBOLS,
       allow_whitespace_only_pieces=True, split_digits=True, input_sentence_size=max_sentences,
-      shuffle_input_sentence=True, max_sentence_length=8192, num_threads=1, minloglevel=2)
+      shuffle_input_sentence=True, max_sentence_length=8192, num_threads=1, minloglevel=2,
+      hard_vocab_limit=False)  # A small corpus may support fewer pieces: use what it has.
   return model.getvalue()
 
 

@@ -135,3 +135,20 @@ def test_batch_order_is_a_function_of_step():
   # Each epoch (10 batches) is a permutation of all examples.
   np.testing.assert_array_equal(np.sort(np.concatenate(a[:10])), np.arange(100))
   assert not (np.concatenate(a[:10]) == np.concatenate(a[10:20])).all()
+
+
+def test_train_experiment_on_pretokenized_file(tmp_path):
+  """experiments/train.py end to end on a .npz, then a rerun resumes (no extra steps)."""
+  from experiments.train import train_experiment
+  path = str(tmp_path / "copy.npz")
+  copy_task(n=64).save(path)
+  kwargs = dict(train_file=path, eval_file=path, model="tiny",
+                config_overrides=dict(vocab_size=VOCAB, emb_dim=32, num_heads=2, head_dim=16,
+                                      mlp_dim=64, num_encoder_layers=1, num_decoder_layers=1),
+                num_steps=4, batch_size=16, checkpoint_every=2, eval_every=2, warmup_steps=1)
+  state, metrics = train_experiment(str(tmp_path / "run"), **kwargs)
+  assert int(state.step) == 4 and metrics["loss"] > 0
+  assert os.path.exists(tmp_path / "run" / "params.npz")
+  again, _ = train_experiment(str(tmp_path / "run"), **kwargs)
+  for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(again.params)):
+    np.testing.assert_array_equal(a, b)
