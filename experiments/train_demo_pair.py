@@ -10,6 +10,8 @@ Stages (each resumable; rerunning a finished stage is a no-op):
             forward KL on the target's token distributions), alpha before/after.
   ngram     unigram and bigram drafts counted on the training targets.
   export    bf16 weights, configs, tokenizer, held-out JSONL, stats -> demo_pair/.
+  card      (not run by default) refresh MODEL_CARD.md + config.json with the latest
+            `experiments.mini_table2` results, weights untouched.
 
 Usage:
   nice -n 0 python -m experiments.train_demo_pair --workdir=demo_pair_run \
@@ -43,7 +45,7 @@ flags.DEFINE_multi_string("gin_param", [], "Gin bindings.")
 flags.DEFINE_string("mini_table2_json", "results/mini_table2/results.json",
                     "experiments.mini_table2 results to quote in the model card, if present.")
 
-STAGES = ("data", "pretrain", "distill", "ngram", "export")
+STAGES = ("data", "pretrain", "distill", "ngram", "export", "card")
 
 
 @gin.configurable
@@ -303,6 +305,25 @@ def stage_export(s: DemoPairSettings, workdir: str, out_dir: str):
     raise ValueError(f"shipped assets are {total / 1e6:.1f} MB, over the 25 MB budget")
 
 
+def stage_card(out_dir: str):
+  """Rewrites out_dir's config.json 'mini_table2' entry and MODEL_CARD.md from the latest
+  mini Table 2 results, leaving the weights untouched."""
+  path = os.path.join(out_dir, "config.json")
+  info = _read_json(path)
+  if info is None:
+    raise ValueError(f"{path} does not exist: run the export stage first")
+  info["mini_table2"] = _read_json(FLAGS.mini_table2_json) if FLAGS.mini_table2_json else None
+  _write_json(path, info)
+  data.write_bytes_atomic(os.path.join(out_dir, "MODEL_CARD.md"), model_card(info).encode())
+
+
+def theory_on_curve(alpha, gamma, c, block_cost) -> float:
+  from specdec_jax import theory
+  if gamma + 1 > len(block_cost):
+    return float("nan")
+  return theory.predicted_speedup_with_cost_curve(alpha, gamma, c, block_cost)
+
+
 def model_card(info) -> str:
   """MODEL_CARD.md from the recorded settings and statistics (numbers, not prose, vary)."""
   st, prov, stats = info["settings"], info["provenance"], info["stats"]
@@ -373,13 +394,27 @@ def model_card(info) -> str:
   if table:
     lines += ["", f"## Speedups (CPU, batch 1, {table['num_inputs']} held-out inputs, "
               "`python -m experiments.mini_table2`)", "",
-              "| draft | temp | alpha | c | gamma (theory) | speedup | best gamma | speedup | "
-              "greedy output identical |", "|---|---|---|---|---|---|---|---|---|"]
+              "Verifying k tokens in one target call costs, relative to one token: " + ", ".join(
+                  f"k={k + 1}: {v:.2f}x" for k, v in enumerate(table["block_cost"])) + ". "
+              "'Thm 3.8' assumes verification is free (the paper's TPU setting); 'CPU curve' "
+              "uses the measured cost above.", "",
+              "| draft | temp | alpha | c | gamma | predicted (Thm 3.8) | predicted (CPU curve) "
+              "| measured | best gamma | best measured | greedy output identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table["rows"]:
       same = {True: "yes", False: "NO", None: "n/a"}[r["identical_outputs"]]
+      g = str(r["gamma_theory"])
+      curve = theory_on_curve(r["alpha"], r["gamma_theory"], r["c"], table["block_cost"])
       lines.append(f"| {r['draft']} | {r['temperature']:g} | {r['alpha']:.2f} | {r['c']:.3f} | "
-                   f"{r['gamma_theory']} | {r['speedup_theory_gamma']:.2f}X | {r['gamma_best']} | "
+                   f"{g} | {r['predicted_theory']:.2f}X | {curve:.2f}X | "
+                   f"{r['speedup_theory_gamma']:.2f}X | {r['gamma_best']} | "
                    f"{r['speedup_best']:.2f}X | {same} |")
+    lines += ["", "Why the CPU speedup is modest: each iteration costs gamma draft steps plus one "
+              "target call on gamma + 1 tokens, and on a CPU that call costs 1.4-1.8x a "
+              "one-token step instead of ~1x on a TPU, and the small draft's step is "
+              "dispatch-bound (c ~ 0.06-0.09 instead of the paper's 0.02). With the same alpha, "
+              "Theorem 3.8 on the paper's cost curve predicts the 'Thm 3.8' column; the measured "
+              "speedups track the CPU-curve prediction instead."]
   else:
     lines += ["", "Speedups on this machine: `python -m experiments.mini_table2`."]
   lines += ["", "## Limitations", "",
@@ -417,6 +452,8 @@ def main(argv):
       stage_ngram(settings, FLAGS.workdir)
     elif stage == "export":
       stage_export(settings, FLAGS.workdir, FLAGS.out_dir)
+    elif stage == "card":
+      stage_card(FLAGS.out_dir)
 
 
 if __name__ == "__main__":
