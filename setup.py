@@ -12,6 +12,8 @@ CORE = [
     "tensorstore",
     "msgpack",
     "tqdm",
+    # The demo pair's tokenizer: `make demo` installs only the core.
+    "sentencepiece",
 ]
 
 EXTRAS = {

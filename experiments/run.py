@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from experiments.gin_flags import (GIN_BINDINGS, GIN_FILES, GIN_SEARCH_PATHS, parse_gin,
+                                   rewrite_gin_args)
 from specdec_jax import decoding
 from specdec_jax import results as results_lib
 from specdec_jax import sampling
@@ -426,12 +428,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
 # Command line.
 
 # Module-level flags (absl); experiments.reproduce_table2 reuses OUTPUT_DIR,
-# NUM_EXAMPLES and GIN_BINDINGS.
-GIN_FILES = flags.DEFINE_multi_string("gin_file", [], "Gin config files, applied in order.")
-GIN_BINDINGS = flags.DEFINE_multi_string(
-    "gin_bindings", [], "Gin bindings applied after the files (also: --gin.NAME=VALUE).")
-GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
-    "gin_search_paths", [REPO_ROOT], "Directories to resolve gin `include`s against.")
+# NUM_EXAMPLES and the gin flags (experiments/gin_flags.py).
 OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.json/results.md go.")
 NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "Use only the first N examples.")
 MESH_SHAPE = flags.DEFINE_string(
@@ -444,35 +441,6 @@ COORDINATOR_ADDRESS = flags.DEFINE_string("coordinator_address", None,
                                           "host:port of process 0 (multihost, if not detected).")
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes (multihost, if not detected).")
 PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (multihost, if not detected).")
-
-
-def rewrite_gin_args(argv: Sequence[str]) -> List[str]:
-  """`--gin.NAME=VALUE` -> `--gin_bindings=NAME = VALUE` (as T5X's launcher does)."""
-  out = []
-  for arg in argv:
-    if arg.startswith("--gin."):
-      name, sep, value = arg[len("--gin."):].partition("=")
-      if not sep:
-        raise app.UsageError(f"{arg}: expected --gin.NAME=VALUE")
-      arg = f"--gin_bindings={name} = {value}"
-    out.append(arg)
-  return out
-
-
-def parse_gin(gin_files: Sequence[str], bindings: Sequence[str],
-              search_paths: Sequence[str] = (REPO_ROOT,)) -> None:
-  """Clears gin and parses `gin_files` then `bindings`; ValueError on any problem."""
-  gin.clear_config()
-  for path in search_paths:
-    gin.add_config_file_search_path(path)
-  for path in gin_files:
-    if not (os.path.exists(path) or any(os.path.exists(os.path.join(p, path))
-                                        for p in search_paths)):
-      raise ValueError(f"gin file not found: {path!r}")
-  try:
-    gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
-  except (ValueError, KeyError, SyntaxError, gin.config.ParseError) as e:
-    raise ValueError(f"bad gin configuration: {e}") from e
 
 
 def main(argv):

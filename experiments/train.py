@@ -10,7 +10,7 @@ Data (`train_file`, `eval_file`):
 
   python -m experiments.train --workdir=/tmp/run \
       --gin_file=configs/train/tiny_copy.gin \
-      --gin_param="train_experiment.train_file='pairs.jsonl'"
+      --gin_bindings="train_experiment.train_file='pairs.jsonl'"
 
 Rerunning the same command resumes from the latest checkpoint in workdir and
 continues exactly as an uninterrupted run would. Outputs: checkpoints/
@@ -20,6 +20,7 @@ weights after the last step, flattened 'encoder/layers_0/...' keys).
 
 import json
 import os
+import sys
 from typing import Optional
 
 from absl import app, flags, logging
@@ -27,14 +28,13 @@ import gin
 import jax
 import numpy as np
 
+from experiments import gin_flags
 from specdec_jax import data, train
 from specdec_jax.model import init_params
 from specdec_jax.models.configs import get_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and outputs.", required=True)
-flags.DEFINE_multi_string("gin_file", [], "Gin files.")
-flags.DEFINE_multi_string("gin_param", [], "Gin bindings.")
 
 
 def load_examples(path: str, tokenizer: Optional[data.Tokenizer], input_len: int,
@@ -112,11 +112,11 @@ def train_experiment(workdir: str, *, train_file: str = gin.REQUIRED,
 
 def main(argv):
   del argv
-  gin.parse_config_files_and_bindings(FLAGS.gin_file, FLAGS.gin_param)
+  gin_flags.parse_flags()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   train_experiment(FLAGS.workdir)
 
 
 if __name__ == "__main__":
   jax.config.update("jax_platforms", "cpu")
-  app.run(main)
+  app.run(main, argv=gin_flags.rewrite_gin_args(sys.argv))

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from typing import Dict, Tuple
 
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import gin_flags
 from specdec_jax import data
 from specdec_jax import train
 from specdec_jax.model import Model, init_params
@@ -40,8 +42,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "demo_pair_run", "Run directory (data, checkpoints, logs).")
 flags.DEFINE_string("out_dir", "demo_pair", "Where `export` writes the shipped assets.")
 flags.DEFINE_list("stages", ["data", "pretrain", "distill", "ngram", "export"], "Stages to run.")
-flags.DEFINE_multi_string("gin_file", [], "Gin files.")
-flags.DEFINE_multi_string("gin_param", [], "Gin bindings.")
 flags.DEFINE_string("mini_table2_json", "results/mini_table2/results.json",
                     "experiments.mini_table2 results to quote in the model card, if present.")
 
@@ -430,7 +430,7 @@ def model_card(info) -> str:
 
 def main(argv):
   del argv
-  gin.parse_config_files_and_bindings(FLAGS.gin_file, FLAGS.gin_param)
+  gin_flags.parse_flags()
   settings = DemoPairSettings()
   unknown = [st for st in FLAGS.stages if st not in STAGES]
   if unknown:
@@ -458,4 +458,4 @@ def main(argv):
 
 if __name__ == "__main__":
   jax.config.update("jax_platforms", "cpu")
-  app.run(main)
+  app.run(main, argv=gin_flags.rewrite_gin_args(sys.argv))

@@ -2,21 +2,26 @@
 
 Public API:
   load_model, save_model, export_hf, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
-  temperature_sample, speculative_sample, speculative_step, adjust_probs.
+  temperature_sample, speculative_sample, speculative_step, adjust_probs;
+  drafts (ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft), theory,
+  sharding, train / distill, load_demo_pair.
 """
 
 from specdec_jax.checkpoints import CheckpointError, export_hf, load_checkpoint_model, save_model
+from specdec_jax.demo_pair import DemoPair, load_demo_pair
+from specdec_jax.distill import distill_drafts, measure_alpha
 from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample
 from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraft,
                                 PromptLookupDraft, as_draft)
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
 from specdec_jax.model import Model, load_model
 from specdec_jax.models.configs import CONFIGS, T5Config, get_config
-from specdec_jax import sharding, theory
+from specdec_jax import data, distill, sharding, theory, train
 from specdec_jax.sampling import adjust_probs
 from specdec_jax.sharding import (Partitioner, load_sharded_model, make_partitioners, plan_memory,
                                   plan_speculative_memory, shard_model)
 from specdec_jax.speculative import batched_speculative_step, speculative_step
 from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
+from specdec_jax.train import TrainState, fit, make_optimizer, train_step
 
 __version__ = "0.1.0"

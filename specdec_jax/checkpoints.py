@@ -866,13 +866,5 @@ def _load_specdec(directory: str, dtype: str, progress: bool, overrides, place) 
 
 
 def _write_json_atomic(path: str, record) -> None:
-  directory = os.path.dirname(path)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(record, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  from specdec_jax import results  # Keeps the checkpoint module's imports light.
+  results.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True))

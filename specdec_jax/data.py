@@ -22,6 +22,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from specdec_jax import results
 from specdec_jax import tasks
 
 PAD_ID = 0
@@ -316,14 +317,8 @@ def write_jsonl(path: str, rows: Iterable[dict]):
   write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_bytes_atomic(path: str, data: bytes):
-  """Writes `data` to a temp file beside `path`, then renames it into place."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "wb") as f:
-    f.write(data)
-  os.replace(tmp, path)
+# Kept here for the data pipeline's callers; the implementation is results'.
+write_bytes_atomic = results.write_bytes_atomic
 
 
 # ----------------------------------------------------------------------------

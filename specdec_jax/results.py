@@ -30,15 +30,19 @@ def _jsonable(value):
   return value
 
 
-def write_text_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` via a temporary file in the same directory + os.replace."""
+def write_bytes_atomic(path: str, data: bytes) -> None:
+  """Writes `data` to `path` via a temporary file in the same directory + os.replace.
+
+  Readers see the old file or the whole new one, never a partial write; the
+  one place in the project that writes files atomically.
+  """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
                              suffix=".tmp")
   try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -46,6 +50,10 @@ def write_text_atomic(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

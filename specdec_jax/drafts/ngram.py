@@ -22,13 +22,13 @@ continuations (always when K >= V) the counts are complete.
 
 import io
 import os
-import tempfile
 from typing import Any, Hashable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax import results
 from specdec_jax import sampling
 from specdec_jax.drafts.base import Draft
 
@@ -228,18 +228,9 @@ class NgramDraft(Draft):
     if self.order == 2:
       arrays.update(bigram_tokens=self.bigram_tokens, bigram_counts=self.bigram_counts)
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ngram-", suffix=".npz.tmp")
-    try:
-      with os.fdopen(fd, "wb") as f:
-        f.write(buffer.getvalue())
-      os.replace(tmp, path)
-    except BaseException:
-      if os.path.exists(tmp):
-        os.remove(tmp)
-      raise
+    results.write_bytes_atomic(path, buffer.getvalue())
 
   @classmethod
   def load(cls, path) -> "NgramDraft":
