@@ -32,7 +32,8 @@ import numpy as np
 
 from experiments.paper_tables import TABLE2
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
-from experiments.run import OUTPUT_DIR, block_step_seconds
+from experiments.run import OUTPUT_DIR
+from specdec_jax.profiling import block_step_seconds
 from specdec_jax import results as results_lib
 from specdec_jax import theory
 from specdec_jax.demo_pair import load_demo_pair

@@ -26,10 +26,9 @@ import dataclasses
 import functools
 import math
 import os
-import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 from absl import app
 from absl import flags
@@ -48,11 +47,11 @@ from specdec_jax import sampling
 from specdec_jax import sharding
 from specdec_jax import tasks
 from specdec_jax import theory
+from specdec_jax.profiling import block_step_seconds
 from specdec_jax.drafts import Draft, ModelDraft
 from specdec_jax.generation import SpeculativeStats, sequence_lengths
 from specdec_jax.model import Model, load_model
 from specdec_jax.models.configs import T5Config
-from specdec_jax.models.t5 import T5
 from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
 from specdec_jax.testing import perturbed_model
 
@@ -179,30 +178,6 @@ def batches(tokens: np.ndarray, batch_size: int):
 
 # ---------------------------------------------------------------------------
 # Measurements.
-
-
-@functools.lru_cache(maxsize=None)
-def _block_step(config: T5Config):
-  module = T5(config)
-  return jax.jit(lambda params, tokens, positions, cache: module.apply(
-      {"params": params}, tokens, positions, cache, method=T5.decode_block))
-
-
-def block_step_seconds(model: Model, encoder_tokens, k: int, max_decode_len: int,
-                       repeats: int) -> float:
-  """Median wall time of one jitted `decode_block` call scoring k tokens per row."""
-  batch = encoder_tokens.shape[0]
-  cache = model.init_cache(batch, max_decode_len, encoder_tokens)
-  step = _block_step(model.config)
-  tokens = jnp.full((batch, k), 2, jnp.int32)
-  positions = jnp.zeros((batch,), jnp.int32)
-  jax.block_until_ready(step(model.params, tokens, positions, cache))  # Compile.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(step(model.params, tokens, positions, cache))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def mean_log_probs(model: Model, encoder_tokens, sequences: np.ndarray, lengths: np.ndarray,

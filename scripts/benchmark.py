@@ -31,7 +31,6 @@ row generates exactly `max_decode_steps` tokens in both decoders.
 """
 
 import datetime
-import functools
 import os
 import platform
 import statistics
@@ -42,13 +41,13 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import generation
 from specdec_jax import theory
 from specdec_jax.model import Model, default_dtype, load_model
 from specdec_jax.models.configs import CONFIGS
+from specdec_jax.profiling import time_block_calls
 from specdec_jax.results import write_json_atomic
 from specdec_jax.testing import perturbed_model, random_encoder_tokens
 
@@ -150,55 +149,6 @@ def _seconds(fn) -> float:
   start = time.perf_counter()
   _block(fn())
   return time.perf_counter() - start
-
-
-@functools.lru_cache(maxsize=None)
-def _repeated_block_calls(config, k: int, calls: int):
-  """jit: `calls` decode_block calls of k tokens in a fori_loop carrying the cache.
-
-  The loop carries the cache as the decoders do, so keys/values are written in
-  place, and sums one logit per call so no call is dead code.
-  """
-
-  def run(params, cache, positions):
-    block_fn = Model(config, params).block_fn(params)
-    tokens = jnp.full((positions.shape[0], k), 2, jnp.int32)
-
-    def body(_, carry):
-      cache, total = carry
-      logits, cache = block_fn(tokens, positions, cache)
-      return cache, total + logits[:, -1, 0]
-
-    _, total = jax.lax.fori_loop(0, calls, body,
-                                 (cache, jnp.zeros((positions.shape[0],), jnp.float32)))
-    return total
-
-  return jax.jit(run)
-
-
-def time_block_calls(models: Dict[str, Model], encoder_tokens, max_len: int, ks: Sequence[int],
-                     repeats: int, calls: int) -> Dict[str, Dict[int, float]]:
-  """Median ms of one decode_block call of k tokens for each model and k (interleaved).
-
-  Returns {model name: {k: ms}}.
-  """
-  batch = encoder_tokens.shape[0]
-  caches = {name: m.init_cache(batch, max_len, encoder_tokens) for name, m in models.items()}
-  positions = {k: jnp.full((batch,), max(0, max_len // 2 - k), jnp.int32) for k in ks}
-  jobs = [(name, k) for name in models for k in ks]
-  run = {(name, k): functools.partial(_repeated_block_calls(models[name].config, k, calls),
-                                      models[name].params, caches[name], positions[k])
-         for name, k in jobs}
-  for job in jobs:
-    _block(run[job]())  # compile
-  samples = {job: [] for job in jobs}
-  for _ in range(repeats):
-    for job in jobs:
-      samples[job].append(_seconds(run[job]) / calls * 1e3)
-  out = {name: {} for name in models}
-  for (name, k), ms in samples.items():
-    out[name][k] = statistics.median(ms)
-  return out
 
 
 def time_prefill(model: Model, encoder_tokens, max_len: int, repeats: int) -> float:
