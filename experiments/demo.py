@@ -12,27 +12,19 @@ checks that greedy outputs are identical.
 
 import statistics
 import sys
-import time
 
 from absl import app
 from absl import flags
-import jax
 import numpy as np
 
 import specdec_jax as sj
+from specdec_jax import profiling
 
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 6, "Held-out inputs to complete.")
 GAMMA = flags.DEFINE_integer("gamma", 4, "Tokens drafted per iteration.")
 DRAFT = flags.DEFINE_enum("draft", "small", ["small", "tiny"], "Which distilled draft.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per input.")
 SHOWN = flags.DEFINE_integer("shown", 2, "Completions printed as text.")
-
-
-def _timed(fn):
-  start = time.perf_counter()
-  out = fn()
-  jax.block_until_ready(out.sequences)
-  return out, time.perf_counter() - start
 
 
 def main(argv):
@@ -45,32 +37,14 @@ def main(argv):
         f"{draft.config.num_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
         f"{GAMMA.value}, greedy, batch 1, {steps} new tokens.")
 
-  def baseline(row):
-    return sj.generate(pair.target, row, max_decode_steps=steps)
-
-  def speculative(row):
-    return sj.generate(pair.target, row, max_decode_steps=steps, draft=draft, gamma=GAMMA.value)
-
-  _timed(lambda: baseline(inputs[:1]))  # Compile both programs once.
-  _timed(lambda: speculative(inputs[:1]))
-  ratios, identical, stats, outputs = [], True, [], []
-  for i in range(len(inputs)):
-    row = inputs[i:i + 1]
-    base_times, spec_times = [], []
-    for repeat in range(REPEATS.value):
-      # Alternate the order so that machine drift hits both alike.
-      order = [(baseline, base_times), (speculative, spec_times)]
-      for fn, times in (order if repeat % 2 == 0 else order[::-1]):
-        out, seconds = _timed(lambda: fn(row))
-        times.append(seconds)
-        if fn is baseline:
-          base_out = out
-        else:
-          spec_out = out
-    identical &= bool(np.array_equal(base_out.sequences, spec_out.sequences))
-    ratios.append(statistics.median(base_times) / statistics.median(spec_times))
-    stats.append(spec_out.stats)
-    outputs.append(base_out.sequences[0])
+  base_kwargs = dict(max_decode_steps=steps)
+  spec_kwargs = dict(max_decode_steps=steps, draft=draft, gamma=GAMMA.value)
+  base_times, spec_times, base_outs, spec_outs = profiling.time_generate_pairs(
+      pair.target, inputs, REPEATS.value, base_kwargs, spec_kwargs)
+  ratios = [b / s for b, s in zip(base_times, spec_times)]
+  identical = all(np.array_equal(b.sequences, s.sequences) for b, s in zip(base_outs, spec_outs))
+  stats = [s.stats for s in spec_outs]
+  outputs = [b.sequences[0] for b in base_outs]
 
   for i in range(min(SHOWN.value, len(inputs))):
     context = pair.heldout[i]["input"].rstrip("\n").splitlines()[-3:]

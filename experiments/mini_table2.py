@@ -22,8 +22,6 @@ Timings on a CPU shared with other jobs move by a few tenths of X between runs.
 Writes results.json and results.md (atomically) and prints the table beside the paper's.
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 from absl import app, flags, logging
@@ -33,11 +31,10 @@ import numpy as np
 from experiments.paper_tables import TABLE2
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
 from experiments.run import OUTPUT_DIR
-from specdec_jax.profiling import block_step_seconds
+from specdec_jax.profiling import block_step_seconds, time_generate_pairs
 from specdec_jax import results as results_lib
 from specdec_jax import theory
 from specdec_jax.demo_pair import load_demo_pair
-from specdec_jax.generation import generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("demo_pair_dir", None, "Demo pair directory (default: the repository's).")
@@ -48,40 +45,6 @@ flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures.")
 flags.DEFINE_list("gammas", ["1", "2", "3", "4", "5", "7"], "Gamma sweep for the T5 drafts.")
 flags.DEFINE_list("ngram_gammas", ["1", "2", "3"], "Gamma sweep for the n-gram drafts.")
 flags.DEFINE_integer("max_gamma", 8, "Largest gamma the theory may choose.")
-
-
-def _timed(model, x, **kwargs):
-  start = time.perf_counter()
-  out = generate(model, x, **kwargs)
-  jax.block_until_ready(out.sequences)
-  return time.perf_counter() - start, out
-
-
-def time_against_target(target, inputs: np.ndarray, repeats: int, base_kwargs, spec_kwargs):
-  """Times target-only and speculative decoding of each input at batch 1, interleaved.
-
-  Per input: one warm-up call of each (compiles on the first input), then
-  `repeats` rounds of (target-only call, speculative call), so a change in the
-  load of a shared machine hits both sides alike. Returns (target seconds,
-  speculative seconds, target outputs, speculative outputs), seconds summed over
-  inputs of the per-input median.
-  """
-  base_total = spec_total = 0.0
-  base_outs, spec_outs = [], []
-  for i in range(len(inputs)):
-    x = inputs[i:i + 1]
-    _, base = _timed(target, x, **base_kwargs)
-    _, spec = _timed(target, x, **spec_kwargs)
-    base_times, spec_times = [], []
-    for _ in range(repeats):
-      base_times.append(_timed(target, x, **base_kwargs)[0])
-      spec_times.append(_timed(target, x, **spec_kwargs)[0])
-    if repeats:
-      base_total += statistics.median(base_times)
-      spec_total += statistics.median(spec_times)
-    base_outs.append(base)
-    spec_outs.append(spec)
-  return base_total, spec_total, base_outs, spec_outs
 
 
 def pooled_alpha(outputs) -> float:
@@ -124,7 +87,7 @@ def run(output_dir: str) -> Dict:
       is_model = name in pair.drafts
       sweep = [int(g) for g in (FLAGS.gammas if is_model else FLAGS.ngram_gammas)]
       # alpha does not depend on gamma (per-position acceptance); measure it at gamma = 4.
-      _, _, base_out, probe = time_against_target(target, inputs, 0, kwargs,
+      _, _, base_out, probe = time_generate_pairs(target, inputs, 0, kwargs,
                                                   dict(kwargs, draft=draft, gamma=4))
       alpha = pooled_alpha(probe)
       draft_c = c.get(name, 0.0)  # n-gram proposals cost ~nothing next to a T5 step.
@@ -137,8 +100,10 @@ def run(output_dir: str) -> Dict:
       for g in sorted(set(sweep) | {gamma_theory, gamma_curve}):
         if g > FLAGS.max_gamma:
           continue
-        base_time, seconds, base_out, outs = time_against_target(
+        # Summed per-input medians: the time to complete all inputs.
+        base_times, spec_times, base_out, outs = time_generate_pairs(
             target, inputs, FLAGS.repeats, kwargs, dict(kwargs, draft=draft, gamma=g))
+        base_time, seconds = sum(base_times), sum(spec_times)
         base_tokens = sum(int(o.lengths[0]) for o in base_out)
         measured[g] = dict(seconds=seconds, target_seconds=base_time,
                            speedup=base_time / seconds,

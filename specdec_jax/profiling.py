@@ -80,3 +80,48 @@ def block_step_seconds(model: Model, encoder_tokens, k: int, max_decode_len: int
   """Median seconds of one `decode_block` call scoring k tokens per row."""
   ms = time_block_calls({"model": model}, encoder_tokens, max_decode_len, [k], repeats)
   return ms["model"][k] / 1e3
+
+
+def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs, spec_kwargs):
+  """Times target-only and speculative `generate` on each input row at batch 1, paired.
+
+  Per input: one untimed call of each (compiles on the first input), then
+  `repeats` rounds of both calls, the order flipping every round, so a change in
+  the load of a shared machine hits both sides alike.
+
+  Args:
+    target: the target Model; inputs: [n, len] int32 encoder tokens.
+    base_kwargs / spec_kwargs: `generate` keyword arguments of each side
+      (spec_kwargs carries `draft` and `gamma`).
+  Returns:
+    (base_seconds [n], spec_seconds [n]: per-input medians, base_outputs,
+    spec_outputs: the `GenerateOutput` of each input's last call).
+  """
+  from specdec_jax.generation import generate
+
+  def timed(x, kwargs):
+    start = time.perf_counter()
+    out = generate(target, x, **kwargs)
+    jax.block_until_ready(out.sequences)
+    return time.perf_counter() - start, out
+
+  base_seconds, spec_seconds, base_outs, spec_outs = [], [], [], []
+  for i in range(len(inputs)):
+    x = inputs[i:i + 1]
+    _, base = timed(x, base_kwargs)
+    _, spec = timed(x, spec_kwargs)
+    times = {"base": [], "spec": []}
+    for repeat in range(repeats):
+      sides = [("base", base_kwargs), ("spec", spec_kwargs)]
+      for side, kwargs in (sides if repeat % 2 == 0 else sides[::-1]):
+        seconds, out = timed(x, kwargs)
+        times[side].append(seconds)
+        if side == "base":
+          base = out
+        else:
+          spec = out
+    base_seconds.append(statistics.median(times["base"]) if repeats else float("nan"))
+    spec_seconds.append(statistics.median(times["spec"]) if repeats else float("nan"))
+    base_outs.append(base)
+    spec_outs.append(spec)
+  return base_seconds, spec_seconds, base_outs, spec_outs

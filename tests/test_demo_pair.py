@@ -93,3 +93,24 @@ def test_make_demo_entry_point_runs(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert "identical outputs: yes" in result.stdout
   assert "alpha (Corollary 3.6 estimate)" in result.stdout
+
+
+def test_mini_table2_smoke(tmp_path):
+  """experiments.mini_table2 on one input: every row reports alpha and a measured speed."""
+  import json
+  import subprocess
+  import sys
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.mini_table2", f"--output_dir={tmp_path}",
+       "--num_inputs=1", "--repeats=1", "--gammas=2", "--ngram_gammas=1",
+       "--drafts=small,bigram", "--temperatures=0", "--max_gamma=3"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+      text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 0, result.stderr[-2000:]
+  with open(tmp_path / "results.json") as f:
+    table = json.load(f)
+  assert [r["draft"] for r in table["rows"]] == ["small", "bigram"]
+  for row in table["rows"]:
+    assert 0.0 < row["alpha"] < 1.0
+    assert row["identical_outputs"] is True
+  assert (tmp_path / "results.md").exists()
