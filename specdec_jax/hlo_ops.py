@@ -1,0 +1,147 @@
+"""Counting the operations of a compiled decode step, per decoder layer.
+
+On an accelerator a small decoder's step is launch-bound: it costs about a
+fixed amount per operation the compiled program runs, whatever the width
+(see issue 15). So the number of operations per decoder layer is the thing
+to cut and to pin. An "operation" here is one instruction that XLA schedules
+as its own unit of work: a fusion, a dot, a custom call, a copy, a while or
+conditional, ... in the entry computation or in a while body / conditional
+branch. Instructions that move no data (parameter, constant, tuple,
+get-tuple-element, bitcast) are not counted, nor anything inside a fusion.
+
+The per-layer count is the difference between the programs of the same
+config with L + 1 and L decoder layers, so the fixed cost of a call
+(embedding, logits, position bias, loop bookkeeping) cancels.
+"""
+
+import collections
+import re
+from typing import Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.models.configs import T5Config
+
+# Instructions that move no data and launch nothing.
+FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                      "after-all", "partition-id", "replica-id", "opt-barrier"})
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_CALLED = re.compile(r"(?:calls|to_apply|scatter)=%?([\w.\-]+)")
+
+
+def _computations(hlo_text: str) -> Dict[str, list]:
+  """{computation name: [instruction lines]} of an HLO module's text; 'ENTRY' names the entry."""
+  computations, name = {}, None
+  for line in hlo_text.splitlines():
+    if name is None:
+      match = _COMPUTATION.match(line)
+      if match and not line.startswith("HloModule"):
+        name = "ENTRY" if match.group(1) else match.group(2)
+        computations[name] = []
+    elif line.startswith("}"):
+      name = None
+    else:
+      computations[name].append(line)
+  return computations
+
+
+def count_ops(hlo_text: str) -> collections.Counter:
+  """Operations by opcode in an optimised HLO module's text (see the module docstring).
+
+  Counts the instructions of every *scheduled* computation: the entry, while
+  bodies and conditions, conditional branches. Computations only reached as a
+  fusion's body or a reduction's combiner (`calls=`, `to_apply=`) run inside
+  their caller and are not counted.
+  """
+  computations = _computations(hlo_text)
+  if "ENTRY" not in computations:
+    raise ValueError("no ENTRY computation in the HLO text (pass compiled().as_text())")
+  inner = set()
+  for lines in computations.values():
+    for line in lines:
+      opcode = _INSTRUCTION.match(line)
+      if opcode and opcode.group(1) in ("fusion", "reduce", "reduce-window", "map", "sort",
+                                         "scatter", "select-and-scatter", "all-reduce",
+                                         "reduce-scatter", "custom-call"):
+        inner.update(_CALLED.findall(line))
+  ops = collections.Counter()
+  for name, lines in computations.items():
+    if name in inner:
+      continue
+    for line in lines:
+      opcode = _INSTRUCTION.match(line)
+      if opcode and opcode.group(1) not in FREE_OPS:
+        ops[opcode.group(1)] += 1
+  return ops
+
+
+def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
+                        batch: int = 1, max_len: int = 64, enc_len: int = 16) -> str:
+  """Optimised HLO of `decode_block` scoring k tokens, as the decode loops run it.
+
+  The block call sits in a while loop that carries the cache (its trip count
+  is an argument, so the loop is not unrolled), as in `decoding`: the cache is
+  then updated in place and what is counted is the loop body's work.
+
+  Args:
+    config: the T5Config (shapes only: nothing is allocated).
+    k: tokens per row in the block.
+    block_fn_for: params -> block callback `(tokens [batch, k], positions
+      [batch], cache) -> (logits [batch, k, vocab], cache)`, e.g.
+      `lambda p: Model(config, p).block_fn(p)`.
+    batch / max_len / enc_len: shapes of the traced call.
+  """
+  from specdec_jax.model import init_params
+  from specdec_jax.models.t5 import T5
+  params = jax.eval_shape(lambda: init_params(config, 0))
+  encoder_tokens = jnp.ones((batch, enc_len), jnp.int32)
+  cache = jax.eval_shape(lambda p: T5(config).apply({"params": p}, encoder_tokens, max_len,
+                                                    method=T5.init_cache), params)
+
+  def run(params, tokens, positions, cache, calls):
+    block_fn = block_fn_for(params)
+
+    def body(carry):
+      i, cache, total = carry
+      logits, cache = block_fn(tokens, positions, cache)
+      return i + 1, cache, total + logits[:, -1, 0]
+
+    _, cache, total = jax.lax.while_loop(lambda c: c[0] < calls, body,
+                                         (jnp.int32(0), cache, jnp.zeros((batch,), jnp.float32)))
+    return total, cache
+
+  args = (params, jax.ShapeDtypeStruct((batch, k), jnp.int32),
+          jax.ShapeDtypeStruct((batch,), jnp.int32), cache,
+          jax.ShapeDtypeStruct((), jnp.int32))
+  return jax.jit(run, donate_argnums=(3,)).lower(*args).compile().as_text()
+
+
+def ops_per_layer(config: T5Config, k: int, block_fn_for: Optional[Callable] = None,
+                  layers: int = 2, **shapes) -> Dict[str, int]:
+  """Operations one more decoder layer adds to the compiled decode step.
+
+  Args:
+    config: any T5Config; its decoder depth is replaced by `layers` and
+      `layers + 1`.
+    k: tokens per row in the block.
+    block_fn_for: config -> (params -> block callback); default: the
+      `Model.block_fn` decode_loops use.
+    shapes: batch / max_len / enc_len, see `compiled_block_text`.
+  Returns:
+    {opcode: count difference} for opcodes whose count changed, plus 'total'.
+  """
+  if block_fn_for is None:
+    from specdec_jax.model import Model
+    block_fn_for = lambda cfg: (lambda p: Model(cfg, p).block_fn(p))
+  counts = []
+  for depth in (layers, layers + 1):
+    cfg = config.replace(num_decoder_layers=depth)
+    counts.append(count_ops(compiled_block_text(cfg, k, block_fn_for(cfg), **shapes)))
+  before, after = counts
+  diff = {op: after[op] - before[op] for op in sorted(set(before) | set(after))
+          if after[op] != before[op]}
+  diff["total"] = sum(after.values()) - sum(before.values())
+  return diff
