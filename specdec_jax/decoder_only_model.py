@@ -1,0 +1,189 @@
+"""`DecoderOnlyModel`: a decoder-only config, its params and jit-compiled entry points.
+
+The decoder-only counterpart of `specdec_jax.model.Model` (T5). Build one with
+`load_decoder_only_model(name | DecoderOnlyConfig | Hugging Face directory)`.
+"""
+
+import dataclasses
+import functools
+import os
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.model import check_tokens, default_dtype
+from specdec_jax.models import decoder_only
+from specdec_jax.models.decoder_configs import (DECODER_CONFIGS, DecoderOnlyConfig,
+                                                canonical_name, get_decoder_config)
+from specdec_jax.models.decoder_only import DecoderOnly
+
+Array = jax.Array
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(config: DecoderOnlyConfig, method: str):
+  module = DecoderOnly(config)
+  return jax.jit(functools.partial(module.apply, method=getattr(DecoderOnly, method)))
+
+
+def cache_length(cache) -> int:
+  """Positions per row in a decoder-only cache."""
+  return cache["layers"][0]["self_key"].shape[1]
+
+
+def check_prompt_lengths(prompt_lengths, prompts: Array) -> Array:
+  """Validates prompt_lengths [batch] in [1, P] for prompts [batch, P]; None = full rows."""
+  batch, length = prompts.shape
+  if prompt_lengths is None:
+    return jnp.full((batch,), length, jnp.int32)
+  lengths = np.asarray(prompt_lengths)
+  if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(f"prompt_lengths must be [batch] = ({batch},) integers, got shape "
+                     f"{lengths.shape} dtype {lengths.dtype}")
+  if lengths.min() < 1 or lengths.max() > length:
+    raise ValueError(f"prompt_lengths must lie in [1, {length}] (the prompts' width), got "
+                     f"{lengths.tolist()}; an empty prompt has no token to continue from: "
+                     f"start it with the BOS token")
+  return jnp.asarray(lengths, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecoderOnlyModel:
+  """A decoder-only network with its parameters.
+
+  Attributes:
+    config: the `DecoderOnlyConfig`.
+    params: the parameter tree of `models/decoder_only.py`, arrays in
+      `config.dtype`.
+  """
+  config: DecoderOnlyConfig
+  params: Any
+
+  @property
+  def module(self) -> DecoderOnly:
+    return DecoderOnly(self.config)
+
+  @property
+  def variables(self):
+    return {"params": self.params}
+
+  def logits(self, tokens) -> Array:
+    """Logits [batch, len, vocab] float32 of tokens [batch, len] at positions 0..len-1, no cache."""
+    tokens = check_tokens(tokens, "tokens")
+    self._check_positions(tokens.shape[1])
+    return _compiled(self.config, "__call__")(self.variables, tokens)
+
+  def _check_positions(self, length: int):
+    cfg = self.config
+    if not cfg.uses_rotary and length > cfg.max_positions:
+      raise ValueError(f"{length} positions exceed this {cfg.family} model's learned position "
+                       f"table of {cfg.max_positions} (prompt + generated tokens must fit)")
+
+  def init_cache(self, batch_size: int, max_len: int):
+    """An empty cache of `max_len` positions per row (prompt + generated tokens)."""
+    if int(batch_size) != batch_size or batch_size < 1:
+      raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if int(max_len) != max_len or max_len < 1:
+      raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+    self._check_positions(int(max_len))
+    return decoder_only.init_cache(self.config, int(batch_size), int(max_len))
+
+  def prefill(self, prompts, prompt_lengths, cache):
+    """Writes right-padded prompts [batch, P] (row b: its first prompt_lengths[b]
+    tokens) into the cache; returns the logits [batch, vocab] float32 at each
+    row's last prompt token, and the cache."""
+    prompts = check_tokens(prompts, "prompts")
+    lengths = check_prompt_lengths(prompt_lengths, prompts)
+    self._check_batch(prompts.shape[0], cache)
+    if prompts.shape[1] > cache_length(cache):
+      raise ValueError(f"prompts of {prompts.shape[1]} tokens are longer than the cache "
+                       f"({cache_length(cache)} positions)")
+    return _compiled(self.config, "prefill")(self.variables, prompts, lengths, cache)
+
+  def _check_batch(self, batch: int, cache):
+    rows = cache["layers"][0]["self_key"].shape[0]
+    if rows != batch:
+      raise ValueError(f"the cache holds {rows} rows, the tokens {batch}")
+
+  def decode_block(self, tokens, positions, cache):
+    """Scores tokens [batch, k] starting at absolute positions [batch] from the cache.
+
+    Returns logits [batch, k, vocab] float32 and the updated cache.
+    """
+    tokens = check_tokens(tokens, "tokens")
+    positions = jnp.asarray(positions, jnp.int32)
+    self._check_batch(tokens.shape[0], cache)
+    max_len = cache_length(cache)
+    if positions.shape != (tokens.shape[0],):
+      raise ValueError(f"positions must be [batch] = ({tokens.shape[0]},), got {positions.shape}")
+    if tokens.shape[1] > max_len:
+      raise ValueError(f"a block of {tokens.shape[1]} tokens is longer than the cache "
+                       f"({max_len} positions)")
+    if not isinstance(positions, jax.core.Tracer):
+      end = int(jnp.max(positions)) + tokens.shape[1]
+      if int(jnp.min(positions)) < 0 or end > max_len:
+        raise ValueError(f"block positions [{int(jnp.min(positions))}, {end}) fall outside the "
+                         f"cache of {max_len} positions")
+    return _compiled(self.config, "decode_block")(self.variables, tokens, positions, cache)
+
+  def block_fn(self, params=None):
+    """A block callback `(tokens [batch, k], positions [batch], cache) -> (logits, cache)`
+    at *absolute* positions; `decoder_only_generation` shifts it to loop positions."""
+    params = self.params if params is None else params
+    module = self.module
+    return lambda tokens, positions, cache: module.apply(
+        {"params": params}, tokens, positions, cache, method=DecoderOnly.decode_block)
+
+
+@functools.lru_cache(maxsize=None)
+def _init_fn(config: DecoderOnlyConfig):
+  module = DecoderOnly(config)
+  dummy = jnp.ones((1, 1), jnp.int32)
+  return jax.jit(lambda rng: module.init(rng, dummy)["params"])
+
+
+def init_decoder_only_params(config: DecoderOnlyConfig, seed: int = 0):
+  """Random HF-style initialisation (normal(0.02) weights, unit norms), cast to `config.dtype`."""
+  params = _init_fn(config)(jax.random.PRNGKey(seed))
+  dtype = jnp.dtype(config.dtype)
+  return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+
+
+def load_decoder_only_model(source: Union[str, DecoderOnlyConfig, os.PathLike], *,
+                            dtype: Optional[str] = None, seed: int = 0,
+                            **config_overrides) -> DecoderOnlyModel:
+  """Builds a `DecoderOnlyModel`.
+
+  Args:
+    source: a named config (`gpt2`, `qwen2-0.5b`, `llama_tiny`, ...) or a
+      `DecoderOnlyConfig` (random init), or a Hugging Face directory of a
+      LlamaForCausalLM / Qwen2ForCausalLM / GPT2LMHeadModel (see
+      `checkpoints_decoder_only`).
+    dtype: 'float32' / 'bfloat16' / 'float16'; default float32 on CPU,
+      bfloat16 elsewhere.
+    seed: init seed for random weights.
+    **config_overrides: DecoderOnlyConfig fields to change (random init only).
+  """
+  if isinstance(source, DecoderOnlyConfig):
+    config = source.replace(**config_overrides) if config_overrides else source
+    if dtype is not None:
+      config = config.replace(dtype=dtype)
+    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
+  source = os.fspath(source) if isinstance(source, os.PathLike) else source
+  if not isinstance(source, str):
+    raise TypeError(f"load_decoder_only_model takes a config name, DecoderOnlyConfig or path, "
+                    f"got {type(source)}")
+  if not os.path.exists(source) and canonical_name(source) in DECODER_CONFIGS:
+    config = get_decoder_config(source, **config_overrides)
+    config = config.replace(dtype=dtype or default_dtype())
+    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
+  if not os.path.exists(source):
+    raise ValueError(f"{source!r} is neither a decoder-only config name nor an existing "
+                     f"directory. Known configs: {', '.join(sorted(DECODER_CONFIGS))}")
+  if config_overrides:
+    raise ValueError(f"config overrides {sorted(config_overrides)} apply to random init only, "
+                     f"not to a checkpoint (its config.json defines the shapes)")
+  from specdec_jax import checkpoints_decoder_only  # Heavy imports only when loading files.
+  return checkpoints_decoder_only.load_hf_decoder_only(source, dtype=dtype)

@@ -1,0 +1,253 @@
+"""Decoder-only (GPT-2, Llama, Qwen2) size configurations as data.
+
+`DecoderOnlyConfig` holds every field that determines a parameter shape or a
+numerical convention of `models/decoder_only.py`; named configs are plain
+instances of it, looked up with `get_decoder_config(name, **overrides)`. Names
+use underscores (`qwen2_0_5b`); hyphens and dots are accepted as spellings of
+an underscore (`qwen2-0.5b`, `gpt2-medium`).
+
+The named full-size configs copy the shapes and conventions of the public
+Hugging Face `config.json` files (so memory plans and benchmarks at those sizes
+are realistic); their weights are random unless loaded from a directory.
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
+ROPE_SCALINGS = (None, "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOnlyConfig:
+  """Shapes and conventions of a decoder-only Transformer.
+
+  Attributes:
+    family: 'llama' and 'qwen2' (RMSNorm, rotary positions, SwiGLU MLP
+      gate/up/down) or 'gpt2' (LayerNorm with bias, learned positions, plain
+      MLP up/down). Also names the Hugging Face layout the loader reads.
+    vocab_size: rows of the token embedding (and columns of the logits).
+    emb_dim: width of the residual stream (HF hidden_size / n_embd).
+    num_layers: decoder layers.
+    num_heads: query heads; num_kv_heads: key/value heads (grouped-query
+      attention when smaller; must divide num_heads).
+    head_dim: width of one head.
+    mlp_dim: hidden width of the feed-forward block (HF intermediate_size).
+    max_positions: GPT-2: rows of the learned position table, the hard limit
+      on a cache's length (prompt + generated tokens). Rotary families: HF
+      max_position_embeddings, the context the model was trained for; kept for
+      reference and not enforced (rotary positions extend past it, as in HF).
+    norm_epsilon: RMSNorm / LayerNorm epsilon.
+    activation: MLP activation ('silu' for Llama/Qwen2, 'gelu_new' = tanh GELU
+      for GPT-2, 'gelu' = exact erf GELU, 'relu').
+    rope_theta: rotary base (rotary families only).
+    rope_scaling: None, 'linear' (positions divided by rope_factor) or
+      'llama3' (Llama 3.1's frequency-dependent scaling with rope_factor,
+      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions).
+    tie_word_embeddings: logits = hidden @ embedding.T (no lm_head kernel).
+    qkv_bias / out_bias / mlp_bias: biases on the q/k/v projections (Qwen2,
+      GPT-2, Llama with attention_bias), on the attention output projection
+      (GPT-2, Llama with attention_bias) and on the MLP projections (GPT-2,
+      Llama with mlp_bias).
+    dtype: compute dtype, and the dtype weights are stored in.
+    bos_id / eos_id / pad_id: token conventions; eos_id None means no token
+      ends a row early. pad_id only fills right-padded prompts (its value never
+      matters, those positions are masked and overwritten).
+  """
+  family: str = "llama"
+  vocab_size: int = 32000
+  emb_dim: int = 2048
+  num_layers: int = 16
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int = 64
+  mlp_dim: int = 8192
+  max_positions: int = 4096
+  norm_epsilon: float = 1e-5
+  activation: str = "silu"
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[str] = None
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False
+  out_bias: bool = False
+  mlp_bias: bool = False
+  dtype: str = "float32"
+  bos_id: Optional[int] = 1
+  eos_id: Optional[int] = 2
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"DecoderOnlyConfig.family must be one of {FAMILIES}, got {self.family!r}")
+    for field in ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "mlp_dim", "max_positions", "rope_original_max_positions"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DecoderOnlyConfig.{field} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"DecoderOnlyConfig.num_kv_heads ({self.num_kv_heads}) must divide "
+                       f"num_heads ({self.num_heads}) for grouped-query attention")
+    if self.uses_rotary and self.head_dim % 2:
+      raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"DecoderOnlyConfig.activation must be one of {ACTIVATIONS}, "
+                       f"got {self.activation!r}")
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"DecoderOnlyConfig.rope_scaling must be one of {ROPE_SCALINGS}, "
+                       f"got {self.rope_scaling!r}")
+    if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+      raise ValueError("llama3 rope scaling needs rope_high_freq_factor > rope_low_freq_factor")
+    if not self.rope_theta > 0 or not self.rope_factor > 0:
+      raise ValueError("rope_theta and rope_factor must be > 0")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"DecoderOnlyConfig.dtype must be float32, bfloat16 or float16, "
+                       f"got {self.dtype!r}")
+    for field in ("bos_id", "eos_id"):
+      value = getattr(self, field)
+      if value is not None and not 0 <= value < self.vocab_size:
+        raise ValueError(f"DecoderOnlyConfig.{field} {value} lies outside the vocabulary "
+                         f"[0, {self.vocab_size})")
+
+  @property
+  def uses_rotary(self) -> bool:
+    """Rotary positions (Llama, Qwen2) rather than a learned table (GPT-2)."""
+    return self.family != "gpt2"
+
+  @property
+  def uses_layer_norm(self) -> bool:
+    """LayerNorm with a bias (GPT-2) rather than RMSNorm (Llama, Qwen2)."""
+    return self.family == "gpt2"
+
+  @property
+  def gated_mlp(self) -> bool:
+    """SwiGLU-style gate_proj * up_proj (Llama, Qwen2) rather than up_proj alone (GPT-2)."""
+    return self.family != "gpt2"
+
+  @property
+  def num_groups(self) -> int:
+    """Query heads per key/value head."""
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **overrides) -> "DecoderOnlyConfig":
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+    if unknown:
+      raise ValueError(f"Unknown DecoderOnlyConfig field(s) {unknown}; known: "
+                       f"{sorted(f.name for f in dataclasses.fields(self))}")
+    return dataclasses.replace(self, **overrides)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count, computed from the shapes (no allocation)."""
+    e, h, kv, d, m, v = (self.emb_dim, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.mlp_dim, self.vocab_size)
+    attn = e * h * d + 2 * e * kv * d + h * d * e
+    if self.qkv_bias:
+      attn += h * d + 2 * kv * d
+    if self.out_bias:
+      attn += e
+    mlp = (3 if self.gated_mlp else 2) * e * m
+    if self.mlp_bias:
+      mlp += (2 if self.gated_mlp else 1) * m + e
+    norm = 2 * e if self.uses_layer_norm else e  # LayerNorm has a bias.
+    total = v * e + self.num_layers * (attn + mlp + 2 * norm) + norm
+    if not self.uses_rotary:
+      total += self.max_positions * e
+    if not self.tie_word_embeddings:
+      total += e * v
+    return total
+
+
+_LLAMA = dict(family="llama", activation="silu")
+_QWEN2 = dict(family="qwen2", activation="silu", qkv_bias=True, norm_epsilon=1e-6,
+              rope_theta=1000000.0, bos_id=None, eos_id=151643, pad_id=151643)
+_GPT2 = dict(family="gpt2", activation="gelu_new", vocab_size=50257, max_positions=1024,
+             qkv_bias=True, out_bias=True, mlp_bias=True, tie_word_embeddings=True,
+             bos_id=50256, eos_id=50256, pad_id=50256, norm_epsilon=1e-5)
+# Llama 3.1 / 3.2 rotary scaling; rope_factor differs by size (8 for 8B, 32 for 1B).
+_LLAMA3_ROPE = dict(rope_theta=500000.0, rope_scaling="llama3",
+                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                    rope_original_max_positions=8192, vocab_size=128256, bos_id=128000,
+                    eos_id=128001, max_positions=131072)
+
+
+def _named_configs():
+  configs = {}
+  # GPT-2 family: (emb, layers, heads); head_dim 64, mlp 4 * emb.
+  for name, (emb, layers, heads) in {"gpt2": (768, 12, 12), "gpt2_medium": (1024, 24, 16),
+                                     "gpt2_large": (1280, 36, 20),
+                                     "gpt2_xl": (1600, 48, 25)}.items():
+    configs[name] = DecoderOnlyConfig(emb_dim=emb, num_layers=layers, num_heads=heads,
+                                      num_kv_heads=heads, head_dim=emb // heads,
+                                      mlp_dim=4 * emb, **_GPT2)
+  # Llama shapes.
+  configs["tinyllama_1_1b"] = DecoderOnlyConfig(
+      vocab_size=32000, emb_dim=2048, num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64,
+      mlp_dim=5632, max_positions=2048, **_LLAMA)
+  configs["llama_3_2_1b"] = DecoderOnlyConfig(
+      emb_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
+      tie_word_embeddings=True, rope_factor=32.0, **_LLAMA3_ROPE, **_LLAMA)
+  configs["llama_2_7b"] = DecoderOnlyConfig(
+      vocab_size=32000, emb_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+      head_dim=128, mlp_dim=11008, max_positions=4096, **_LLAMA)
+  configs["llama_3_1_8b"] = DecoderOnlyConfig(
+      emb_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
+      rope_factor=8.0, **_LLAMA3_ROPE, **_LLAMA)
+  # Qwen2 shapes: (emb, layers, heads, kv heads, mlp, vocab, tied).
+  for name, (emb, layers, heads, kv, mlp, vocab, tied) in {
+      "qwen2_0_5b": (896, 24, 14, 2, 4864, 151936, True),
+      "qwen2_1_5b": (1536, 28, 12, 2, 8960, 151936, True),
+      "qwen2_7b": (3584, 28, 28, 4, 18944, 152064, False)}.items():
+    configs[name] = DecoderOnlyConfig(
+        vocab_size=vocab, emb_dim=emb, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=emb // heads, mlp_dim=mlp, max_positions=32768, tie_word_embeddings=tied,
+        **_QWEN2)
+  # Test shapes: a small shared vocabulary per family, every layout feature on
+  # (GQA, untied head for Llama; biases, tied head for Qwen2).
+  tiny = dict(vocab_size=97, max_positions=128, bos_id=1, eos_id=2, pad_id=0)
+  configs["llama_tiny"] = DecoderOnlyConfig(emb_dim=64, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, head_dim=16, mlp_dim=128,
+                                            **_LLAMA, **tiny)
+  configs["llama_tiny_draft"] = DecoderOnlyConfig(emb_dim=32, num_layers=1, num_heads=2,
+                                                  num_kv_heads=1, head_dim=16, mlp_dim=64,
+                                                  **_LLAMA, **tiny)
+  configs["qwen2_tiny"] = DecoderOnlyConfig(**{**_QWEN2, **tiny}, emb_dim=64, num_layers=2,
+                                            num_heads=4, num_kv_heads=2, head_dim=16,
+                                            mlp_dim=128, tie_word_embeddings=True)
+  configs["gpt2_tiny"] = DecoderOnlyConfig(**{**_GPT2, **tiny}, emb_dim=64, num_layers=2,
+                                           num_heads=4, num_kv_heads=4, head_dim=16,
+                                           mlp_dim=256)
+  configs["gpt2_tiny_draft"] = DecoderOnlyConfig(**{**_GPT2, **tiny}, emb_dim=32, num_layers=1,
+                                                 num_heads=2, num_kv_heads=2, head_dim=16,
+                                                 mlp_dim=128)
+  return configs
+
+
+DECODER_CONFIGS = _named_configs()
+
+
+def canonical_name(name: str) -> str:
+  """'qwen2-0.5b' -> 'qwen2_0_5b': hyphens and dots spell underscores."""
+  return name.lower().replace("-", "_").replace(".", "_")
+
+
+def get_decoder_config(name: str, **overrides) -> DecoderOnlyConfig:
+  """Returns the named decoder-only config with `overrides` applied.
+
+  Raises:
+    ValueError: naming the unknown config and listing the known ones.
+  """
+  key = canonical_name(name)
+  if key not in DECODER_CONFIGS:
+    raise ValueError(f"Unknown decoder-only config {name!r}. Known configs: "
+                     f"{', '.join(sorted(DECODER_CONFIGS))}")
+  config = DECODER_CONFIGS[key]
+  return config.replace(**overrides) if overrides else config
+
+
+def config_names() -> Tuple[str, ...]:
+  return tuple(sorted(DECODER_CONFIGS))

@@ -1,0 +1,379 @@
+"""A decoder-only Transformer (Llama / Qwen2 / GPT-2 layouts) scoring blocks of tokens from a KV cache.
+
+The block contract is the T5 decoder's (models/t5.py), so the decode loops in
+`specdec_jax.decoding` run either family unchanged:
+
+* `decode_block(tokens [batch, k], positions [batch], cache)` scores k tokens
+  per row, row b's first token sitting at absolute position positions[b];
+  keys/values are *set* at those positions, never added. Entries past a row's
+  current length are never attended to (causal mask) and are overwritten
+  later, so rolling a row back after a rejected draft is moving its position.
+* `prefill(prompts [batch, P], prompt_lengths [batch], cache)` writes each
+  row's right-padded prompt at positions 0..P-1 and returns the logits at each
+  row's last prompt token. Padding positions get junk keys/values, which the
+  causal mask hides from the real prompt and generation overwrites.
+
+Layouts (`DecoderOnlyConfig.family`):
+* llama / qwen2: RMSNorm, rotary positions (HF `rotate_half` convention:
+  the two halves of each head are the rotated pairs), grouped-query attention,
+  SwiGLU MLP, tied or untied output; Qwen2 adds q/k/v biases.
+* gpt2: LayerNorm with bias, learned absolute positions, GELU (tanh) MLP,
+  biases everywhere, tied output.
+
+Parameter tree (kernels are [in, out], Flax's convention; HF Linear weights are
+their transpose; `checkpoints_decoder_only` holds the name mapping):
+  embed_tokens/embedding                       [vocab, emb]
+  embed_positions/embedding                    [max_positions, emb]   GPT-2 only
+  layers_{i}/input_layernorm/scale (+ bias)    [emb]                  bias: GPT-2
+  layers_{i}/self_attn/q_proj/kernel (+ bias)  [emb, heads * head_dim]
+  layers_{i}/self_attn/k_proj/kernel (+ bias)  [emb, kv_heads * head_dim]
+  layers_{i}/self_attn/v_proj/kernel (+ bias)  [emb, kv_heads * head_dim]
+  layers_{i}/self_attn/o_proj/kernel (+ bias)  [heads * head_dim, emb]
+  layers_{i}/post_attention_layernorm/scale (+ bias)
+  layers_{i}/mlp/gate_proj/kernel (+ bias)     [emb, mlp]             gated (Llama, Qwen2) only
+  layers_{i}/mlp/up_proj/kernel (+ bias)       [emb, mlp]
+  layers_{i}/mlp/down_proj/kernel (+ bias)     [mlp, emb]
+  norm/scale (+ bias)                          [emb]
+  lm_head/kernel                               [emb, vocab]           untied only
+
+Cache layout (a dict, one entry per layer; keys are stored already rotated, as
+HF does, so a cached key never needs its position again):
+  cache['layers'][i]['self_key'], ['self_value']: [batch, max_len, kv_heads, head_dim]
+
+Dtypes follow the T5 model: params are stored in float32 at init (cast to
+`config.dtype` by the caller), matmuls run in `config.dtype`, norms, softmax
+and rotary tables in float32, logits come out float32.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.models.decoder_configs import DecoderOnlyConfig
+
+Array = jax.Array
+Cache = Dict[str, Any]
+
+# Large negative instead of -inf so a fully masked row gives a uniform softmax
+# rather than NaN.
+_MASK_VALUE = -1e10
+
+# HF initialises every weight of these models with normal(0.02).
+_INIT = nn.initializers.normal(stddev=0.02)
+
+_ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu_new": lambda x: nn.gelu(x, approximate=True),
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "relu": nn.relu,
+}
+
+
+def _dtype(config: DecoderOnlyConfig):
+  return jnp.dtype(config.dtype)
+
+
+def _axes(x: Array, logical_axes: Tuple[str, ...]) -> Array:
+  """Names x's dimensions for GSPMD (a no-op unless logical axis rules are bound)."""
+  return nn.with_logical_constraint(x, logical_axes)
+
+
+def rotary_inv_freq(config: DecoderOnlyConfig) -> np.ndarray:
+  """Rotary inverse frequencies [head_dim // 2] float32, with the config's scaling.
+
+  Computed in float64 on the host (static per config) and rounded once; HF
+  computes them in float32, a difference far below the logits tolerance.
+  """
+  d = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  if config.rope_scaling == "linear":
+    inv_freq = inv_freq / config.rope_factor
+  elif config.rope_scaling == "llama3":
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and
+    # the band between interpolated smoothly (HF `_compute_llama3_parameters`).
+    old_len = config.rope_original_max_positions
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / config.rope_factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / config.rope_factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def rotary_tables(positions: Array, config: DecoderOnlyConfig) -> Tuple[Array, Array]:
+  """cos, sin [batch|1, q, 1, head_dim] float32 for positions [batch|1, q]."""
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(rotary_inv_freq(config))
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotates x [batch, q, heads, head_dim] by position (HF's rotate_half pairing)."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+class Dense(nn.Module):
+  """A projection with a 2-D `kernel` [in, out] and an optional `bias` [out]."""
+  features: int
+  config: DecoderOnlyConfig
+  use_bias: bool = False
+  float32_output: bool = False
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), jnp.float32)
+    dtype = _dtype(self.config)
+    out_type = jnp.float32 if self.float32_output else dtype
+    y = jnp.dot(x.astype(dtype), kernel.astype(dtype), preferred_element_type=out_type)
+    if self.use_bias:
+      bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+      y = y + bias.astype(out_type)
+    return y
+
+
+class Norm(nn.Module):
+  """RMSNorm (`scale`) or, for GPT-2, LayerNorm (`scale`, `bias`), in float32."""
+  config: DecoderOnlyConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    if cfg.uses_layer_norm:
+      bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), jnp.float32)
+      centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+      x32 = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) +
+                                    cfg.norm_epsilon)
+      return (x32 * scale + bias).astype(_dtype(cfg))
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_epsilon)
+    return (x32 * scale).astype(_dtype(cfg))
+
+
+class Embed(nn.Module):
+  """An `embedding` table [num_embeddings, emb] looked up by integer ids."""
+  num_embeddings: int
+  config: DecoderOnlyConfig
+
+  def setup(self):
+    self.embedding = self.param("embedding", _INIT, (self.num_embeddings, self.config.emb_dim),
+                                jnp.float32)
+
+  def __call__(self, ids: Array) -> Array:
+    # Clipping only touches ids past the table: GPT-2 positions of tokens that
+    # lie beyond the cache, whose writes are dropped and logits never read.
+    return jnp.take(self.embedding, ids, axis=0, mode="clip").astype(_dtype(self.config))
+
+
+def _set_block(cache: Array, block: Array, positions: Array) -> Array:
+  """Sets block [batch, q, ...] into cache [batch, len, ...] at positions [batch].
+
+  Writes past the end of the cache are dropped: they belong to tokens beyond
+  the decode length, whose logits are never used.
+  """
+  batch, q = block.shape[:2]
+  index = positions[:, None] + jnp.arange(q)[None, :]
+  return cache.at[jnp.arange(batch)[:, None], index].set(block.astype(cache.dtype), mode="drop")
+
+
+def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: int) -> Array:
+  """Grouped-query dot-product attention scaled by 1/sqrt(head_dim).
+
+  Query head h reads key/value head h // (heads / kv_heads), as HF's
+  `repeat_kv` does, without materialising the repeated keys.
+
+  Args:
+    query: [batch, q, heads, head_dim]; key, value: [batch, k, kv_heads, head_dim].
+    bias: [batch|1, 1, q, k] float32 (the mask folded in).
+  Returns:
+    [batch, q, heads, head_dim] in the value's dtype.
+  """
+  batch, q_len, heads, head_dim = query.shape
+  grouped = query.reshape(batch, q_len, num_kv_heads, heads // num_kv_heads, head_dim)
+  scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key, preferred_element_type=jnp.float32)
+  scores = scores * np.float32(head_dim ** -0.5) + bias[:, :, None]
+  weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value)
+  return out.reshape(batch, q_len, heads, head_dim)
+
+
+class Attention(nn.Module):
+  """Causal self-attention with q/k/v/o projections, rotary for Llama/Qwen2."""
+  config: DecoderOnlyConfig
+
+  def setup(self):
+    cfg = self.config
+    self.q_proj = Dense(cfg.num_heads * cfg.head_dim, cfg, cfg.qkv_bias)
+    self.k_proj = Dense(cfg.num_kv_heads * cfg.head_dim, cfg, cfg.qkv_bias)
+    self.v_proj = Dense(cfg.num_kv_heads * cfg.head_dim, cfg, cfg.qkv_bias)
+    self.o_proj = Dense(cfg.emb_dim, cfg, cfg.out_bias)
+
+  def _split(self, x: Array, heads: int) -> Array:
+    x = x.reshape(x.shape[:-1] + (heads, self.config.head_dim))
+    return _axes(x, ("batch", "length", "heads", "kv"))
+
+  def __call__(self, x: Array, bias: Array, rotary: Optional[Tuple[Array, Array]],
+               layer_cache: Optional[Dict[str, Array]], positions: Optional[Array]):
+    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None)."""
+    cfg = self.config
+    query = self._split(self.q_proj(x), cfg.num_heads)
+    key = self._split(self.k_proj(x), cfg.num_kv_heads)
+    value = self._split(self.v_proj(x), cfg.num_kv_heads)
+    if rotary is not None:
+      query = apply_rotary(query, *rotary)
+      key = apply_rotary(key, *rotary)
+    new_cache = None
+    if layer_cache is not None:
+      key = _set_block(layer_cache["self_key"], key, positions)
+      value = _set_block(layer_cache["self_value"], value, positions)
+      new_cache = dict(layer_cache, self_key=key, self_value=value)
+    heads = _attend(query, key, value, bias, cfg.num_kv_heads)
+    return self.o_proj(heads.reshape(heads.shape[:-2] + (-1,))), new_cache
+
+
+class Mlp(nn.Module):
+  """down_proj(act(gate_proj(x)) * up_proj(x)) (gated) or down_proj(act(up_proj(x)))."""
+  config: DecoderOnlyConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    act = _ACTIVATIONS[cfg.activation]
+    if cfg.gated_mlp:
+      hidden = act(Dense(cfg.mlp_dim, cfg, cfg.mlp_bias, name="gate_proj")(x)) * Dense(
+          cfg.mlp_dim, cfg, cfg.mlp_bias, name="up_proj")(x)
+    else:
+      hidden = act(Dense(cfg.mlp_dim, cfg, cfg.mlp_bias, name="up_proj")(x))
+    hidden = _axes(hidden, ("batch", "length", "mlp"))
+    return Dense(cfg.emb_dim, cfg, cfg.mlp_bias, name="down_proj")(hidden)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(x)); one code path, cached or not."""
+  config: DecoderOnlyConfig
+
+  def setup(self):
+    cfg = self.config
+    self.input_layernorm = Norm(cfg)
+    self.self_attn = Attention(cfg)
+    self.post_attention_layernorm = Norm(cfg)
+    self.mlp = Mlp(cfg)
+
+  def __call__(self, x, bias, rotary, layer_cache=None, positions=None):
+    attended, new_cache = self.self_attn(self.input_layernorm(x), bias, rotary, layer_cache,
+                                         positions)
+    x = x + attended
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return _axes(x, ("batch", "length", "embed")), new_cache
+
+
+def init_cache(config: DecoderOnlyConfig, batch: int, max_len: int) -> Cache:
+  """An all-zero cache of `max_len` positions per row (needs no params)."""
+  shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  return dict(layers=[dict(self_key=jnp.zeros(shape, _dtype(config)),
+                           self_value=jnp.zeros(shape, _dtype(config)))
+                      for _ in range(config.num_layers)])
+
+
+class DecoderOnly(nn.Module):
+  """A decoder-only language model (Llama, Qwen2 or GPT-2 layout, by config)."""
+  config: DecoderOnlyConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embed_tokens = Embed(cfg.vocab_size, cfg)
+    if not cfg.uses_rotary:
+      self.embed_positions = Embed(cfg.max_positions, cfg)
+    # A list attribute is named layers_0, layers_1, ...
+    self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_layers)]
+    self.norm = Norm(cfg)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = Dense(cfg.vocab_size, cfg, float32_output=True)
+
+  def _hidden(self, tokens: Array, query_positions: Array, cache: Optional[Cache] = None,
+              positions: Optional[Array] = None) -> Tuple[Array, Optional[List[Any]]]:
+    """Runs the stack up to the final norm.
+
+    Args:
+      tokens: [batch, q] int32.
+      query_positions: [batch|1, q] int32 absolute positions of the tokens.
+      cache: None (the q tokens attend to each other) or a cache whose
+        keys/values get the block set at rows' `positions` [batch].
+    Returns:
+      (hidden [batch, q, emb], list of updated layer caches, or None).
+    """
+    cfg = self.config
+    x = self.embed_tokens(tokens)
+    if not cfg.uses_rotary:
+      x = x + self.embed_positions(query_positions)
+    if cache is None:
+      key_positions = query_positions
+    else:
+      key_positions = jnp.arange(cache["layers"][0]["self_key"].shape[1])[None]
+    causal = key_positions[:, None, None, :] <= query_positions[:, None, :, None]
+    bias = jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)
+    rotary = rotary_tables(query_positions, cfg) if cfg.uses_rotary else None
+    x = _axes(x, ("batch", "length", "embed"))
+    new_layers = []
+    for i, layer in enumerate(self.layers):
+      layer_cache = None if cache is None else cache["layers"][i]
+      x, new_layer = layer(x, bias, rotary, layer_cache, positions)
+      new_layers.append(new_layer)
+    return self.norm(x), (None if cache is None else new_layers)
+
+  def project_logits(self, hidden: Array) -> Array:
+    """hidden [..., emb] -> logits [..., vocab] float32."""
+    if self.config.tie_word_embeddings:
+      embedding = self.embed_tokens.embedding.astype(hidden.dtype)
+      return jnp.dot(hidden, embedding.T, preferred_element_type=jnp.float32)
+    return self.lm_head(hidden)
+
+  def __call__(self, tokens: Array) -> Array:
+    """Logits [batch, len, vocab] float32 for tokens [batch, len] at positions 0..len-1 (no cache)."""
+    hidden, _ = self._hidden(tokens, jnp.arange(tokens.shape[1])[None])
+    return self.project_logits(hidden)
+
+  def init_cache(self, batch: int, max_len: int) -> Cache:
+    return init_cache(self.config, batch, max_len)
+
+  def decode_block(self, tokens: Array, positions: Array, cache: Cache) -> Tuple[Array, Cache]:
+    """Scores a block of tokens per row from the cache.
+
+    Args:
+      tokens: [batch, k] int32.
+      positions: [batch] int32, the absolute position of each row's first token.
+      cache: from `init_cache`.
+    Returns:
+      logits [batch, k, vocab] float32 (row b, index j predicts the token at
+      position positions[b] + j + 1), and the cache with the block's keys and
+      values set.
+    """
+    query_positions = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    hidden, layers = self._hidden(tokens, query_positions, cache, positions)
+    return self.project_logits(hidden), dict(cache, layers=layers)
+
+  def prefill(self, prompts: Array, prompt_lengths: Array, cache: Cache) -> Tuple[Array, Cache]:
+    """Writes right-padded prompts [batch, P] into the cache at positions 0..P-1.
+
+    Args:
+      prompts: [batch, P] int32, row b's prompt in its first prompt_lengths[b] slots.
+      prompt_lengths: [batch] int32 in [1, P].
+      cache: from `init_cache`, at least P positions.
+    Returns:
+      logits [batch, vocab] float32 at each row's last prompt token (the
+      distribution of its first new token), and the cache.
+    """
+    batch, length = prompts.shape
+    positions = jnp.zeros((batch,), jnp.int32)
+    hidden, layers = self._hidden(prompts, jnp.arange(length)[None], cache, positions)
+    # Project only the last prompt token per row: [batch, P, vocab] logits
+    # would dwarf the cache for long prompts and large vocabularies.
+    last = hidden[jnp.arange(batch), prompt_lengths - 1]
+    return self.project_logits(last), dict(cache, layers=layers)
