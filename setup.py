@@ -24,6 +24,12 @@ EXTRAS = {
     "tokenizer": ["sentencepiece"],
     "data": ["tensorflow-datasets", "datasets"],
     "notebooks": ["jupyter", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+    # What T5X's own sources (not on PyPI; see tests/test_t5x_integration.py)
+    # import, for running T5X's binaries with our model. Kept out of .venv by
+    # `make test-t5x`, which builds .venv-t5x: tensorflow pins its own numpy
+    # and protobuf.
+    "t5x": ["tensorflow-cpu", "seqio", "clu", "grain", "fiddle", "jaxtyping",
+            "cached_property", "tensorboard", "jestimator"],
 }
 
 setup(

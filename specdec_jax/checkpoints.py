@@ -746,6 +746,34 @@ def _is_ts_spec(path, node) -> bool:
   return isinstance(node, Mapping) and "driver" in node and ("kvstore" in node or "path" in node)
 
 
+def _t5x_relative_path(spec: Mapping[str, Any]) -> str:
+  """The array directory, relative to the checkpoint, named by a T5X TensorStore spec.
+
+  T5X has written three layouts over time (see t5x/checkpoints.py `_get_spec`
+  and `_update_ts_path_from_relative_to_absolute`):
+    * tensorstore < 0.1.14: `{'driver': 'zarr', 'path': 'target.x', 'kvstore': {...}}`;
+    * later: `{'driver': 'zarr', 'kvstore': {'driver': 'file', 'path': 'target.x/'}}`
+      (current tensorstore normalises the path with a trailing slash);
+    * written to GCS: `{'kvstore': {'driver': 'gcs', 'bucket': 't5x-dummy-bucket',
+      'path': 'target.x/'}}` (or the path at the top level), the bucket a dummy.
+  A kvstore given as a URL string ('gs://bucket/target.x/', 'file://target.x')
+  is reduced the same way. Returns '' when the spec names no path.
+  """
+  kvstore = spec.get("kvstore")
+  if isinstance(kvstore, str):
+    scheme, _, rest = kvstore.partition("://")
+    # gs://bucket/path: the bucket is T5X's dummy or the original one; either
+    # way the array now lives next to the msgpack.
+    relative = rest.partition("/")[2] if scheme in ("gs", "s3") else rest
+  elif isinstance(kvstore, Mapping) and kvstore.get("path"):
+    relative = kvstore["path"]
+  else:
+    relative = spec.get("path") or ""
+  # Joining 'dir' + 'target.x/' + '/' would give '//', which the file driver
+  # rejects ("Invalid file path"); T5X only ever writes one directory level.
+  return str(relative).strip("/")
+
+
 def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -> _Tensor:
   """A msgpack leaf: an inline array, or a TensorStore spec with a relative path."""
   if not _is_ts_spec((), leaf):
@@ -755,10 +783,7 @@ def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -
     return _Tensor(f"{origin}: {key} (inline)", tuple(array.shape),
                    lambda dtype: np.asarray(array, dtype=dtype))
   import tensorstore as ts
-  kvstore = leaf.get("kvstore")
-  # tensorstore >= 0.1.14 specs keep the path in the kvstore, older ones at the top.
-  relative = kvstore.get("path") if isinstance(kvstore, Mapping) and "path" in kvstore else (
-      leaf.get("path"))
+  relative = _t5x_relative_path(leaf)
   if not relative:
     raise CheckpointError(f"{origin}: param {key} has a TensorStore spec without a path: {leaf}")
   # The spec's own kvstore driver (file / gcs with a dummy bucket) is where the

@@ -33,7 +33,24 @@ from specdec_jax.model import Model
 from specdec_jax.models.configs import T5Config
 from specdec_jax.models.t5 import T5
 
+
+
+def alias_jestimator_partition_spec() -> None:
+  """Lets T5X import on current jax.
+
+  T5X imports `jestimator` (PyPI 0.3.3, 2022), whose `amos_helper` does
+  `from jax.experimental.pjit import PartitionSpec`, gone from current jax.
+  Setting the old name to `jax.sharding.PartitionSpec` before T5X is imported
+  is all it needs (`experiments/t5x_demo/site/sitecustomize.py` does the same
+  for `python -m t5x.infer`).
+  """
+  import jax.experimental.pjit as pjit_module
+  if not hasattr(pjit_module, "PartitionSpec"):
+    pjit_module.PartitionSpec = jax.sharding.PartitionSpec
+
+
 try:  # A source install of T5X; never available from PyPI.
+  alias_jestimator_partition_spec()
   from t5x import models as _t5x_models
   _BASE = _t5x_models.EncoderDecoderModel
 except ImportError:  # pragma: no cover - depends on the environment
