@@ -1,13 +1,14 @@
 """specdec_jax: exact speculative decoding for T5-style models in JAX/Flax.
 
 Public API:
-  load_model, save_model, export_hf, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
+  load_model, save_model, export_hf, export_t5x, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
   temperature_sample, speculative_sample, speculative_step, adjust_probs;
   drafts (ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft), theory,
   sharding, train / distill, load_demo_pair.
 """
 
-from specdec_jax.checkpoints import CheckpointError, export_hf, load_checkpoint_model, save_model
+from specdec_jax.checkpoints import (CheckpointError, export_hf, export_t5x, load_checkpoint_model,
+                                     save_model)
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
 from specdec_jax.distill import distill_drafts, measure_alpha
 from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample

@@ -813,6 +813,73 @@ def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -
   return _Tensor(source, shape, read)
 
 
+# T5X's chunk budget (t5x/checkpoints.py `_choose_chunk_shape`): reads of a
+# large array proceed chunk by chunk instead of one huge gzip stream.
+_T5X_CHUNK_BYTES = 64 * 1024 * 1024
+T5X_VERSION = 3  # What t5x.checkpoints.VERSION has been since 2021.
+
+
+def export_t5x(model: Model, directory, *, step: int = 0, overwrite: bool = False) -> str:
+  """Writes `model` as a T5X checkpoint that `t5x.checkpoints.Checkpointer.restore` reads.
+
+  The layout is what T5X's own `Checkpointer.save` writes for an
+  `InferenceState` (no optimizer state): a msgpack file `checkpoint` holding
+  `{'version': 3, 'optimizer': {'target': <params>, 'state': {'step': step}}}`,
+  every param a TensorStore zarr spec whose kvstore path, relative to the
+  directory, names a gzip zarr array `target.<dotted.param.path>` beside it.
+  T5X restores it into any train state of the same network (its optimizer
+  state, absent here, comes from initialisation); `load_model(directory)`
+  reads it back. Arrays are written in the model's dtype, one at a time.
+
+  Args:
+    model: the model to write.
+    directory: the checkpoint directory to create (T5X names it checkpoint_<step>).
+    step: the training step recorded in the checkpoint.
+    overwrite: replace an existing directory.
+  Returns:
+    the directory's absolute path.
+  """
+  import tensorstore as ts
+  directory = os.path.abspath(os.fspath(directory))
+  if os.path.exists(directory):
+    if not overwrite:
+      raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
+    shutil.rmtree(directory)
+  # Like T5X: write into a temporary sibling and rename, so a directory with a
+  # `checkpoint` file is always complete.
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-",
+                         dir=os.path.dirname(directory))
+  try:
+    specs = {}
+    for path, value in traverse_util.flatten_dict(model.params).items():
+      array = np.asarray(value)
+      name = "target." + ".".join(path)
+      row_bytes = max(1, array.nbytes // max(1, array.shape[0]))
+      chunks = [max(1, min(array.shape[0], _T5X_CHUNK_BYTES // row_bytes))] + list(array.shape[1:])
+      metadata = {"chunks": chunks, "compressor": {"id": "gzip", "level": 1},
+                  "shape": list(array.shape)}
+      dtype = jnp.dtype(array.dtype).name
+      store = ts.open({"driver": "zarr", "dtype": dtype, "metadata": metadata,
+                       "kvstore": {"driver": "file", "path": os.path.join(tmp, name) + "/"}},
+                      create=True).result()
+      store.write(array).result()
+      # T5X keeps the path relative so the directory can move (even to GCS).
+      specs[path] = {"driver": "zarr", "dtype": dtype, "metadata": metadata,
+                     "kvstore": {"driver": "file", "path": name + "/"}}
+      del array, store
+    contents = {"version": T5X_VERSION,
+                "optimizer": {"target": traverse_util.unflatten_dict(specs),
+                              "state": {"step": np.int32(step)}}}
+    from flax import serialization
+    with open(os.path.join(tmp, "checkpoint"), "wb") as f:
+      f.write(serialization.msgpack_serialize(contents))
+    os.replace(tmp, directory)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return directory
+
+
 def _orbax_metadata_tree(location: str):
   import orbax.checkpoint as ocp
   try:
