@@ -210,12 +210,18 @@ class Encoder(nn.Module):
   config: T5Config
 
   @nn.compact
-  def __call__(self, embedded: Array, encoder_mask: Array) -> Array:
-    """embedded [batch, len, emb], encoder_mask [batch, len] -> [batch, len, emb]."""
+  def __call__(self, embedded: Array, encoder_mask: Array,
+               attention_mask: Optional[Array] = None) -> Array:
+    """embedded [batch, len, emb], encoder_mask [batch, len] -> [batch, len, emb].
+
+    attention_mask: optional [batch, len, len] bool (query, key) replacing the
+    key padding mask from encoder_mask (T5X's packed batches; t5x_model.py).
+    """
     cfg = self.config
     positions = jnp.arange(embedded.shape[1])[None]
     bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")(positions, positions)
-    bias = bias + jnp.where(encoder_mask[:, None, None, :], 0.0, _MASK_VALUE)
+    allowed = encoder_mask[:, None, None, :] if attention_mask is None else attention_mask[:, None]
+    bias = bias + jnp.where(allowed, 0.0, _MASK_VALUE)
     x = embedded
     for i in range(cfg.num_encoder_layers):
       x = EncoderLayer(cfg, name=f"layers_{i}")(x, bias)
@@ -292,7 +298,8 @@ class Decoder(nn.Module):
 
   def __call__(self, embedded: Array, query_positions: Array, key_positions: Array,
                cross_kv, encoder_mask: Array, cache: Optional[Cache] = None,
-               positions: Optional[Array] = None):
+               positions: Optional[Array] = None, self_mask: Optional[Array] = None,
+               cross_mask: Optional[Array] = None):
     """Runs the decoder stack up to the final norm.
 
     Args:
@@ -303,13 +310,18 @@ class Decoder(nn.Module):
       cross_kv: per layer (key, value), each [batch, enc_len, heads, head_dim].
       encoder_mask: [batch, enc_len] bool.
       cache / positions: see DecoderLayer.
+      self_mask / cross_mask: optional [batch, q, k] / [batch, q, enc_len] bool
+        replacing the causal mask / the encoder padding mask (T5X's padded and
+        packed teacher-forced batches; t5x_model.py).
     Returns:
       (hidden [batch, q, emb], list of updated layer caches or None).
     """
     self_bias = self.relpos_bias(query_positions, key_positions)
-    causal = key_positions[:, None, None, :] <= query_positions[:, None, :, None]
+    causal = (key_positions[:, None, None, :] <= query_positions[:, None, :, None]
+              if self_mask is None else self_mask[:, None])
     self_bias = self_bias + jnp.where(causal, 0.0, _MASK_VALUE)
-    cross_bias = jnp.where(encoder_mask[:, None, None, :], 0.0, _MASK_VALUE)
+    cross_allowed = encoder_mask[:, None, None, :] if cross_mask is None else cross_mask[:, None]
+    cross_bias = jnp.where(cross_allowed, 0.0, _MASK_VALUE)
     x = embedded
     new_layer_caches = []
     for i, layer in enumerate(self.layers):
