@@ -1,0 +1,315 @@
+"""Loading Hugging Face decoder-only directories into `DecoderOnlyModel`.
+
+`load_hf_decoder_only(directory)` reads a `config.json` plus weights
+(`model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
+or `pytorch_model.bin`, optionally sharded with an index; the readers are
+`specdec_jax.checkpoints`'), detects the architecture from
+`config.json` (`architectures`, else `model_type`) and maps HF tensor names
+onto the tree of `models/decoder_only.py`:
+
+  Llama / Qwen2 (`LlamaForCausalLM`, `Qwen2ForCausalLM`), HF Linear weights
+  [out, in] transposed to our kernels [in, out]:
+    model.embed_tokens.weight                  -> embed_tokens/embedding
+    model.layers.{i}.input_layernorm.weight    -> layers_{i}/input_layernorm/scale
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}
+                                               -> layers_{i}/self_attn/{q,k,v,o}_proj/{kernel,bias}
+    model.layers.{i}.post_attention_layernorm.weight -> layers_{i}/post_attention_layernorm/scale
+    model.layers.{i}.mlp.{gate,up,down}_proj.{weight,bias} -> layers_{i}/mlp/{...}_proj/{kernel,bias}
+    model.norm.weight                          -> norm/scale
+    lm_head.weight                             -> lm_head/kernel (untied only)
+  GPT-2 (`GPT2LMHeadModel`; Conv1D weights are already [in, out]; the
+  `transformer.` prefix is optional, as in the original hub files):
+    transformer.wte.weight / wpe.weight        -> embed_tokens / embed_positions embedding
+    transformer.h.{i}.ln_1.{weight,bias}       -> layers_{i}/input_layernorm/{scale,bias}
+    transformer.h.{i}.attn.c_attn.{weight,bias} split in three columns
+                                               -> layers_{i}/self_attn/{q,k,v}_proj/{kernel,bias}
+    transformer.h.{i}.attn.c_proj.{weight,bias} -> layers_{i}/self_attn/o_proj/{kernel,bias}
+    transformer.h.{i}.ln_2.{weight,bias}       -> layers_{i}/post_attention_layernorm/{scale,bias}
+    transformer.h.{i}.mlp.c_fc / c_proj        -> layers_{i}/mlp/up_proj / down_proj
+    transformer.ln_f.{weight,bias}             -> norm/{scale,bias}
+
+Tied models (`tie_word_embeddings`, the GPT-2 and small-Qwen2 default) use the
+token embedding as the output projection; an `lm_head.weight` stored beside it
+is ignored, as HF ties it. Tensors are read one at a time, cast to the
+requested dtype and placed before the next is read.
+"""
+
+import json
+import os
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from specdec_jax.checkpoints import CheckpointError, _cast, _hf_weight_files, _Tensor
+from specdec_jax.decoder_only_model import DecoderOnlyModel, default_dtype
+from specdec_jax.models.decoder_configs import DecoderOnlyConfig
+from specdec_jax.models.decoder_only import DecoderOnly
+
+# HF architecture class -> our family; model_type is the fallback.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "GPT2LMHeadModel": "gpt2"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
+
+# HF activation names -> ours. HF's "gelu" is the exact erf GELU; "gelu_new"
+# and "gelu_pytorch_tanh" are the tanh approximation.
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_new",
+                   "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+
+# Buffers some HF checkpoints store that are not parameters.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def detect_family(hf: Mapping[str, Any], origin: str = "config.json") -> str:
+  """'llama' / 'qwen2' / 'gpt2' from a config.json dict; CheckpointError otherwise."""
+  architectures = hf.get("architectures") or []
+  for name in architectures:
+    if name in ARCHITECTURES:
+      return ARCHITECTURES[name]
+  model_type = hf.get("model_type")
+  if not architectures and model_type in MODEL_TYPES:
+    return MODEL_TYPES[model_type]
+  raise CheckpointError(
+      f"{origin}: unsupported architecture (architectures={architectures}, "
+      f"model_type={model_type!r}); decoder-only loading supports "
+      f"{', '.join(sorted(ARCHITECTURES))} (model_type {', '.join(sorted(MODEL_TYPES))})")
+
+
+def _token_id(value, origin: str, name: str) -> Optional[int]:
+  """An HF token id (an int, a list whose first entry is used, or None)."""
+  if isinstance(value, (list, tuple)):
+    # The decode loops stop on one EOS id; multi-EOS models use the first.
+    value = value[0] if value else None
+  if value is not None and not isinstance(value, int):
+    raise CheckpointError(f"{origin}: {name} must be an int, a list of ints or null, got {value!r}")
+  return value
+
+
+def _rope_fields(hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
+  """Rotary base and scaling from `rope_theta`/`rope_scaling` (transformers 4) or
+  `rope_parameters` (transformers 5)."""
+  params = dict(hf.get("rope_parameters") or {})
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  scaling = hf.get("rope_scaling") or {}
+  if params.get("rope_type", "default") != "default":
+    scaling = params
+  kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+  fields = dict(rope_theta=float(theta))
+  if kind == "default":
+    return fields
+  if kind == "linear":
+    return dict(fields, rope_scaling="linear", rope_factor=float(scaling["factor"]))
+  if kind == "llama3":
+    return dict(fields, rope_scaling="llama3", rope_factor=float(scaling["factor"]),
+                rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
+  raise CheckpointError(f"{origin}: rope scaling {kind!r} is not supported (supported: default, "
+                        f"linear, llama3)")
+
+
+def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.json",
+                                dtype: str = "float32") -> DecoderOnlyConfig:
+  """Our `DecoderOnlyConfig` from a Hugging Face config.json dict."""
+  family = detect_family(hf, origin)
+  try:
+    if family == "gpt2":
+      if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
+        raise CheckpointError(f"{origin}: GPT-2 attention scaling other than 1/sqrt(head_dim) "
+                              f"(scale_attn_by_inverse_layer_idx / scale_attn_weights) is not "
+                              f"supported")
+      emb, heads = int(hf["n_embd"]), int(hf["n_head"])
+      activation = hf.get("activation_function", "gelu_new")
+      fields = dict(family="gpt2", vocab_size=int(hf["vocab_size"]), emb_dim=emb,
+                    num_layers=int(hf["n_layer"]), num_heads=heads, num_kv_heads=heads,
+                    head_dim=emb // heads, mlp_dim=int(hf.get("n_inner") or 4 * emb),
+                    max_positions=int(hf["n_positions"]),
+                    norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+                    tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                    qkv_bias=True, out_bias=True, mlp_bias=True)
+    else:
+      if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{origin}: sliding-window attention (use_sliding_window) is not "
+                              f"supported")
+      emb, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+      activation = hf.get("hidden_act", "silu")
+      attention_bias = bool(hf.get("attention_bias", False))
+      fields = dict(family=family, vocab_size=int(hf["vocab_size"]), emb_dim=emb,
+                    num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+                    num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                    head_dim=int(hf.get("head_dim") or emb // heads),
+                    mlp_dim=int(hf["intermediate_size"]),
+                    max_positions=int(hf.get("max_position_embeddings", 2048)),
+                    norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+                    tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                    # Qwen2 always has q/k/v biases and no output bias.
+                    qkv_bias=family == "qwen2" or attention_bias,
+                    out_bias=family != "qwen2" and attention_bias,
+                    mlp_bias=bool(hf.get("mlp_bias", False)),
+                    **_rope_fields(hf, origin))
+  except KeyError as e:
+    raise CheckpointError(f"{origin}: missing field {e.args[0]!r} for a {family} config") from None
+  if activation not in _HF_ACTIVATIONS:
+    raise CheckpointError(f"{origin}: activation {activation!r} is not supported (supported: "
+                          f"{', '.join(sorted(_HF_ACTIVATIONS))})")
+  eos = _token_id(hf.get("eos_token_id"), origin, "eos_token_id")
+  bos = _token_id(hf.get("bos_token_id"), origin, "bos_token_id")
+  pad = _token_id(hf.get("pad_token_id"), origin, "pad_token_id")
+  vocab = fields["vocab_size"]
+  in_vocab = lambda i: i if i is not None and 0 <= i < vocab else None  # noqa: E731
+  try:
+    return DecoderOnlyConfig(activation=_HF_ACTIVATIONS[activation], dtype=dtype,
+                             bos_id=in_vocab(bos), eos_id=in_vocab(eos),
+                             pad_id=pad if in_vocab(pad) is not None else 0, **fields)
+  except ValueError as e:
+    raise CheckpointError(f"{origin}: {e}") from None
+
+
+def hf_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[str, str, Optional[int]]]:
+  """Our param name -> (HF tensor name, transform, part).
+
+  transform: 'copy', 'transpose' (Linear weight -> kernel); part: for GPT-2's
+  fused c_attn, which third (0 = q, 1 = k, 2 = v) of the last axis, else None.
+  """
+  names = {}
+  if config.family == "gpt2":
+    names["embed_tokens/embedding"] = ("transformer.wte.weight", "copy", None)
+    names["embed_positions/embedding"] = ("transformer.wpe.weight", "copy", None)
+    names["norm/scale"] = ("transformer.ln_f.weight", "copy", None)
+    names["norm/bias"] = ("transformer.ln_f.bias", "copy", None)
+    for i in range(config.num_layers):
+      ours, theirs = f"layers_{i}/", f"transformer.h.{i}."
+      for norm, ln in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+        names[f"{ours}{norm}/scale"] = (f"{theirs}{ln}.weight", "copy", None)
+        names[f"{ours}{norm}/bias"] = (f"{theirs}{ln}.bias", "copy", None)
+      for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        names[f"{ours}self_attn/{proj}/kernel"] = (f"{theirs}attn.c_attn.weight", "copy", part)
+        names[f"{ours}self_attn/{proj}/bias"] = (f"{theirs}attn.c_attn.bias", "copy", part)
+      for param, hf_param in (("kernel", "weight"), ("bias", "bias")):
+        names[f"{ours}self_attn/o_proj/{param}"] = (f"{theirs}attn.c_proj.{hf_param}", "copy",
+                                                    None)
+        names[f"{ours}mlp/up_proj/{param}"] = (f"{theirs}mlp.c_fc.{hf_param}", "copy", None)
+        names[f"{ours}mlp/down_proj/{param}"] = (f"{theirs}mlp.c_proj.{hf_param}", "copy", None)
+    if not config.tie_word_embeddings:
+      names["lm_head/kernel"] = ("lm_head.weight", "transpose", None)
+    return names
+
+  names["embed_tokens/embedding"] = ("model.embed_tokens.weight", "copy", None)
+  names["norm/scale"] = ("model.norm.weight", "copy", None)
+  if not config.tie_word_embeddings:
+    names["lm_head/kernel"] = ("lm_head.weight", "transpose", None)
+  biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
+            "o_proj": config.out_bias}
+  mlp = ("gate_proj", "up_proj", "down_proj")
+  for i in range(config.num_layers):
+    ours, theirs = f"layers_{i}/", f"model.layers.{i}."
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      names[f"{ours}{norm}/scale"] = (f"{theirs}{norm}.weight", "copy", None)
+    projections = [(f"self_attn/{p}", f"self_attn.{p}", bias) for p, bias in biases.items()]
+    projections += [(f"mlp/{p}", f"mlp.{p}", config.mlp_bias) for p in mlp]
+    for ours_proj, theirs_proj, bias in projections:
+      names[f"{ours}{ours_proj}/kernel"] = (f"{theirs}{theirs_proj}.weight", "transpose", None)
+      if bias:
+        names[f"{ours}{ours_proj}/bias"] = (f"{theirs}{theirs_proj}.bias", "copy", None)
+  return names
+
+
+def expected_shapes(config: DecoderOnlyConfig) -> Dict[str, Tuple[int, ...]]:
+  """Flat '/'-joined param names -> shapes for `config` (no allocation)."""
+  dummy = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  tree = jax.eval_shape(lambda t: DecoderOnly(config).init(jax.random.PRNGKey(0), t), dummy)
+  return {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree["params"],
+                                                                     sep="/").items()}
+
+
+def _mapped_tensor(stored: _Tensor, transform: str, part: Optional[int]) -> _Tensor:
+  """Our view of one HF tensor: transposed, or one third of GPT-2's fused c_attn."""
+  shape = tuple(stored.shape)
+  if transform == "transpose":
+    shape = tuple(reversed(shape))
+  if part is not None:
+    if shape[-1] % 3:
+      return _Tensor(stored.source, shape + ("not divisible by 3",), lambda dtype: None)
+    shape = shape[:-1] + (shape[-1] // 3,)
+
+  def read(dtype):
+    array = stored.read(None)
+    if part is not None:
+      width = array.shape[-1] // 3
+      array = array[..., part * width:(part + 1) * width]
+    return _cast(array, dtype, transform == "transpose")
+
+  return _Tensor(stored.source, shape, read)
+
+
+def _describe(config: DecoderOnlyConfig) -> str:
+  return (f"({config.family}: vocab {config.vocab_size}, emb {config.emb_dim}, layers "
+          f"{config.num_layers}, heads {config.num_heads}/{config.num_kv_heads} kv x "
+          f"{config.head_dim}, mlp {config.mlp_dim}, tied={config.tie_word_embeddings})")
+
+
+def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
+                         place: Optional[Callable[[Tuple[str, ...], np.ndarray], Any]] = None,
+                         progress: bool = False) -> DecoderOnlyModel:
+  """Loads a HF LlamaForCausalLM / Qwen2ForCausalLM / GPT2LMHeadModel directory.
+
+  Args:
+    directory: holding config.json and the weights.
+    dtype: params and compute dtype; default float32 on CPU, bfloat16 elsewhere.
+    place: `(key tuple, numpy array) -> array` putting one tensor where it
+      belongs (default `jax.device_put`).
+    progress: show a tqdm bar while reading tensors.
+  Raises:
+    CheckpointError: unreadable or unsupported config, missing / unexpected /
+      mis-shaped tensors (all listed at once).
+  """
+  directory = os.fspath(directory)
+  config_path = os.path.join(directory, "config.json")
+  if not os.path.isdir(directory) or not os.path.exists(config_path):
+    raise CheckpointError(f"{directory}: not a Hugging Face model directory (no config.json)")
+  try:
+    with open(config_path) as f:
+      hf = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{config_path}: cannot read: {e}") from None
+  config = hf_config_to_decoder_config(hf, config_path, dtype or default_dtype())
+  files = _hf_weight_files(directory)
+  if config.family == "gpt2" and not any(k.startswith("transformer.") for k in files):
+    # The original hub GPT-2 files name tensors without the `transformer.` prefix.
+    files = {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in files.items()}
+
+  wanted = hf_names(config)
+  tensors = {ours: _mapped_tensor(files[theirs], transform, part)
+             for ours, (theirs, transform, part) in wanted.items() if theirs in files}
+  used = {theirs for theirs, _, _ in wanted.values()}
+  if config.tie_word_embeddings:
+    used.add("lm_head.weight")  # HF ties it to the embedding; a stored copy is redundant.
+  want = expected_shapes(config)
+  missing = [f"{wanted[k][0]} (for {k})" for k in want if k not in tensors]
+  unexpected = [files[k].source for k in sorted(files)
+                if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
+  mismatched = [f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]} "
+                f"(for {k})" for k in want if k in tensors and tensors[k].shape != want[k]]
+  if missing or unexpected or mismatched:
+    lines = [f"Checkpoint {directory} does not match its config {_describe(config)}:"]
+    for title, items in (("missing", missing), ("unexpected", unexpected),
+                         ("shape mismatch", mismatched)):
+      if items:
+        lines.append(f"  {title} ({len(items)}):")
+        lines.extend(f"    {item}" for item in items)
+    raise CheckpointError("\n".join(lines))
+
+  place = place or (lambda key, array: jax.device_put(array))
+  np_dtype = jnp.dtype(config.dtype)
+  keys = list(want)
+  if progress:
+    from tqdm import tqdm
+    keys = tqdm(keys, desc=f"loading {os.path.basename(directory.rstrip('/'))}", unit="tensor")
+  flat = {}
+  for key in keys:
+    array = tensors[key].read(np_dtype)
+    flat[tuple(key.split("/"))] = place(tuple(key.split("/")), array)
+    del array  # Free the host copy before reading the next tensor.
+  return DecoderOnlyModel(config, traverse_util.unflatten_dict(flat))

@@ -1,0 +1,386 @@
+"""Decoder-only models (Llama / Qwen2 / GPT-2 layouts): parity with transformers,
+cached blocks == uncached forward, prompts of different lengths, speculative == target."""
+
+import inspect
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+
+from specdec_jax import decoding
+from specdec_jax.checkpoints import CheckpointError
+from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
+from specdec_jax.decoder_only_generation import decoder_only_generate
+from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
+from specdec_jax.models.decoder_configs import DECODER_CONFIGS, get_decoder_config
+
+VOCAB = 97
+EOS = 2
+
+# Until speculative_sample starts each row from inputs[:, 0] (the lead's change
+# in flight), it assumes a BOS of 0 and cannot continue a prompt.
+_SPECULATIVE_TAKES_FIRST_INPUT = "inputs[:, 0]" in inspect.getsource(
+    decoding.speculative_sample)
+needs_first_input = pytest.mark.skipif(not _SPECULATIVE_TAKES_FIRST_INPUT,
+                                       reason="speculative_sample does not yet read inputs[:, 0]")
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face reference models (random weights, saved to tmp dirs).
+
+def _hf_model(layout: str):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+  if layout == "llama_gqa_untied":
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96,
+                                      max_position_embeddings=128, tie_word_embeddings=False,
+                                      rms_norm_eps=1e-5, **common)
+    cls = transformers.LlamaForCausalLM
+  elif layout == "llama_biases_llama3_rope":
+    # attention_bias (q/k/v/o), mlp_bias, head_dim != hidden/heads and Llama 3.1
+    # rotary scaling whose bands all fall inside short test positions.
+    config = transformers.LlamaConfig(
+        hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, intermediate_size=80, max_position_embeddings=128, attention_bias=True,
+        mlp_bias=True, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=4.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=64), **common)
+    cls = transformers.LlamaForCausalLM
+  elif layout == "qwen2_biases_tied":
+    config = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96,
+                                      max_position_embeddings=128, tie_word_embeddings=True,
+                                      **common)
+    cls = transformers.Qwen2ForCausalLM
+  elif layout == "gpt2":
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common)
+    cls = transformers.GPT2LMHeadModel
+  else:
+    raise ValueError(layout)
+  torch.manual_seed(0)
+  model = cls(config).eval()
+  # HF's init (normal(0.02), unit norms, zero biases) gives near-uniform logits
+  # and would hide a missing bias or norm scale: randomise every parameter.
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      noise = torch.randn_like(param)
+      is_norm = "norm" in name or ".ln_" in name
+      param.copy_(1.0 + 0.2 * noise if is_norm and name.endswith("weight") else 0.15 * noise)
+  return model
+
+
+def _save(model, directory, **kwargs):
+  model.save_pretrained(directory, **kwargs)
+  return directory
+
+
+LAYOUTS = ["llama_gqa_untied", "llama_biases_llama3_rope", "qwen2_biases_tied", "gpt2"]
+# One layout saved sharded with an index, to cover that reader path.
+_SAVE_KWARGS = {"qwen2_biases_tied": dict(max_shard_size="40KB")}
+
+
+@pytest.fixture(scope="module")
+def hf_pairs(tmp_path_factory):
+  """layout -> (layout, HF torch model, our DecoderOnlyModel loaded from its saved
+  directory, directory), each built once per module."""
+  pairs = {}
+
+  def get(layout):
+    if layout not in pairs:
+      hf = _hf_model(layout)
+      directory = str(tmp_path_factory.mktemp(layout))
+      _save(hf, directory, **_SAVE_KWARGS.get(layout, {}))
+      pairs[layout] = (layout, hf, load_hf_decoder_only(directory, dtype="float32"), directory)
+    return pairs[layout]
+
+  return get
+
+
+@pytest.fixture(params=LAYOUTS)
+def hf_pair(request, hf_pairs):
+  return hf_pairs(request.param)
+
+
+def _random_prompts(lengths, seed):
+  rng = np.random.RandomState(seed)
+  prompts = np.zeros((len(lengths), max(lengths)), np.int32)
+  for b, n in enumerate(lengths):
+    prompts[b, :n] = rng.randint(3, VOCAB, n)
+  return prompts
+
+
+def test_loader_reads_layout_and_sharded_index(hf_pair):
+  layout, hf, model, directory = hf_pair
+  cfg = model.config
+  assert cfg.family == layout.split("_")[0]
+  assert cfg.vocab_size == VOCAB and cfg.eos_id == EOS
+  if layout == "qwen2_biases_tied":
+    assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
+    assert cfg.qkv_bias and not cfg.out_bias and cfg.tie_word_embeddings
+  if layout == "llama_gqa_untied":
+    assert cfg.num_kv_heads == 2 and not cfg.tie_word_embeddings
+  if layout == "llama_biases_llama3_rope":
+    assert cfg.rope_scaling == "llama3" and cfg.out_bias and cfg.mlp_bias
+  leaves = jax.tree_util.tree_leaves(model.params)
+  assert sum(x.size for x in leaves) == cfg.num_params
+
+
+def test_logits_match_transformers(hf_pair):
+  torch = pytest.importorskip("torch")
+  _, hf, model, _ = hf_pair
+  tokens = _random_prompts([17, 17, 17], seed=1)
+  with torch.no_grad():
+    want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  got = np.asarray(model.logits(tokens))
+  assert np.abs(want).max() > 1.0, "near-zero logits would prove nothing"
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def _hf_greedy(hf, prompts, lengths, steps):
+  """HF greedy generate one row at a time (no padding conventions involved)."""
+  torch = pytest.importorskip("torch")
+  rows = []
+  for row, n in zip(prompts, lengths):
+    with torch.no_grad():
+      out = hf.generate(torch.tensor(row[None, :n], dtype=torch.long), do_sample=False,
+                        max_new_tokens=steps, eos_token_id=EOS, pad_token_id=0)
+    rows.append(out[0, n:].numpy().tolist())
+  return rows
+
+
+def _assert_matches_rows(sequences, rows):
+  sequences = np.asarray(sequences)
+  for got, want in zip(sequences, rows):
+    assert got[:len(want)].tolist() == want
+    assert (got[len(want):] == 0).all()
+
+
+def test_greedy_generation_matches_transformers_with_ragged_prompts(hf_pair):
+  _, hf, model, _ = hf_pair
+  lengths = [5, 11, 2, 8]
+  prompts = _random_prompts(lengths, seed=2)
+  steps = 12
+  want = _hf_greedy(hf, prompts, lengths, steps)
+  out = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps)
+  _assert_matches_rows(out.sequences, want)
+  assert np.asarray(out.lengths).tolist() == [len(w) for w in want]
+  assert any(len(set(w)) >= 4 for w in want), "degenerate outputs prove nothing"
+
+
+# Rotary + GQA and learned positions; Qwen2 differs from Llama only in biases,
+# which the logits and target-only tests above cover.
+@needs_first_input
+@pytest.mark.parametrize("layout", ["llama_gqa_untied", "gpt2"])
+def test_greedy_speculative_matches_target_and_transformers(layout, hf_pairs):
+  """Draft = the target with noisy weights: some drafts rejected, output unchanged."""
+  _, hf, model, _ = hf_pairs(layout)
+  noise_keys = jax.random.split(jax.random.PRNGKey(7), len(jax.tree_util.tree_leaves(
+      model.params)))
+  leaves, treedef = jax.tree_util.tree_flatten(model.params)
+  noisy = [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, noise_keys)]
+  draft = DecoderOnlyModel(model.config, jax.tree_util.tree_unflatten(treedef, noisy))
+  lengths = [5, 11, 2, 8]
+  prompts = _random_prompts(lengths, seed=3)
+  steps = 12
+  target = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps)
+  spec = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps, draft=draft,
+                               gamma=3)
+  np.testing.assert_array_equal(np.asarray(spec.sequences), np.asarray(target.sequences))
+  _assert_matches_rows(spec.sequences, _hf_greedy(hf, prompts, lengths, steps))
+  stats = spec.stats
+  assert 0 < stats.acceptance_rate < 1, "the noisy draft should be partly right"
+  np.testing.assert_array_equal(stats.emitted, np.asarray(target.lengths))
+  assert (stats.accepted + stats.iterations == stats.emitted).all()
+
+
+# ---------------------------------------------------------------------------
+# The block contract on our own models (no transformers needed).
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "gpt2_tiny"])
+def test_cached_blocks_equal_uncached_forward(name):
+  """Ragged prefill, random block sizes, per-row positions, junk rejected tokens."""
+  model = load_decoder_only_model(name, seed=1)
+  batch, length = 3, 20
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(3, VOCAB, (batch, length)).astype(np.int32)
+  full = np.asarray(model.logits(tokens))
+
+  prompt_lengths = np.array([4, 1, 7], np.int32)
+  prompts = np.where(np.arange(7)[None] < prompt_lengths[:, None], tokens[:, :7], 0)
+  cache = model.init_cache(batch, length + 6)
+  last, cache = model.prefill(prompts.astype(np.int32), prompt_lengths, cache)
+  np.testing.assert_allclose(np.asarray(last), full[np.arange(batch), prompt_lengths - 1],
+                             rtol=1e-5, atol=1e-5 * np.abs(full).max())
+  positions = prompt_lengths.copy()
+  got = np.full(full.shape, np.nan, np.float32)
+  padded = np.pad(tokens, ((0, 0), (0, 6)))
+  while positions.min() < length:
+    k = (1, 3)[rng.randint(2)]  # Two block widths: two compiles.
+    # Each row keeps only the first `advance` of its k tokens: the rest is a
+    # rejected draft whose cache entries must not matter.
+    advance = rng.randint(1, k + 1, batch)
+    block = np.stack([padded[b, p:p + k] for b, p in enumerate(np.minimum(positions, length))])
+    junk = rng.randint(3, VOCAB, block.shape)
+    block = np.where(np.arange(k)[None] < advance[:, None], block, junk).astype(np.int32)
+    # Rows already past `length` score junk at position 0 and stay put: they
+    # are done, and this keeps every block inside the cache.
+    done = positions >= length
+    logits, cache = model.decode_block(block, np.where(done, 0, positions), cache)
+    for b in np.flatnonzero(~done):
+      for j in range(advance[b]):
+        if positions[b] + j < length:
+          got[b, positions[b] + j] = logits[b, j]
+    positions = np.where(done, positions, positions + advance)
+  for b in range(batch):
+    real = slice(prompt_lengths[b], length)
+    np.testing.assert_allclose(got[b, real], full[b, real], rtol=1e-5,
+                               atol=1e-5 * np.abs(full).max())
+
+
+def _greedy_reference(model, prompts, lengths, steps, eos_id):
+  """Step-by-step argmax over the uncached forward pass, one row at a time."""
+  width = prompts.shape[1] + steps  # One width, one compile: causality hides later slots.
+  rows = []
+  for row, n in zip(prompts, lengths):
+    seq = np.zeros((1, width), np.int32)
+    seq[0, :n] = row[:n]
+    out = []
+    for t in range(steps):
+      token = int(np.asarray(model.logits(seq))[0, n + t - 1].argmax())
+      out.append(token)
+      seq[0, n + t] = token
+      if token == eos_id:
+        break
+    rows.append(out)
+  return rows
+
+
+def test_temperature_sample_path_equals_stepwise_argmax_with_eos():
+  model = load_decoder_only_model("llama_tiny", seed=4)
+  # Sharpen the random model so outputs vary and an EOS appears mid-way.
+  model = DecoderOnlyModel(model.config, jax.tree_util.tree_map(lambda x: x * 6.0 if x.ndim == 2
+                                                                else x, model.params))
+  lengths = [3, 6, 1]
+  prompts = _random_prompts(lengths, seed=5)
+  steps = 10
+  ref = _greedy_reference(model, prompts, lengths, steps, eos_id=-1)
+  # An EOS that some row emits mid-way exercises early stopping.
+  eos = next(r[4] for r in ref if len(set(r[:5])) == 5)
+  ref = _greedy_reference(model, prompts, lengths, steps, eos_id=eos)
+  out = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps, eos_id=eos)
+  _assert_matches_rows(out.sequences, ref)
+  assert min(np.asarray(out.lengths)) < steps
+
+
+@needs_first_input
+def test_sampling_speculative_runs_and_is_reproducible():
+  """Temperature sampling through both loops: valid tokens, same rng -> same output.
+  (The distribution-level chi-square tests for decoder-only pairs are still to come.)"""
+  model = load_decoder_only_model("gpt2_tiny", seed=2)
+  draft = load_decoder_only_model("gpt2_tiny_draft", seed=3)
+  prompts = _random_prompts([4, 2], seed=6)
+  kwargs = dict(max_decode_steps=6, temperature=1.0, rng=jax.random.PRNGKey(3), eos_id=-1)
+  a = decoder_only_generate(model, prompts, [4, 2], draft=draft, gamma=2, **kwargs)
+  b = decoder_only_generate(model, prompts, [4, 2], draft=draft, gamma=2, **kwargs)
+  np.testing.assert_array_equal(np.asarray(a.sequences), np.asarray(b.sequences))
+  assert np.asarray(a.sequences).max() < VOCAB
+  assert (np.asarray(a.lengths) == 6).all()
+
+
+# ---------------------------------------------------------------------------
+# Configs and bad input.
+
+def _tree_shapes(config):
+  from specdec_jax.models.decoder_only import DecoderOnly
+  dummy = jnp.ones((1, 1), jnp.int32)
+  shapes = jax.eval_shape(lambda: DecoderOnly(config).init(jax.random.PRNGKey(0), dummy))
+  return {k: v.shape for k, v in flatten_dict(shapes["params"], sep="/").items()}
+
+
+@pytest.mark.parametrize("name", sorted(DECODER_CONFIGS))
+def test_named_configs_build_with_their_param_count(name):
+  config = DECODER_CONFIGS[name]
+  shapes = _tree_shapes(config)
+  assert sum(int(np.prod(s)) for s in shapes.values()) == config.num_params
+
+
+def test_named_config_sizes_match_published_counts():
+  # Published parameter counts (HF model cards), to 1%.
+  published = {"gpt2": 124.4e6, "gpt2_medium": 354.8e6, "qwen2_0_5b": 494.0e6,
+               "qwen2_1_5b": 1543.7e6, "qwen2_7b": 7615.6e6, "llama_2_7b": 6738.4e6,
+               "llama_3_2_1b": 1235.8e6, "llama_3_1_8b": 8030.3e6, "tinyllama_1_1b": 1100.0e6}
+  for name, count in published.items():
+    assert abs(DECODER_CONFIGS[name].num_params / count - 1) < 0.01, name
+  assert get_decoder_config("qwen2-0.5b") is DECODER_CONFIGS["qwen2_0_5b"]
+  assert get_decoder_config("gpt2-medium").emb_dim == 1024
+  with pytest.raises(ValueError, match="gpt2_medium"):
+    get_decoder_config("gpt3")
+
+
+def _write_config(directory, config):
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(config, f)
+  return directory
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path):
+  path = _write_config(tmp_path / "mistral", {"architectures": ["MistralForCausalLM"],
+                                              "model_type": "mistral"})
+  with pytest.raises(CheckpointError, match="MistralForCausalLM.*supports.*GPT2LMHeadModel"):
+    load_decoder_only_model(path)
+  path = _write_config(tmp_path / "bert", {"model_type": "bert"})
+  with pytest.raises(CheckpointError, match="'bert'"):
+    load_hf_decoder_only(path)
+  with pytest.raises(ValueError, match="neither a decoder-only config name"):
+    load_decoder_only_model("llama_huge")
+
+
+def test_missing_and_misshaped_tensors_are_listed(tmp_path):
+  torch = pytest.importorskip("torch")
+  hf = _hf_model("llama_gqa_untied")
+  directory = _save(hf, str(tmp_path / "llama"))
+  config_path = os.path.join(directory, "config.json")
+  with open(config_path) as f:
+    config = json.load(f)
+  config["intermediate_size"] = 100
+  config["tie_word_embeddings"] = True
+  _write_config(directory, config)
+  with pytest.raises(CheckpointError, match=r"shape mismatch[\s\S]*mlp.up_proj"):
+    load_hf_decoder_only(directory)
+  del torch
+
+
+def test_bad_inputs_give_clear_errors():
+  model = load_decoder_only_model("llama_tiny")
+  prompts = _random_prompts([4, 2], seed=0)
+  cache = model.init_cache(2, 3)
+  with pytest.raises(ValueError, match="longer than the cache"):
+    model.prefill(prompts, [4, 2], cache)
+  with pytest.raises(ValueError, match="prompt_lengths must lie in"):
+    decoder_only_generate(model, prompts, [0, 2], max_decode_steps=3)
+  with pytest.raises(ValueError, match="prompt_lengths must lie in"):
+    decoder_only_generate(model, prompts, [5, 2], max_decode_steps=3)
+  with pytest.raises(ValueError, match="outside"):
+    decoder_only_generate(model, prompts + VOCAB, [4, 2], max_decode_steps=3)
+  with pytest.raises(ValueError, match="outside the cache"):
+    model.decode_block(np.ones((2, 2), np.int32), np.array([0, 2], np.int32), cache)
+  gpt2 = load_decoder_only_model("gpt2_tiny")  # 128 learned positions
+  with pytest.raises(ValueError, match="learned positions"):
+    decoder_only_generate(gpt2, prompts, [4, 2], max_decode_steps=126)
+  with pytest.raises(ValueError, match="learned position table"):
+    gpt2.init_cache(1, 129)
+  small_vocab = load_decoder_only_model("llama_tiny_draft", vocab_size=50)
+  with pytest.raises(ValueError, match="vocabulary size 50"):
+    decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=small_vocab)
+  import specdec_jax as sj
+  t5 = sj.load_model("tiny", vocab_size=VOCAB)
+  with pytest.raises(ValueError, match="T5 .*decoder-only target"):
+    decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=t5)
