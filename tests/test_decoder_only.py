@@ -384,3 +384,34 @@ def test_bad_inputs_give_clear_errors():
   t5 = sj.load_model("tiny", vocab_size=VOCAB)
   with pytest.raises(ValueError, match="T5 .*decoder-only target"):
     decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=t5)
+
+
+def test_original_gpt2_layout_pytorch_bin(tmp_path, hf_pairs):
+  """The hub's original GPT-2 files: pytorch_model.bin, names without `transformer.`,
+  causal-mask buffers `h.{i}.attn.bias` stored beside the weights."""
+  torch = pytest.importorskip("torch")
+  _, hf, model, directory = hf_pairs("gpt2")
+  state = {k[len("transformer."):]: v for k, v in hf.state_dict().items()
+           if k.startswith("transformer.")}
+  state["h.0.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+  old = tmp_path / "gpt2_bin"
+  old.mkdir()
+  torch.save(state, old / "pytorch_model.bin")
+  with open(os.path.join(directory, "config.json")) as f:
+    _write_config(old, json.load(f))
+  loaded = load_decoder_only_model(old, dtype="float32")
+  tokens = _random_prompts([9, 9], seed=8)
+  np.testing.assert_array_equal(np.asarray(loaded.logits(tokens)), np.asarray(model.logits(tokens)))
+
+
+def test_bfloat16_params_and_float32_logits(hf_pairs):
+  """dtype='bfloat16': params stored in bf16, logits float32 and close to float32's."""
+  _, _, model32, directory = hf_pairs("llama_gqa_untied")
+  model16 = load_hf_decoder_only(directory, dtype="bfloat16")
+  assert {x.dtype for x in jax.tree_util.tree_leaves(model16.params)} == {jnp.dtype("bfloat16")}
+  tokens = _random_prompts([12, 12], seed=9)
+  got, want = np.asarray(model16.logits(tokens)), np.asarray(model32.logits(tokens))
+  assert got.dtype == np.float32
+  # bf16 keeps ~3 significant digits; the argmax mostly survives.
+  assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+  assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.8
