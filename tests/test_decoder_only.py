@@ -415,3 +415,77 @@ def test_bfloat16_params_and_float32_logits(hf_pairs):
   # bf16 keeps ~3 significant digits; the argmax mostly survives.
   assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.8
+
+
+# ---------------------------------------------------------------------------
+# Sampling is exact: chi-square against the target's enumerated distribution.
+
+P_VALUE = 1e-4  # Per-test false-alarm rate (as tests/test_speculative.py).
+
+
+def _chi_square_pvalue(observed: dict, expected_probs: dict, n: int):
+  """Chi-square over outcomes with expected count >= 5 (the rest lumped)."""
+  from scipy import stats as scipy_stats
+  assert set(observed) <= {k for k, v in expected_probs.items() if v > 0}, (
+      "a sample fell on an outcome of probability zero")
+  big = [k for k, v in expected_probs.items() if v * n >= 5]
+  obs = [observed.get(k, 0) for k in big]
+  exp = [expected_probs[k] * n for k in big]
+  if n - sum(exp) >= 5:
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+  obs, exp = np.array(obs, np.float64), np.array(exp, np.float64)
+  return scipy_stats.chisquare(obs, exp / exp.sum() * obs.sum(), sum_check=False).pvalue
+
+
+def _exact_continuations(model, prompt, steps, eos_id, **sampling_kw):
+  """P(new tokens) by enumerating every continuation of `prompt` of length `steps`."""
+  import collections
+  import itertools
+  from specdec_jax import sampling
+  vocab = model.config.vocab_size
+  seqs = np.array(list(itertools.product(range(vocab), repeat=steps)), np.int32)
+  full = np.concatenate([np.repeat(prompt[None], len(seqs), axis=0), seqs], axis=1)
+  logits = model.logits(full)[:, len(prompt) - 1:-1]
+  probs = np.asarray(sampling.adjust_probs(logits, **sampling_kw))
+  chain = np.prod(np.take_along_axis(probs, seqs[..., None], axis=-1)[..., 0], axis=1)
+  dist = collections.defaultdict(float)
+  for seq, prob in zip(seqs.tolist(), chain):
+    out = []
+    for token in seq:  # Output convention: zeros after EOS.
+      out.append(0 if eos_id in out else token)
+    dist[tuple(out)] += prob
+  return dist
+
+
+@needs_first_input
+@pytest.mark.parametrize("setting", [
+    dict(temperature=1.0), dict(temperature=0.7, topk=3), dict(temperature=1.0, topp=0.8)],
+    ids=["t1", "t0.7_top3", "topp0.8"])
+def test_speculative_samples_follow_target_distribution_ragged_prompts(setting):
+  """Two prompts of different lengths in one batch, each row's continuation
+  distributed as the target's (llama layout target, noisy-copy draft)."""
+  import collections
+  vocab, steps, n = 8, 3, 8_000
+  base = load_decoder_only_model("llama_tiny", vocab_size=vocab, seed=11, dtype="float32")
+  # Sharpen the random init (normal(0.02) gives near-uniform outputs).
+  target = DecoderOnlyModel(base.config, jax.tree_util.tree_map(
+      lambda x: x * 8.0 if x.ndim == 2 else x, base.params))
+  leaves, treedef = jax.tree_util.tree_flatten(target.params)
+  keys = jax.random.split(jax.random.PRNGKey(13), len(leaves))
+  draft = DecoderOnlyModel(target.config, jax.tree_util.tree_unflatten(
+      treedef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+  prompts = [np.array([5, 3, 7, 4, 6], np.int32), np.array([3, 6], np.int32)]
+  batch = np.zeros((2 * n, 5), np.int32)
+  batch[:n] = prompts[0]
+  batch[n:, :2] = prompts[1]
+  lengths = np.array([5] * n + [2] * n, np.int32)
+  out = decoder_only_generate(target, batch, lengths, max_decode_steps=steps, draft=draft,
+                              gamma=2, eos_id=2, rng=jax.random.PRNGKey(7), **setting)
+  assert 0.02 < out.stats.acceptance_rate < 0.98
+  sequences = np.asarray(out.sequences).tolist()
+  for rows, prompt in ((sequences[:n], prompts[0]), (sequences[n:], prompts[1])):
+    expected = _exact_continuations(target, prompt, steps, eos_id=2, **setting)
+    observed = collections.Counter(map(tuple, rows))
+    assert len(observed) > 10, "too few distinct outputs to test a distribution"
+    assert _chi_square_pvalue(observed, expected, n) > P_VALUE
