@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import flax
 import pytest
 from flax import serialization, traverse_util
 
@@ -237,3 +238,121 @@ def test_export_t5x_restores_in_t5x(t5x_written, tmp_path, dtype):
     np.testing.assert_array_equal(again[key], want[key], err_msg=key)
   with pytest.raises(FileExistsError):
     checkpoints.export_t5x(model, ours)
+
+
+# ---------------------------------------------------------------------------- the model in T5X
+
+
+def _packed_batch():
+  """Two examples packed per row, T5X style (segment ids, restarting positions)."""
+  encoder = np.array([[5, 6, 1, 7, 8, 9, 1, 0], [4, 4, 4, 1, 0, 0, 0, 0]], np.int32)
+  encoder_segments = np.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0, 0, 0]], np.int32)
+  encoder_positions = np.array([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 0, 0, 0, 0]], np.int32)
+  targets = np.array([[3, 1, 9, 8, 1, 0], [2, 3, 5, 7, 1, 0]], np.int32)
+  decoder_segments = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0]], np.int32)
+  decoder_positions = np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0]], np.int32)
+  inputs = np.array([[0, 3, 0, 9, 8, 0], [0, 2, 3, 5, 7, 0]], np.int32)
+  return {"encoder_input_tokens": encoder, "encoder_segment_ids": encoder_segments,
+          "encoder_positions": encoder_positions, "decoder_target_tokens": targets,
+          "decoder_input_tokens": inputs, "decoder_segment_ids": decoder_segments,
+          "decoder_positions": decoder_positions,
+          "decoder_loss_weights": (targets > 0).astype(np.float32)}
+
+
+def _models(network, **kwargs):
+  """(T5X's EncoderDecoderModel on its example network, ours) on the same target."""
+  from seqio import PassThroughVocabulary
+  vocabulary = PassThroughVocabulary(size=VOCAB, eos_id=1)
+  theirs = t5x_models.EncoderDecoderModel(
+      network, vocabulary, vocabulary, optimizer_def=None,
+      decode_fn=t5x_decoding.temperature_sample)
+  config = checkpoints.infer_config_from_shapes(
+      {k: v.shape for k, v in _flat(network.init(
+          jax.random.PRNGKey(0), *[jnp.ones((1, 2), jnp.int32)] * 3,
+          enable_dropout=False)["params"]).items()}, "network", "float32", {})
+  ours = specdec_jax.SpeculativeEncoderDecoderModel(config, input_vocabulary=vocabulary,
+                                                    output_vocabulary=vocabulary, **kwargs)
+  return theirs, ours
+
+
+def test_get_initial_variables_is_t5x_tree(t5x_written):
+  network, variables, _ = t5x_written
+  theirs, ours = _models(network)
+  shapes = {"encoder_input_tokens": (2, 6), "decoder_input_tokens": (2, 4),
+            "decoder_target_tokens": (2, 4), "encoder_segment_ids": (2, 6),
+            "decoder_segment_ids": (2, 4), "encoder_positions": (2, 6),
+            "decoder_positions": (2, 4)}
+  got = ours.get_initial_variables(jax.random.PRNGKey(0), shapes)
+  want = theirs.get_initial_variables(jax.random.PRNGKey(0), shapes)
+  assert jax.tree_util.tree_map(jnp.shape, got["params"]) == \
+      jax.tree_util.tree_map(jnp.shape, want["params"])
+  # The logical axes T5X's partitioner reads are T5X's own.
+  from flax.linen import partitioning as flax_partitioning
+  assert (flax_partitioning.get_axis_names(got["params_axes"]) ==
+          flax_partitioning.get_axis_names(want["params_axes"]))
+  # And T5X builds its train state (and its partitioning) from them.
+  state = t5x_train_state.InferenceState.create(got)
+  _partitioner().get_mesh_axes(state)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_score_batch_and_loss_equal_t5x(t5x_written, packed):
+  network, variables, _ = t5x_written
+  theirs, ours = _models(network)
+  params = variables["params"]
+  batch = _packed_batch() if packed else _batch()
+  want = theirs.score_batch(params, batch)
+  np.testing.assert_allclose(ours.score_batch(params, batch), want, rtol=1e-5, atol=1e-5)
+  # Logits agree at every position, padding included (T5X's masks).
+  np.testing.assert_allclose(ours._compute_logits(params, batch),
+                             theirs._compute_logits(params, batch), rtol=0, atol=1e-4)
+  loss, metrics = ours.loss_fn(params, batch, None)
+  want_loss, want_metrics = theirs.loss_fn(params, batch, None)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  assert sorted(metrics) == sorted(want_metrics)
+  for name in ("accuracy", "loss", "cross_ent_loss"):
+    np.testing.assert_allclose(metrics[name].compute(), want_metrics[name].compute(), rtol=1e-5,
+                               err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+  """A one-layer draft for the 64-token vocabulary, written by T5X's Checkpointer."""
+  config = t5x_network.T5Config(
+      vocab_size=VOCAB, dtype="float32", emb_dim=8, num_heads=2, head_dim=4, mlp_dim=16,
+      num_encoder_layers=1, num_decoder_layers=1, mlp_activations=("gelu", "linear"),
+      dropout_rate=0.0, logits_via_embedding=False)
+  batch = _batch()
+  variables = t5x_network.Transformer(config).init(
+      jax.random.PRNGKey(5), batch["encoder_input_tokens"], batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"], enable_dropout=False)
+  directory = tmp_path_factory.mktemp("draft")
+  state, checkpointer = _t5x_checkpointer(variables, directory)
+  checkpointer.save(state)
+  return os.path.join(directory, "checkpoint_0")
+
+
+def test_greedy_predict_batch_equals_t5x(t5x_written, draft_checkpoint):
+  """Target params as T5X passes them; the draft from its own T5X checkpoint."""
+  network, variables, _ = t5x_written
+  params = variables["params"]
+  encoder = np.array([[5, 6, 7, 9, 1, 0], [9, 3, 4, 5, 6, 1], [2, 1, 0, 0, 0, 0]], np.int32)
+  batch = {"encoder_input_tokens": encoder, "decoder_input_tokens": np.zeros((3, 10), np.int32)}
+  theirs, plain = _models(network)
+  _, speculative = _models(network, draft=draft_checkpoint, gamma=3,
+                           decode_fn=specdec_jax.speculative_sample)
+  want, want_aux = theirs.predict_batch_with_aux(params, batch)
+  np.testing.assert_array_equal(plain.predict_batch(params, batch), want)
+  decodes, aux = speculative.predict_batch_with_aux(params, batch)
+  np.testing.assert_array_equal(decodes, want)
+  # T5X's aux plus the speculative counters, one row per example.
+  assert aux["scores"].shape == want_aux["scores"].shape == (3,)
+  assert aux["iterations"].shape == (3,) and int(np.sum(aux["iterations"])) > 0
+  # 'scores' is the target's log-likelihood of the decode (T5X's score_batch).
+  targets = np.asarray(decodes)
+  scored = dict(batch, decoder_target_tokens=targets,
+                decoder_input_tokens=np.concatenate([np.zeros((3, 1), np.int32),
+                                                     targets[:, :-1]], 1),
+                decoder_loss_weights=(targets > 0).astype(np.float32))
+  np.testing.assert_allclose(aux["scores"], theirs.score_batch(params, scored), rtol=1e-4,
+                             atol=1e-4)
