@@ -55,6 +55,7 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
+from specdec_jax.dtypes import optional_dtype
 from specdec_jax.model import Model, default_dtype
 from specdec_jax.models.configs import T5Config
 from specdec_jax.models.t5 import T5
@@ -107,7 +108,7 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
     CheckpointError: unknown format, another architecture, damaged files, or
       missing / unexpected / mis-shaped tensors (all listed in one message).
   """
-  dtype = dtype or default_dtype()
+  dtype = optional_dtype(dtype) or default_dtype()
   path = os.fspath(path)
   fmt, location = detect_format(path)
   loaders = {"specdec": _load_specdec, "hf": _load_hf, "t5x": _load_t5x, "orbax": _load_orbax}

@@ -42,11 +42,62 @@ class DecodingState(NamedTuple):
   cache: Any
 
 
-def block_to_state_fn(block_fn: BlockFn) -> Callable[[DecodingState], Tuple[Array, Any]]:
-  """Adapts a block callback to T5X's one-token `tokens_to_logits(state)`."""
+# The width of every target call in both loops unless told otherwise: it
+# covers gamma = 1..7. Matmuls of different shapes round differently (bf16,
+# TF32, even float32 on some backends), so a target that scored 1 token per
+# call alone and gamma + 1 when verifying could flip a near-tied argmax and
+# part from its own greedy output. One width in both loops makes the two
+# computations the same program, row for row.
+DEFAULT_BLOCK_WIDTH = 8
+
+
+def resolve_block_width(block_width: Optional[int], gamma: Optional[int] = None) -> int:
+  """The target's block width W: `block_width`, or DEFAULT_BLOCK_WIDTH when None.
+
+  With `gamma`, checks that a verification block (gamma + 1 tokens) fits: a
+  wider block would change the target's numerics, so it is an error, never a
+  silent widening.
+  """
+  width = DEFAULT_BLOCK_WIDTH if block_width is None else block_width
+  if isinstance(width, bool) or int(width) != width or width < 1:
+    raise ValueError(f"block_width must be an int >= 1, got {block_width!r}")
+  width = int(width)
+  if gamma is not None and gamma + 1 > width:
+    raise ValueError(
+        f"gamma={gamma} needs target blocks of gamma + 1 = {gamma + 1} tokens, wider than "
+        f"block_width={width}{' (the default)' if block_width is None else ''}. Pass "
+        f"block_width={gamma + 1} (or more) to this call, and the same block_width to the "
+        "target-only decoding you compare against, so both score identical block shapes.")
+  return width
+
+
+def pad_block(tokens: Array, block_width: int) -> Array:
+  """Pads tokens [batch, k] with 0s to [batch, block_width] (k <= block_width).
+
+  Padding rows only write keys/values past the real tokens, which no real
+  query attends to (causal mask) and which are overwritten before they are.
+  """
+  k = tokens.shape[1]
+  if k > block_width:
+    raise ValueError(f"a block of {k} tokens does not fit block_width={block_width}")
+  return jnp.pad(tokens, ((0, 0), (0, block_width - k)))
+
+
+def block_to_state_fn(block_fn: BlockFn, block_width: Optional[int] = None
+                      ) -> Callable[[DecodingState], Tuple[Array, Any]]:
+  """Adapts a block callback to T5X's one-token `tokens_to_logits(state)`.
+
+  The current token is scored as the first row of a `block_width`-wide block
+  (default DEFAULT_BLOCK_WIDTH), the shape every verification call of
+  `speculative_sample` with the same width uses, so greedy outputs of the two
+  loops agree bit for bit on any backend and dtype. block_width=1 is the
+  cheapest on CPU, where wider blocks cost more (see README).
+  """
+  width = resolve_block_width(block_width)
 
   def tokens_to_logits(state: DecodingState):
-    logits, cache = block_fn(state.cur_token[:, None], state.cur_index, state.cache)
+    block = pad_block(state.cur_token[:, None], width)
+    logits, cache = block_fn(block, state.cur_index, state.cache)
     return logits[:, 0], cache
 
   return tokens_to_logits
@@ -287,20 +338,23 @@ def speculative_sample(inputs: Array,
                        topk: int = 1,
                        topp: float = 0.0,
                        max_decode_steps: Optional[int] = None,
-                       propose_fn: Optional[ProposeFn] = None
+                       propose_fn: Optional[ProposeFn] = None,
+                       block_width: Optional[int] = None
                        ) -> Tuple[Array, Dict[str, Array]]:
   """Speculative decoding loop; the output is distributed exactly as `temperature_sample`'s.
 
   Each iteration: the draft proposes gamma tokens per row; the target scores
-  the row's last token and the gamma drafts (gamma + 1 positions) in one block
-  call; the vmapped `speculative_step` keeps n drafts and draws one more
+  the row's last token and the gamma drafts (gamma + 1 positions, padded to
+  `block_width`) in one block call; the vmapped `speculative_step` keeps n drafts and draws one more
   token; each row appends its n + 1 tokens and advances its *own* length.
   Caches roll back by position only: whatever a rejected draft wrote lies past
   the row's length and is overwritten later.
 
   Args:
-    inputs: [batch, length] int32; only the shape is used (decoder prompts are
-      not supported here): decodes have this length.
+    inputs: [batch, length] int32: inputs[:, 0] is each row's first decoder
+      input (BOS = 0 for T5; a decoder-only model's last prompt token), the
+      rest only gives the shape (no forced prompts here): decodes have this
+      length.
     cache: target cache with at least `length` positions.
     tokens_to_logits: target block callback.
     draft_cache: the draft's cache (or state of `propose_fn`).
@@ -312,6 +366,9 @@ def speculative_sample(inputs: Array,
     max_decode_steps: at most this many tokens per row.
     propose_fn: a custom proposer `(rng, state, sequences, lengths) ->
       (draft_tokens, draft_probs, num_drafted, state)` (see `drafts`).
+    block_width: width W of every target call (default DEFAULT_BLOCK_WIDTH);
+      >= gamma + 1. Target-only decoding through `block_to_state_fn` with the
+      same W gives bit-identical greedy outputs.
   Returns:
     decodes [batch, length] int32 (0 after EOS) and per-row stats (see
     `init_stats`): iterations, drafted, accepted (drafts that reached the
@@ -321,6 +378,7 @@ def speculative_sample(inputs: Array,
   _check_inputs(inputs)
   if int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+  width = resolve_block_width(block_width, int(gamma))
   sampling.validate_sampling(temperature, topk, topp)
   batch, length = inputs.shape
   step_limit = _step_limit(length, max_decode_steps)
@@ -342,8 +400,9 @@ def speculative_sample(inputs: Array,
     draft_tokens, draft_probs, num_drafted, draft_state = propose_fn(
         propose_rng, carry.draft_state, carry.sequences, lengths)
     last_token = carry.sequences[row_ids, lengths]
-    block = jnp.concatenate([last_token[:, None], draft_tokens], axis=1)
+    block = pad_block(jnp.concatenate([last_token[:, None], draft_tokens], axis=1), width)
     logits, cache = tokens_to_logits(block, lengths, carry.cache)
+    logits = logits[:, :gamma + 1]
     target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
     num_accepted, next_token = speculative.batched_speculative_step(
         jax.random.split(accept_rng, batch), draft_tokens, draft_probs, target_probs,
@@ -385,7 +444,7 @@ def speculative_sample(inputs: Array,
     )
     return SpeculativeCarry(sequences, new_lengths, done, cache, draft_state, rng, stats)
 
-  sequences = jnp.zeros((batch, length + 1), jnp.int32)
+  sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
   init = SpeculativeCarry(sequences, jnp.zeros((batch,), jnp.int32),
                           jnp.zeros((batch,), jnp.bool_), cache, draft_cache, decode_rng,
                           init_stats(batch, gamma))

@@ -13,6 +13,7 @@ from specdec_jax import decoding
 from specdec_jax import sampling
 from specdec_jax import sharding
 from specdec_jax.drafts import Draft, as_draft
+from specdec_jax.dtypes import check_matmul_precision
 from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.t5 import T5
 
@@ -109,7 +110,7 @@ def compile_count() -> int:
 
 
 def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, topp, eos_id,
-           gamma, shardings: Optional[sharding.GenerateShardings] = None):
+           gamma, block_width, shardings: Optional[sharding.GenerateShardings] = None):
   module = T5(config)
   # Under a mesh, each model is traced with its own activation axis rules,
   # and caches are pinned to their shardings where they are made and after
@@ -137,7 +138,8 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
     inputs = jnp.zeros((batch, max_decode_steps), jnp.int32)
     if draft is None:
       decodes, _ = decoding.temperature_sample(
-          inputs, cache, decoding.block_to_state_fn(target_fn), eos_id, decode_rng=rng,
+          inputs, cache, decoding.block_to_state_fn(target_fn, block_width), eos_id,
+          decode_rng=rng,
           temperature=temperature, topk=topk, topp=topp)
       return decodes[:, 0], None
     with draft_axes():
@@ -152,7 +154,8 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
 
     return decoding.speculative_sample(
         inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
-        temperature=temperature, topk=topk, topp=topp, propose_fn=propose)
+        temperature=temperature, topk=topk, topp=topp, propose_fn=propose,
+        block_width=block_width)
 
   if shardings is None:
     return jax.jit(run)
@@ -162,6 +165,7 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
 def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature: float = 0.0,
              topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
              rng: Optional[Array] = None, draft=None, gamma: int = 4,
+             block_width: Optional[int] = None, matmul_precision: Optional[str] = None,
              partitioner: Optional[sharding.Partitioner] = None,
              draft_partitioner: Optional[sharding.Partitioner] = None) -> GenerateOutput:
   """Decodes `encoder_tokens` with `model`, speculatively when `draft` is given.
@@ -176,6 +180,15 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
     rng: PRNG key (default PRNGKey(0)).
     draft: a smaller `Model` or any `specdec_jax.drafts.Draft`.
     gamma: tokens drafted per iteration.
+    block_width: width W of every target call, in both the target-only and
+      the speculative loop (default `decoding.DEFAULT_BLOCK_WIDTH` = 8, so
+      gamma 1..7). Equal widths make greedy outputs with and without a draft
+      identical bit for bit on every backend and dtype; a gamma + 1 wider
+      than W is an error naming the width to set. Target-only decoding with
+      block_width=1 is the fastest on CPU (see README, "Block width").
+    matmul_precision: `jax.default_matmul_precision` for the whole decode
+      ('highest' = full float32 matmuls on GPUs/TPUs, which otherwise use
+      TF32 / bf16 passes); None keeps JAX's setting.
     partitioner: run under this `sharding.Partitioner`'s mesh: params, inputs
       and the target cache are laid out by its rules (pass params already
       sharded, e.g. from `sharding.load_sharded_model`, to avoid a copy).
@@ -195,14 +208,17 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
   rng = jax.random.PRNGKey(0) if rng is None else rng
   draft_obj = None
   if draft is not None:
-    if int(gamma) != gamma or gamma < 1:
+    if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
       raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
     draft_obj = as_draft(draft)
     draft_obj.check_compatible(model.config)
+  width = decoding.resolve_block_width(block_width,
+                                       int(gamma) if draft_obj is not None else None)
+  precision = check_matmul_precision(matmul_precision)
   statics = (float(temperature), int(topk), float(topp), eos_id,
-             int(gamma) if draft_obj is not None else 0)
+             int(gamma) if draft_obj is not None else 0, width)
   key = (model.config, None if draft_obj is None else draft_obj.static_key(),
-         int(max_decode_steps)) + statics
+         int(max_decode_steps), precision) + statics
   params = model.params
   draft_params = None if draft_obj is None else draft_obj.params
   shardings = None
@@ -218,7 +234,10 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
       _COMPILED[key] = _build(model.config, draft_obj, int(max_decode_steps), *statics,
                               shardings=shardings)
     fn = _COMPILED[key]
-  sequences, stats = fn(params, draft_params, tokens, rng)
+  # The precision is read when the program is traced (on its first call).
+  with (contextlib.nullcontext() if precision is None else
+        jax.default_matmul_precision(precision)):
+    sequences, stats = fn(params, draft_params, tokens, rng)
   lengths = sequence_lengths(sequences, eos_id)
   if stats is None:
     return GenerateOutput(sequences, lengths)

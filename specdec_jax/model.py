@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.dtypes import optional_dtype
 from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+from specdec_jax.models import t5_decode
 from specdec_jax.models.t5 import T5
 
 Array = jax.Array
@@ -36,6 +38,12 @@ def _compiled(config: T5Config, method: str, static_argnums=()):
   module = T5(config)
   return jax.jit(functools.partial(module.apply, method=getattr(T5, method)),
                  static_argnums=static_argnums)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_decode_block(config: T5Config):
+  return jax.jit(lambda params, tokens, positions, cache: t5_decode.block_fn(params, config)(
+      tokens, positions, cache))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,14 +113,17 @@ class Model:
       if int(jnp.min(positions)) < 0 or end > max_len:
         raise ValueError(f"block positions [{int(jnp.min(positions))}, {end}) fall outside the "
                          f"cache of {max_len} positions")
-    return _compiled(self.config, "decode_block")(self.variables, tokens, positions, cache)
+    return _compiled_decode_block(self.config)(self.params, tokens, positions, cache)
 
   def block_fn(self, params=None):
-    """A block callback `(tokens, positions, cache) -> (logits, cache)` for the decode loops."""
+    """A block callback `(tokens, positions, cache) -> (logits, cache)` for the decode loops.
+
+    Runs the fused decode step (`models/t5_decode.py`, same function as
+    `T5.decode_block`). Its fused kernels are built here from the T5X tree,
+    so inside a jitted decode loop they are built once, before the loop.
+    """
     params = self.params if params is None else params
-    module = self.module
-    return lambda tokens, positions, cache: module.apply(
-        {"params": params}, tokens, positions, cache, method=T5.decode_block)
+    return t5_decode.block_fn(params, self.config)
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,12 +154,14 @@ def load_model(name_or_path_or_config: Union[str, T5Config, os.PathLike], *,
     name_or_path_or_config: a named config (`t5_1_1_small`, `tiny`, ...) or a
       `T5Config` (random init), or a checkpoint path (Hugging Face directory,
       T5X or Orbax checkpoint; see `specdec_jax.checkpoints`).
-    dtype: 'float32' / 'bfloat16'; default: float32 on CPU, bfloat16 elsewhere
+    dtype: 'float32' / 'bfloat16' / 'float16', spelled as a string ('bf16')
+      or a dtype (jnp.bfloat16, np.float32); default: float32 on CPU, bfloat16 elsewhere
       for random init, the same for checkpoints.
     seed: init seed for random weights.
     **config_overrides: T5Config fields to change (random init only).
   """
   source = name_or_path_or_config
+  dtype = optional_dtype(dtype)
   if isinstance(source, T5Config):
     config = source.replace(**config_overrides) if config_overrides else source
     if dtype is not None:

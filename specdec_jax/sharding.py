@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from specdec_jax.dtypes import canonical_dtype, optional_dtype
 from specdec_jax.models.configs import T5Config
 from specdec_jax.models.t5 import T5
 
@@ -355,7 +356,7 @@ class Partitioner:
     slice (`jax.make_array_from_callback`), so no device ever holds a full
     copy of a sharded weight and at most one leaf is materialised at a time.
     """
-    dtype = None if dtype is None else jnp.dtype(dtype)
+    dtype = None if dtype is None else jnp.dtype(canonical_dtype(dtype))
 
     def place(sharding, leaf):
       if isinstance(leaf, jax.Array):
@@ -419,6 +420,7 @@ def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
   from specdec_jax.model import Model, default_dtype, load_model
   from specdec_jax.models.configs import CONFIGS, get_config
   source = name_or_path_or_config
+  dtype = optional_dtype(dtype)
   if isinstance(source, T5Config) or (isinstance(source, str) and source in CONFIGS):
     config = source if isinstance(source, T5Config) else get_config(source)
     config = config.replace(**config_overrides) if config_overrides else config

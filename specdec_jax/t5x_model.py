@@ -223,6 +223,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
     input_vocabulary / output_vocabulary / optimizer_def / label_smoothing /
       z_loss / loss_normalizing_factor / default_decoder_params: T5X's
       `EncoderDecoderModel` arguments (used when t5x is importable).
+    block_width: width of every target call (see `specdec_jax.generate`);
+      default `decoding.DEFAULT_BLOCK_WIDTH`.
     draft_dtype: dtype a draft checkpoint is loaded in (default: the
       target's compute dtype).
   """
@@ -232,7 +234,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
                decode_fn: Callable[..., Any] = decoding.temperature_sample,
                gamma: int = 4, temperature: float = 0.0, topk: int = 0, topp: float = 0.0,
                input_vocabulary=None, output_vocabulary=None,
-               draft_dtype: Optional[str] = None,
+               block_width: Optional[int] = None, draft_dtype: Optional[str] = None,
                optimizer_def=None, label_smoothing: float = 0.0, z_loss: float = 0.0,
                loss_normalizing_factor=None, default_decoder_params=None):
     if decode_fn not in (decoding.temperature_sample, decoding.speculative_sample):
@@ -251,6 +253,10 @@ class SpeculativeEncoderDecoderModel(_BASE):
     sampling.validate_sampling(temperature, topk, topp, target_config.vocab_size)
     self._decode_fn = decode_fn
     self.gamma = int(gamma)
+    # The target's block width in both loops, as in `generate`: plain and
+    # speculative decoding of one model give identical greedy outputs.
+    self.block_width = decoding.resolve_block_width(
+        block_width, self.gamma if decode_fn is decoding.speculative_sample else None)
     self.temperature, self.topk, self.topp = float(temperature), int(topk), float(topp)
     self.module = T5XNetwork(target_config)
     if _BASE is not object:  # Needs a source install of t5x.
@@ -312,14 +318,15 @@ class SpeculativeEncoderDecoderModel(_BASE):
                   max_decode_steps=max_decode_steps)
     if not self.is_speculative:
       decodes, log_prob = self._decode_fn(
-          decoder_inputs, cache, decoding.block_to_state_fn(target_fn),
+          decoder_inputs, cache, decoding.block_to_state_fn(target_fn, self.block_width),
           num_decodes=num_decodes, **common)
       return decodes, {"scores": log_prob}
     draft_state = self.draft.init_state(draft_params, encoder_tokens, length)
     propose = self.draft.propose_fn(draft_params, self.gamma, self.temperature, self.topk,
                                     self.topp)
     decodes, stats = self._decode_fn(decoder_inputs, cache, target_fn, draft_state, None,
-                                     gamma=self.gamma, propose_fn=propose, **common)
+                                     gamma=self.gamma, propose_fn=propose,
+                                     block_width=self.block_width, **common)
     return decodes, dict(stats, scores=self._log_likelihood(target_params, encoder_tokens,
                                                             decoder_inputs, decodes))
 
@@ -396,7 +403,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
     target_params, draft_params = self._split_params(params)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     key = (self.target_config, None if self.draft is None else self.draft.static_key(),
-           self._decode_fn.__name__, self.gamma, self.temperature, self.topk,
+           self._decode_fn.__name__, self.gamma, self.block_width, self.temperature, self.topk,
            self.topp, int(num_decodes), max_decode_steps)
     if key not in _COMPILED:
       _COMPILED[key] = jax.jit(functools.partial(

@@ -8,6 +8,8 @@ way to look a name up, so an unknown name always fails the same way.
 import dataclasses
 from typing import Tuple
 
+from specdec_jax.dtypes import canonical_dtype
+
 # T5's SentencePiece vocabulary (cc_all.32000) plus 100 extra ids, padded to a
 # multiple of 128 as T5X does.
 T5_VOCAB_SIZE = 32128
@@ -28,7 +30,9 @@ class T5Config:
       wi_1); ('relu',) is original T5 (kernel wi).
     logits_via_embedding: original T5 ties the output projection to the token
       embedding and scales the decoder output by emb_dim**-0.5 first.
-    dtype: compute dtype, and the dtype weights are stored in after loading.
+    dtype: compute dtype, and the dtype weights are stored in after loading:
+      'float32', 'bfloat16' or 'float16', spelled any way `dtypes.canonical_dtype`
+      accepts (jnp.bfloat16, 'bf16', ...).
     relative_attention_num_buckets / relative_attention_max_distance: T5's
       bucketed relative position bias.
     layer_norm_epsilon: RMS norm epsilon.
@@ -65,8 +69,9 @@ class T5Config:
     if not self.mlp_activations or bad:
       raise ValueError(f"T5Config.mlp_activations {self.mlp_activations!r}: "
                        f"each must be one of {sorted(known)}")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"T5Config.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+    # Stored by its canonical name, so configs spelled jnp.bfloat16 or 'bf16'
+    # hash and compare equal (they key compiled-program caches).
+    object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "T5Config.dtype"))
     if self.relative_attention_num_buckets < 4:
       raise ValueError("relative_attention_num_buckets must be >= 4")
 
