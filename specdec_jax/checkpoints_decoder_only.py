@@ -14,7 +14,8 @@ onto the tree of `models/decoder_only.py`:
     model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}
                                                -> layers_{i}/self_attn/{q,k,v,o}_proj/{kernel,bias}
     model.layers.{i}.post_attention_layernorm.weight -> layers_{i}/post_attention_layernorm/scale
-    model.layers.{i}.mlp.{gate,up,down}_proj.{weight,bias} -> layers_{i}/mlp/{...}_proj/{kernel,bias}
+    model.layers.{i}.mlp.{gate,up,down}_proj.{weight,bias}
+                                               -> layers_{i}/mlp/{gate,up,down}_proj/{kernel,bias}
     model.norm.weight                          -> norm/scale
     lm_head.weight                             -> lm_head/kernel (untied only)
   GPT-2 (`GPT2LMHeadModel`; Conv1D weights are already [in, out]; the

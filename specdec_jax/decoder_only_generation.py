@@ -28,100 +28,90 @@ import numpy as np
 
 from specdec_jax import decoding
 from specdec_jax import sampling
-from specdec_jax.decoder_only_model import DecoderOnlyModel, check_prompt_lengths
+from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
+                                            check_prompt_lengths, decode_cache_length,
+                                            first_inputs, mark_prompt_padding,
+                                            prefilled_cache, shift_block_fn)
+from specdec_jax.drafts import AdaptiveGammaDraft, Draft, ModelDraft, PromptLookupDraft
+from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, sequence_lengths
-from specdec_jax.model import check_tokens
-from specdec_jax.models import decoder_only
+from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.decoder_configs import DecoderOnlyConfig
-from specdec_jax.models.decoder_only import DecoderOnly
 
 Array = jax.Array
 
 # An id no token has: rows without an EOS never stop early.
 _NO_EOS = -1
 
-
-def shift_block_fn(block_fn, prompt_lengths: Array):
-  """Maps a block callback at absolute positions to loop positions.
-
-  Loop position j of row b is absolute position prompt_lengths[b] - 1 + j.
-  """
-  offset = prompt_lengths.astype(jnp.int32) - 1
-  return lambda tokens, positions, cache: block_fn(tokens, positions + offset, cache)
-
-
-def prefilled_cache(config: DecoderOnlyConfig, params, prompts: Array, prompt_lengths: Array,
-                    max_len: int):
-  """A cache of `max_len` positions with each row's prompt written (traceable)."""
-  cache = decoder_only.init_cache(config, prompts.shape[0], max_len)
-  _, cache = DecoderOnly(config).apply({"params": params}, prompts, prompt_lengths, cache,
-                                       method=DecoderOnly.prefill)
-  return cache
-
-
-def first_inputs(prompts: Array, prompt_lengths: Array, max_decode_steps: int) -> Array:
-  """Loop inputs [batch, max_decode_steps]: each row's last prompt token, then 0s."""
-  batch = prompts.shape[0]
-  last = prompts[jnp.arange(batch), prompt_lengths - 1]
-  return jnp.zeros((batch, max_decode_steps), jnp.int32).at[:, 0].set(last)
-
-
-def _block(config: DecoderOnlyConfig, params):
-  module = DecoderOnly(config)
-  return lambda tokens, positions, cache: module.apply(
-      {"params": params}, tokens, positions, cache, method=DecoderOnly.decode_block)
-
-
 _COMPILED: Dict[Any, Any] = {}
 _COMPILED_LOCK = threading.Lock()
 
 
-def _build(config: DecoderOnlyConfig, draft_config: Optional[DecoderOnlyConfig],
-           max_decode_steps: int, temperature: float, topk: int, topp: float, eos_id: int,
-           gamma: int):
+def _build(config: DecoderOnlyConfig, draft: Optional[Draft], max_decode_steps: int,
+           temperature: float, topk: int, topp: float, eos_id: int, gamma: int):
 
   def run(params, draft_params, prompts, prompt_lengths, rng):
-    # The largest loop input position is max_decode_steps - 1, i.e. absolute
-    # L[b] + max_decode_steps - 2 <= P + max_decode_steps - 2.
-    max_len = prompts.shape[1] + max_decode_steps - 1
+    max_len = decode_cache_length(prompts.shape[1], max_decode_steps)
     cache = prefilled_cache(config, params, prompts, prompt_lengths, max_len)
-    target_fn = shift_block_fn(_block(config, params), prompt_lengths)
+    target_fn = shift_block_fn(absolute_block_fn(config, params), prompt_lengths)
     inputs = first_inputs(prompts, prompt_lengths, max_decode_steps)
-    if draft_config is None:
+    if draft is None:
       decodes, _ = decoding.temperature_sample(
           inputs, cache, decoding.block_to_state_fn(target_fn), eos_id, decode_rng=rng,
           temperature=temperature, topk=topk, topp=topp)
       return decodes[:, 0], None
-    draft_cache = prefilled_cache(draft_config, draft_params, prompts, prompt_lengths, max_len)
-    draft_fn = shift_block_fn(_block(draft_config, draft_params), prompt_lengths)
+    draft_state = draft.init_state(draft_params, mark_prompt_padding(prompts, prompt_lengths),
+                                   max_decode_steps)
+    propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
     return decoding.speculative_sample(
-        inputs, cache, target_fn, draft_cache, draft_fn, eos_id, decode_rng=rng, gamma=gamma,
-        temperature=temperature, topk=topk, topp=topp)
+        inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
+        temperature=temperature, topk=topk, topp=topp, propose_fn=propose)
 
   return jax.jit(run)
 
 
-def _check_draft(model: DecoderOnlyModel, draft) -> DecoderOnlyModel:
-  from specdec_jax.model import Model  # T5, named only to reject it clearly.
+def _innermost(draft: Draft) -> Draft:
+  """The draft that proposes, inside any AdaptiveGammaDraft wrappers."""
+  while isinstance(draft, AdaptiveGammaDraft):
+    draft = draft.draft
+  return draft
+
+
+def as_decoder_only_draft(model: DecoderOnlyModel, draft) -> Draft:
+  """The `Draft` for a decoder-only target: a `DecoderOnlyModel` is wrapped in
+  `DecoderOnlyModelDraft`; n-gram drafts and `AdaptiveGammaDraft` pass through.
+
+  Raises:
+    ValueError: a T5 draft (family mismatch), a draft whose prompt handling
+      assumes T5 inputs, or a different vocabulary.
+  """
+  if isinstance(draft, DecoderOnlyModel):
+    draft = DecoderOnlyModelDraft(draft)
   if isinstance(draft, Model):
     raise ValueError("a T5 (encoder-decoder) draft cannot serve a decoder-only target: the "
                      "families differ (the draft needs encoder tokens, the target continues a "
                      "prompt); use a smaller DecoderOnlyModel sharing the target's vocabulary")
-  if not isinstance(draft, DecoderOnlyModel):
-    raise ValueError(f"decoder-only targets take a DecoderOnlyModel draft for now, got "
-                     f"{type(draft).__name__}; n-gram and prompt-lookup drafts are not yet "
-                     f"wired for decoder-only targets")
-  if draft.config.vocab_size != model.config.vocab_size:
-    raise ValueError(f"draft vocabulary size {draft.config.vocab_size} differs from the "
-                     f"target's {model.config.vocab_size}: speculative decoding needs one "
-                     f"vocabulary")
+  if not isinstance(draft, Draft):
+    raise TypeError(f"draft must be a DecoderOnlyModel or a specdec_jax Draft, got "
+                    f"{type(draft).__name__}")
+  inner = _innermost(draft)
+  if isinstance(inner, ModelDraft):
+    raise ValueError("a T5 ModelDraft cannot serve a decoder-only target: the model families "
+                     "differ; use a DecoderOnlyModel (or DecoderOnlyModelDraft) draft")
+  if isinstance(inner, PromptLookupDraft):
+    # It matches only generated tokens and marks input padding by pad_id; a
+    # decoder-only lookup must search prompt + output with the suffix
+    # spanning the prompt's tail.
+    raise ValueError("PromptLookupDraft does not support decoder-only targets yet (it treats "
+                     "the prompt as T5 encoder input)")
+  draft.check_compatible(model.config)
   return draft
 
 
 def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None, *,
                           max_decode_steps: int, temperature: float = 0.0, topk: int = 0,
                           topp: float = 0.0, eos_id: Optional[int] = None,
-                          rng: Optional[Array] = None, draft: Optional[DecoderOnlyModel] = None,
+                          rng: Optional[Array] = None, draft=None,
                           gamma: int = 4) -> GenerateOutput:
   """Continues each row's prompt with `model`, speculatively when `draft` is given.
 
@@ -134,7 +124,9 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
       adjusted the same way, so outputs are distributed exactly as without it.
     eos_id: defaults to the model's (`config.eos_id`; None = never stop early).
     rng: PRNG key (default PRNGKey(0)).
-    draft: a smaller `DecoderOnlyModel` with the same vocabulary.
+    draft: a smaller `DecoderOnlyModel` with the same vocabulary (or a
+      `DecoderOnlyModelDraft`), an `NgramDraft`, or an `AdaptiveGammaDraft`
+      around either (see `as_decoder_only_draft`).
     gamma: tokens drafted per iteration.
   Returns:
     GenerateOutput: sequences [batch, max_decode_steps] (the new tokens only;
@@ -152,7 +144,7 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
   ids = np.asarray(tokens)[real]
   if ids.min() < 0 or ids.max() >= cfg.vocab_size:
     raise ValueError(f"prompts hold ids outside [0, {cfg.vocab_size})")
-  cache_len = tokens.shape[1] + max_decode_steps - 1
+  cache_len = decode_cache_length(tokens.shape[1], max_decode_steps)
   if not cfg.uses_rotary and cache_len > cfg.max_positions:
     raise ValueError(f"prompts of width {tokens.shape[1]} plus {max_decode_steps} new tokens need "
                      f"{cache_len} positions, more than this {cfg.family} model's "
@@ -161,21 +153,23 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
     eos_id = _NO_EOS if cfg.eos_id is None else cfg.eos_id
   eos_id = int(eos_id)
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  draft_config = draft_params = None
+  draft_obj = draft_params = None
   if draft is not None:
     if int(gamma) != gamma or gamma < 1:
       raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
-    draft = _check_draft(model, draft)
-    if not draft.config.uses_rotary and cache_len > draft.config.max_positions:
-      raise ValueError(f"the draft's {draft.config.max_positions} learned positions cannot hold "
-                       f"{cache_len} positions")
-    draft_config, draft_params = draft.config, draft.params
+    draft_obj = as_decoder_only_draft(model, draft)
+    if isinstance(_innermost(draft_obj), DecoderOnlyModelDraft):
+      draft_cfg = _innermost(draft_obj).model.config
+      if not draft_cfg.uses_rotary and cache_len > draft_cfg.max_positions:
+        raise ValueError(f"the draft's {draft_cfg.max_positions} learned positions cannot hold "
+                         f"{cache_len} positions")
+    draft_params = draft_obj.params
   statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id,
-             int(gamma) if draft is not None else 0)
-  key = (cfg, draft_config) + statics
+             int(gamma) if draft_obj is not None else 0)
+  key = (cfg, None if draft_obj is None else draft_obj.static_key()) + statics
   with _COMPILED_LOCK:
     if key not in _COMPILED:
-      _COMPILED[key] = _build(cfg, draft_config, *statics)
+      _COMPILED[key] = _build(cfg, draft_obj, *statics)
     fn = _COMPILED[key]
   sequences, stats = fn(model.params, draft_params, tokens, lengths, rng)
   out_lengths = sequence_lengths(sequences, eos_id)

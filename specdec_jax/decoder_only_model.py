@@ -7,7 +7,7 @@ The decoder-only counterpart of `specdec_jax.model.Model` (T5). Build one with
 import dataclasses
 import functools
 import os
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -131,10 +131,73 @@ class DecoderOnlyModel:
   def block_fn(self, params=None):
     """A block callback `(tokens [batch, k], positions [batch], cache) -> (logits, cache)`
     at *absolute* positions; `decoder_only_generation` shifts it to loop positions."""
-    params = self.params if params is None else params
-    module = self.module
-    return lambda tokens, positions, cache: module.apply(
-        {"params": params}, tokens, positions, cache, method=DecoderOnly.decode_block)
+    return absolute_block_fn(self.config, self.params if params is None else params)
+
+
+# ---------------------------------------------------------------------------
+# Plugging a decoder-only model into the decode loops (`specdec_jax.decoding`).
+#
+# The loops' block callbacks take *loop* positions, loop position 0 holding
+# each row's first decoder input. For a prompt of length L, that input is the
+# last prompt token, so loop position j is absolute position L - 1 + j.
+
+# Drafts receive the prompts as their `encoder_tokens` with every padding
+# position set to this id (no token has it), so a draft recovers each row's
+# prompt length (the prompts are right-padded) without a new interface.
+PROMPT_PADDING = -1
+
+
+def mark_prompt_padding(prompts: Array, prompt_lengths: Array) -> Array:
+  """prompts [batch, P] with positions >= prompt_lengths[b] set to PROMPT_PADDING."""
+  real = jnp.arange(prompts.shape[1])[None] < prompt_lengths[:, None]
+  return jnp.where(real, prompts, PROMPT_PADDING).astype(jnp.int32)
+
+
+def split_marked_prompts(marked: Array) -> Tuple[Array, Array]:
+  """Inverse of `mark_prompt_padding`: (prompts with padding set to 0, lengths [batch])."""
+  real = marked != PROMPT_PADDING
+  return jnp.where(real, marked, 0), jnp.sum(real, axis=1).astype(jnp.int32)
+
+
+def shift_block_fn(block_fn, prompt_lengths: Array):
+  """Maps a block callback at absolute positions to loop positions.
+
+  Loop position j of row b is absolute position prompt_lengths[b] - 1 + j.
+  """
+  offset = prompt_lengths.astype(jnp.int32) - 1
+  return lambda tokens, positions, cache: block_fn(tokens, positions + offset, cache)
+
+
+def decode_cache_length(prompt_width: int, max_decode_steps: int) -> int:
+  """Cache positions for right-padded prompts of width P and N new tokens.
+
+  The last loop input sits at loop position N - 1, absolute position
+  L + N - 2 <= P + N - 2; the prefill writes positions 0..P-1.
+  """
+  return prompt_width + max_decode_steps - 1
+
+
+def prefilled_cache(config: DecoderOnlyConfig, params, prompts: Array, prompt_lengths: Array,
+                    max_len: int):
+  """A cache of `max_len` positions with each row's prompt written (traceable)."""
+  cache = decoder_only.init_cache(config, prompts.shape[0], max_len)
+  _, cache = DecoderOnly(config).apply({"params": params}, prompts, prompt_lengths, cache,
+                                       method=DecoderOnly.prefill)
+  return cache
+
+
+def first_inputs(prompts: Array, prompt_lengths: Array, max_decode_steps: int) -> Array:
+  """Loop inputs [batch, max_decode_steps]: each row's last prompt token, then 0s."""
+  batch = prompts.shape[0]
+  last = prompts[jnp.arange(batch), prompt_lengths - 1]
+  return jnp.zeros((batch, max_decode_steps), jnp.int32).at[:, 0].set(last)
+
+
+def absolute_block_fn(config: DecoderOnlyConfig, params):
+  """`(tokens, absolute positions, cache) -> (logits, cache)` for traced params."""
+  module = DecoderOnly(config)
+  return lambda tokens, positions, cache: module.apply(
+      {"params": params}, tokens, positions, cache, method=DecoderOnly.decode_block)
 
 
 @functools.lru_cache(maxsize=None)

@@ -279,21 +279,6 @@ def test_temperature_sample_path_equals_stepwise_argmax_with_eos():
   assert min(np.asarray(out.lengths)) < steps
 
 
-@needs_first_input
-def test_sampling_speculative_runs_and_is_reproducible():
-  """Temperature sampling through both loops: valid tokens, same rng -> same output.
-  (The distribution-level chi-square tests for decoder-only pairs are still to come.)"""
-  model = load_decoder_only_model("gpt2_tiny", seed=2)
-  draft = load_decoder_only_model("gpt2_tiny_draft", seed=3)
-  prompts = _random_prompts([4, 2], seed=6)
-  kwargs = dict(max_decode_steps=6, temperature=1.0, rng=jax.random.PRNGKey(3), eos_id=-1)
-  a = decoder_only_generate(model, prompts, [4, 2], draft=draft, gamma=2, **kwargs)
-  b = decoder_only_generate(model, prompts, [4, 2], draft=draft, gamma=2, **kwargs)
-  np.testing.assert_array_equal(np.asarray(a.sequences), np.asarray(b.sequences))
-  assert np.asarray(a.sequences).max() < VOCAB
-  assert (np.asarray(a.lengths) == 6).all()
-
-
 # ---------------------------------------------------------------------------
 # Configs and bad input.
 
@@ -489,3 +474,54 @@ def test_speculative_samples_follow_target_distribution_ragged_prompts(setting):
     observed = collections.Counter(map(tuple, rows))
     assert len(observed) > 10, "too few distinct outputs to test a distribution"
     assert _chi_square_pvalue(observed, expected, n) > P_VALUE
+
+
+# ---------------------------------------------------------------------------
+# Other drafts for decoder-only targets.
+
+def _sharp_tiny(name, seed, scale=6.0):
+  model = load_decoder_only_model(name, seed=seed)
+  return DecoderOnlyModel(model.config, jax.tree_util.tree_map(
+      lambda x: x * scale if x.ndim == 2 else x, model.params))
+
+
+@needs_first_input
+def test_greedy_with_ngram_adaptive_and_confident_drafts_equals_target():
+  from specdec_jax.drafts import AdaptiveGammaDraft, NgramDraft
+  from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
+  target = _sharp_tiny("qwen2_tiny", seed=5)
+  small = _sharp_tiny("llama_tiny_draft", seed=6)
+  lengths = [6, 2, 9]
+  prompts = _random_prompts(lengths, seed=10)
+  steps = 10
+  want = decoder_only_generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1)
+  # The bigram is fitted on the target's own outputs: it is often right.
+  bigram = NgramDraft.fit(np.asarray(want.sequences), VOCAB, order=2, smoothing=0.1,
+                          eos_id=EOS, pad_id=0)
+  # One compile each: the generic Draft path, and the model draft under the
+  # adaptive schedule with a confidence threshold (both cap num_drafted).
+  drafts = {"bigram": bigram, "adaptive_confident_small": AdaptiveGammaDraft(
+      DecoderOnlyModelDraft(small, confidence_threshold=0.3))}
+  for name, draft in drafts.items():
+    out = decoder_only_generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1,
+                                draft=draft, gamma=3)
+    np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences),
+                                  err_msg=name)
+    assert (out.stats.accepted + out.stats.iterations == steps).all(), name
+  assert out.stats.drafted.sum() < 3 * out.stats.iterations.sum(), "drafts never cut short"
+
+
+def test_drafts_of_the_wrong_family_are_clear_errors():
+  import specdec_jax as sj
+  from specdec_jax.drafts import AdaptiveGammaDraft, ModelDraft, PromptLookupDraft
+  target = load_decoder_only_model("llama_tiny")
+  prompts = _random_prompts([3, 2], seed=0)
+  t5 = sj.load_model("tiny", vocab_size=VOCAB)
+  for draft in (ModelDraft(t5), AdaptiveGammaDraft(t5)):
+    with pytest.raises(ValueError, match="T5 ModelDraft cannot serve a decoder-only target"):
+      decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft=draft)
+  with pytest.raises(ValueError, match="PromptLookupDraft"):
+    decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3,
+                          draft=PromptLookupDraft(VOCAB, eos_id=EOS))
+  with pytest.raises(TypeError, match="DecoderOnlyModel or a specdec_jax Draft"):
+    decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft="gpt2")

@@ -1,4 +1,4 @@
-"""A decoder-only Transformer (Llama / Qwen2 / GPT-2 layouts) scoring blocks of tokens from a KV cache.
+"""A decoder-only Transformer (Llama / Qwen2 / GPT-2 layouts) scoring token blocks from a KV cache.
 
 The block contract is the T5 decoder's (models/t5.py), so the decode loops in
 `specdec_jax.decoding` run either family unchanged:
@@ -336,7 +336,7 @@ class DecoderOnly(nn.Module):
     return self.lm_head(hidden)
 
   def __call__(self, tokens: Array) -> Array:
-    """Logits [batch, len, vocab] float32 for tokens [batch, len] at positions 0..len-1 (no cache)."""
+    """Logits [batch, len, vocab] float32 of tokens [batch, len] at positions 0..len-1, no cache."""
     hidden, _ = self._hidden(tokens, jnp.arange(tokens.shape[1])[None])
     return self.project_logits(hidden)
 
