@@ -848,6 +848,7 @@ def export_t5x(model: Model, directory, *, step: int = 0, overwrite: bool = Fals
     shutil.rmtree(directory)
   # Like T5X: write into a temporary sibling and rename, so a directory with a
   # `checkpoint` file is always complete.
+  os.makedirs(os.path.dirname(directory), exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-",
                          dir=os.path.dirname(directory))
   try:

@@ -27,6 +27,7 @@ placeholder); without it the class stands alone with the same decoding API.
 """
 
 import functools
+import inspect
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
@@ -237,6 +238,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
                block_width: Optional[int] = None, draft_dtype: Optional[str] = None,
                optimizer_def=None, label_smoothing: float = 0.0, z_loss: float = 0.0,
                loss_normalizing_factor=None, default_decoder_params=None):
+    # Gin's dynamic registration hands over a wrapper of the function.
+    decode_fn = inspect.unwrap(decode_fn)
     if decode_fn not in (decoding.temperature_sample, decoding.speculative_sample):
       raise ValueError("decode_fn must be decoding.temperature_sample or "
                        f"decoding.speculative_sample, got {decode_fn!r}")
@@ -392,7 +395,9 @@ class SpeculativeEncoderDecoderModel(_BASE):
     if prompt_with_targets:
       raise ValueError("prompt_with_targets is not supported")
     encoder_tokens = jnp.asarray(batch["encoder_input_tokens"], jnp.int32)
-    decoder_inputs = jnp.asarray(batch["decoder_input_tokens"], jnp.int32)
+    # As T5X without prompt_with_targets: decoder_input_tokens (in T5X's infer,
+    # the targets shifted right) only give the decode length, never a prompt.
+    decoder_inputs = jnp.zeros_like(jnp.asarray(batch["decoder_input_tokens"], jnp.int32))
     if encoder_tokens.ndim != 2 or decoder_inputs.ndim != 2:
       raise ValueError("encoder_input_tokens and decoder_input_tokens must be [batch, length]")
     if encoder_tokens.shape[0] != decoder_inputs.shape[0]:

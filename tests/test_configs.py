@@ -15,7 +15,9 @@ from specdec_jax.models.t5 import T5
 
 ROOT = run_lib.REPO_ROOT
 # Directories other engineers own, with configurables from their modules.
-OTHER_OWNERS = ("train", "demo_pair", "sharding")
+# configs/t5x/ is T5X's gin (dynamic registration, imports t5x): parsed by
+# tests/test_t5x_integration.py where T5X is importable.
+OTHER_OWNERS = ("train", "demo_pair", "sharding", "t5x")
 GIN_FILES = sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.gin"),
                                                 recursive=True)

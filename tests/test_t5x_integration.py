@@ -337,7 +337,10 @@ def test_greedy_predict_batch_equals_t5x(t5x_written, draft_checkpoint):
   network, variables, _ = t5x_written
   params = variables["params"]
   encoder = np.array([[5, 6, 7, 9, 1, 0], [9, 3, 4, 5, 6, 1], [2, 1, 0, 0, 0, 0]], np.int32)
-  batch = {"encoder_input_tokens": encoder, "decoder_input_tokens": np.zeros((3, 10), np.int32)}
+  # T5X's infer passes the targets shifted right; without prompt_with_targets
+  # they only give the decode length.
+  batch = {"encoder_input_tokens": encoder,
+           "decoder_input_tokens": np.tile(np.arange(10, dtype=np.int32), (3, 1))}
   theirs, plain = _models(network)
   _, speculative = _models(network, draft=draft_checkpoint, gamma=3,
                            decode_fn=specdec_jax.speculative_sample)
@@ -356,3 +359,72 @@ def test_greedy_predict_batch_equals_t5x(t5x_written, draft_checkpoint):
                 decoder_loss_weights=(targets > 0).astype(np.float32))
   np.testing.assert_allclose(aux["scores"], theirs.score_batch(params, scored), rtol=1e-4,
                              atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- python -m t5x.infer
+
+
+def _t5x_infer(tmp_path, checkpoints_by_name, name, *bindings):
+  """Runs T5X's infer binary with configs/t5x/demo_pair_infer.gin; returns its output rows."""
+  output_dir = str(tmp_path / f"infer_{name}")
+  command = [sys.executable, "-m", "t5x.infer", f"--gin_search_paths={T5X_PATH},{REPO}",
+             "--gin_file=configs/t5x/demo_pair_infer.gin",
+             f"--gin.CHECKPOINT_PATH='{checkpoints_by_name['target']}'",
+             f"--gin.DRAFT_CHECKPOINT='{checkpoints_by_name['small']}'",
+             f"--gin.INFER_OUTPUT_DIR='{output_dir}'", *bindings]
+  site = os.path.join(REPO, "experiments", "t5x_demo", "site")  # the jestimator alias
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([site, T5X_PATH, REPO]))
+  result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+  assert result.returncode == 0, result.stderr[-4000:]
+  written = [f for f in os.listdir(output_dir) if f.endswith("-00000-of-00001")]
+  assert written == ["specdec_demo_pair_heldout-predict.jsonl-00000-of-00001"], written
+  with open(os.path.join(output_dir, written[0])) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_t5x_infer_demo_pair_end_to_end(tmp_path):
+  """T5X's own infer restores our T5X export of the demo pair and decodes speculatively."""
+  from experiments.t5x_demo.prepare import prepare
+  from specdec_jax import t5x_tasks
+  paths = prepare(str(tmp_path / "checkpoints"))
+  speculative = _t5x_infer(tmp_path, paths, "speculative")
+  plain = _t5x_infer(tmp_path, paths, "plain",
+                     "--gin.t5x_model.SpeculativeEncoderDecoderModel.decode_fn="
+                     "@decoding.temperature_sample")
+  rows = t5x_tasks.demo_heldout(limit=16)
+  assert len(speculative) == len(plain) == len(rows) == 16
+  # Identical outputs, text and ids, example for example.
+  assert [r["prediction"] for r in speculative] == [r["prediction"] for r in plain]
+  assert [r["prediction_tokens"] for r in speculative] == [r["prediction_tokens"] for r in plain]
+  assert [r["inputs"]["inputs_pretokenized"] for r in speculative] == [r["input"] for r in rows]
+  # And they are the demo target's greedy decodes (specdec_jax.generate, no T5X).
+  pair = specdec_jax.load_demo_pair()
+  expected = specdec_jax.generate(pair.target, pair.heldout_inputs(16),
+                                  max_decode_steps=pair.max_decode_steps).sequences
+  for got, want in zip(speculative, np.asarray(expected)):
+    want = list(want)
+    want = want[:want.index(0)] if 0 in want else want
+    assert got["prediction_tokens"] == [int(t) for t in want]
+
+
+def test_xxl_small_gin_parses():
+  """The paper-pairing gin file parses against T5X's infer.gin (running it needs the gs:// data)."""
+  script = (
+      "import sys, gin\n"
+      "import t5x.infer as infer\n"
+      "sys.modules['__main__'] = infer\n"  # infer.gin does `import __main__ as infer_script`.
+      f"gin.add_config_file_search_path({T5X_PATH!r})\n"
+      f"gin.add_config_file_search_path({REPO!r})\n"
+      "gin.parse_config_files_and_bindings(['configs/t5x/t5_1_1_xxl_small_infer.gin'],\n"
+      "    [\"MIXTURE_OR_TASK_NAME='task'\", \"INFER_OUTPUT_DIR='/tmp/out'\"])\n"
+      "print(gin.query_parameter('t5x_model.SpeculativeEncoderDecoderModel.gamma'),\n"
+      "      gin.query_parameter('configs.get_config.name'))\n")
+  site = os.path.join(REPO, "experiments", "t5x_demo", "site")
+  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                   PYTHONPATH=os.pathsep.join([site, T5X_PATH, REPO])))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split() == ["4", "t5_1_1_xxl"]
