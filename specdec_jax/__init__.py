@@ -29,6 +29,7 @@ from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
 from specdec_jax.decoder_only_generation import decoder_only_generate
 from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
+from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
 from specdec_jax.models.decoder_configs import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                 get_decoder_config)
 

@@ -79,7 +79,8 @@ def _innermost(draft: Draft) -> Draft:
 
 def as_decoder_only_draft(model: DecoderOnlyModel, draft) -> Draft:
   """The `Draft` for a decoder-only target: a `DecoderOnlyModel` is wrapped in
-  `DecoderOnlyModelDraft`; n-gram drafts and `AdaptiveGammaDraft` pass through.
+  `DecoderOnlyModelDraft`; `NgramDraft`, `DecoderOnlyPromptLookupDraft` and
+  `AdaptiveGammaDraft` pass through.
 
   Raises:
     ValueError: a T5 draft (family mismatch), a draft whose prompt handling
@@ -99,11 +100,9 @@ def as_decoder_only_draft(model: DecoderOnlyModel, draft) -> Draft:
     raise ValueError("a T5 ModelDraft cannot serve a decoder-only target: the model families "
                      "differ; use a DecoderOnlyModel (or DecoderOnlyModelDraft) draft")
   if isinstance(inner, PromptLookupDraft):
-    # It matches only generated tokens and marks input padding by pad_id; a
-    # decoder-only lookup must search prompt + output with the suffix
-    # spanning the prompt's tail.
-    raise ValueError("PromptLookupDraft does not support decoder-only targets yet (it treats "
-                     "the prompt as T5 encoder input)")
+    # It matches only generated tokens and marks input padding by pad_id.
+    raise ValueError("PromptLookupDraft treats the prompt as T5 encoder input; use "
+                     "DecoderOnlyPromptLookupDraft for decoder-only targets")
   draft.check_compatible(model.config)
   return draft
 
@@ -125,8 +124,8 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
     eos_id: defaults to the model's (`config.eos_id`; None = never stop early).
     rng: PRNG key (default PRNGKey(0)).
     draft: a smaller `DecoderOnlyModel` with the same vocabulary (or a
-      `DecoderOnlyModelDraft`), an `NgramDraft`, or an `AdaptiveGammaDraft`
-      around either (see `as_decoder_only_draft`).
+      `DecoderOnlyModelDraft`), an `NgramDraft`, a `DecoderOnlyPromptLookupDraft`,
+      or an `AdaptiveGammaDraft` around one (see `as_decoder_only_draft`).
     gamma: tokens drafted per iteration.
   Returns:
     GenerateOutput: sequences [batch, max_decode_steps] (the new tokens only;

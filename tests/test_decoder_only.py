@@ -489,6 +489,7 @@ def _sharp_tiny(name, seed, scale=6.0):
 def test_greedy_with_ngram_adaptive_and_confident_drafts_equals_target():
   from specdec_jax.drafts import AdaptiveGammaDraft, NgramDraft
   from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
+  from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
   target = _sharp_tiny("qwen2_tiny", seed=5)
   small = _sharp_tiny("llama_tiny_draft", seed=6)
   lengths = [6, 2, 9]
@@ -498,16 +499,18 @@ def test_greedy_with_ngram_adaptive_and_confident_drafts_equals_target():
   # The bigram is fitted on the target's own outputs: it is often right.
   bigram = NgramDraft.fit(np.asarray(want.sequences), VOCAB, order=2, smoothing=0.1,
                           eos_id=EOS, pad_id=0)
-  # One compile each: the generic Draft path, and the model draft under the
-  # adaptive schedule with a confidence threshold (both cap num_drafted).
-  drafts = {"bigram": bigram, "adaptive_confident_small": AdaptiveGammaDraft(
-      DecoderOnlyModelDraft(small, confidence_threshold=0.3))}
+  # One compile each: the generic Draft path (bigram, prompt lookup), and the
+  # model draft under the adaptive schedule with a confidence threshold.
+  drafts = {"bigram": bigram, "prompt_lookup": DecoderOnlyPromptLookupDraft(VOCAB),
+            "adaptive_confident_small": AdaptiveGammaDraft(
+                DecoderOnlyModelDraft(small, confidence_threshold=0.3))}
   for name, draft in drafts.items():
     out = decoder_only_generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1,
                                 draft=draft, gamma=3)
     np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences),
                                   err_msg=name)
     assert (out.stats.accepted + out.stats.iterations == steps).all(), name
+    assert out.stats.drafted.sum() > 0, name
   assert out.stats.drafted.sum() < 3 * out.stats.iterations.sum(), "drafts never cut short"
 
 
@@ -520,8 +523,30 @@ def test_drafts_of_the_wrong_family_are_clear_errors():
   for draft in (ModelDraft(t5), AdaptiveGammaDraft(t5)):
     with pytest.raises(ValueError, match="T5 ModelDraft cannot serve a decoder-only target"):
       decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft=draft)
-  with pytest.raises(ValueError, match="PromptLookupDraft"):
+  with pytest.raises(ValueError, match="use DecoderOnlyPromptLookupDraft"):
     decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3,
                           draft=PromptLookupDraft(VOCAB, eos_id=EOS))
   with pytest.raises(TypeError, match="DecoderOnlyModel or a specdec_jax Draft"):
     decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft="gpt2")
+
+
+def test_decoder_only_prompt_lookup_proposes_from_prompt_and_output():
+  from specdec_jax.decoder_only_model import mark_prompt_padding
+  from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
+  draft = DecoderOnlyPromptLookupDraft(VOCAB, max_ngram=3)
+  prompts = jnp.array([[5, 6, 7, 8, 5, 6], [9, 4, 0, 0, 0, 0], [11, 12, 13, 0, 0, 0]])
+  marked = mark_prompt_padding(prompts, jnp.array([6, 2, 3]))
+  # The loop's sequences: last prompt token, then generated tokens.
+  sequences = jnp.array([[6, 0, 0, 0, 0], [4, 3, 9, 4, 0], [13, 14, 0, 0, 0]])
+  lengths = jnp.array([0, 3, 1])
+  context, size = draft.context(marked, sequences, lengths)
+  assert np.asarray(size).tolist() == [6, 5, 4]
+  assert np.asarray(context)[1, :5].tolist() == [9, 4, 3, 9, 4]
+  tokens, probs, num_drafted, _ = draft.propose_fn((), 3, 0.0, 0, 0.0)(
+      None, marked, sequences, lengths)
+  # Row 0: [5, 6] (the prompt's tail) recurs at 0 -> 7, 8, 5. Row 1: [9, 4]
+  # spans prompt and output, recurs at 0 -> 3, 9, 4. Row 2: 14 never occurred.
+  assert np.asarray(tokens).tolist() == [[7, 8, 5], [3, 9, 4], [0, 0, 0]]
+  assert np.asarray(num_drafted).tolist() == [3, 3, 0]
+  np.testing.assert_array_equal(np.asarray(probs).argmax(-1)[:2], np.asarray(tokens)[:2])
+  assert np.asarray(probs)[2].sum() == 0
