@@ -19,6 +19,7 @@ Rows of different prompt lengths therefore generate right after their own
 prompts, and advance at their own pace in the speculative loop as for T5.
 """
 
+import contextlib
 import threading
 from typing import Any, Dict, Optional
 
@@ -32,6 +33,7 @@ from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
                                             check_prompt_lengths, decode_cache_length,
                                             first_inputs, mark_prompt_padding,
                                             prefilled_cache, shift_block_fn)
+from specdec_jax.dtypes import check_matmul_precision
 from specdec_jax.drafts import AdaptiveGammaDraft, Draft, ModelDraft, PromptLookupDraft
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
 from specdec_jax.generation import GenerateOutput, SpeculativeStats, sequence_lengths
@@ -48,7 +50,8 @@ _COMPILED_LOCK = threading.Lock()
 
 
 def _build(config: DecoderOnlyConfig, draft: Optional[Draft], max_decode_steps: int,
-           temperature: float, topk: int, topp: float, eos_id: int, gamma: int):
+           temperature: float, topk: int, topp: float, eos_id: int, gamma: int,
+           block_width: int):
 
   def run(params, draft_params, prompts, prompt_lengths, rng):
     max_len = decode_cache_length(prompts.shape[1], max_decode_steps)
@@ -57,7 +60,8 @@ def _build(config: DecoderOnlyConfig, draft: Optional[Draft], max_decode_steps: 
     inputs = first_inputs(prompts, prompt_lengths, max_decode_steps)
     if draft is None:
       decodes, _ = decoding.temperature_sample(
-          inputs, cache, decoding.block_to_state_fn(target_fn), eos_id, decode_rng=rng,
+          inputs, cache, decoding.block_to_state_fn(target_fn, block_width), eos_id,
+          decode_rng=rng,
           temperature=temperature, topk=topk, topp=topp)
       return decodes[:, 0], None
     draft_state = draft.init_state(draft_params, mark_prompt_padding(prompts, prompt_lengths),
@@ -65,7 +69,8 @@ def _build(config: DecoderOnlyConfig, draft: Optional[Draft], max_decode_steps: 
     propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
     return decoding.speculative_sample(
         inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
-        temperature=temperature, topk=topk, topp=topp, propose_fn=propose)
+        temperature=temperature, topk=topk, topp=topp, propose_fn=propose,
+        block_width=block_width)
 
   return jax.jit(run)
 
@@ -110,8 +115,9 @@ def as_decoder_only_draft(model: DecoderOnlyModel, draft) -> Draft:
 def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None, *,
                           max_decode_steps: int, temperature: float = 0.0, topk: int = 0,
                           topp: float = 0.0, eos_id: Optional[int] = None,
-                          rng: Optional[Array] = None, draft=None,
-                          gamma: int = 4) -> GenerateOutput:
+                          rng: Optional[Array] = None, draft=None, gamma: int = 4,
+                          block_width: Optional[int] = None,
+                          matmul_precision: Optional[str] = None) -> GenerateOutput:
   """Continues each row's prompt with `model`, speculatively when `draft` is given.
 
   Args:
@@ -127,6 +133,10 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
       `DecoderOnlyModelDraft`), an `NgramDraft`, a `DecoderOnlyPromptLookupDraft`,
       or an `AdaptiveGammaDraft` around one (see `as_decoder_only_draft`).
     gamma: tokens drafted per iteration.
+    block_width: width W of every target call in both loops (default
+      `decoding.DEFAULT_BLOCK_WIDTH`), as in `generation.generate`: equal
+      widths make greedy outputs with and without a draft identical bit for bit.
+    matmul_precision: `jax.default_matmul_precision` for the whole decode.
   Returns:
     GenerateOutput: sequences [batch, max_decode_steps] (the new tokens only;
     0 after EOS), lengths [batch] (new tokens up to and including EOS), and
@@ -154,7 +164,7 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
   rng = jax.random.PRNGKey(0) if rng is None else rng
   draft_obj = draft_params = None
   if draft is not None:
-    if int(gamma) != gamma or gamma < 1:
+    if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
       raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
     draft_obj = as_decoder_only_draft(model, draft)
     if isinstance(_innermost(draft_obj), DecoderOnlyModelDraft):
@@ -163,14 +173,20 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
         raise ValueError(f"the draft's {draft_cfg.max_positions} learned positions cannot hold "
                          f"{cache_len} positions")
     draft_params = draft_obj.params
+  width = decoding.resolve_block_width(block_width,
+                                       int(gamma) if draft_obj is not None else None)
+  precision = check_matmul_precision(matmul_precision)
   statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id,
-             int(gamma) if draft_obj is not None else 0)
-  key = (cfg, None if draft_obj is None else draft_obj.static_key()) + statics
+             int(gamma) if draft_obj is not None else 0, width)
+  key = (cfg, None if draft_obj is None else draft_obj.static_key(), precision) + statics
   with _COMPILED_LOCK:
     if key not in _COMPILED:
       _COMPILED[key] = _build(cfg, draft_obj, *statics)
     fn = _COMPILED[key]
-  sequences, stats = fn(model.params, draft_params, tokens, lengths, rng)
+  # The precision is read when the program is traced (on its first call).
+  with (contextlib.nullcontext() if precision is None else
+        jax.default_matmul_precision(precision)):
+    sequences, stats = fn(model.params, draft_params, tokens, lengths, rng)
   out_lengths = sequence_lengths(sequences, eos_id)
   if stats is None:
     return GenerateOutput(sequences, out_lengths)

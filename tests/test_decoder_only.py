@@ -1,7 +1,6 @@
 """Decoder-only models (Llama / Qwen2 / GPT-2 layouts): parity with transformers,
 cached blocks == uncached forward, prompts of different lengths, speculative == target."""
 
-import inspect
 import json
 import os
 
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from specdec_jax import decoding
 from specdec_jax.checkpoints import CheckpointError
 from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
 from specdec_jax.decoder_only_generation import decoder_only_generate
@@ -20,13 +18,6 @@ from specdec_jax.models.decoder_configs import DECODER_CONFIGS, get_decoder_conf
 
 VOCAB = 97
 EOS = 2
-
-# Until speculative_sample starts each row from inputs[:, 0] (the lead's change
-# in flight), it assumes a BOS of 0 and cannot continue a prompt.
-_SPECULATIVE_TAKES_FIRST_INPUT = "inputs[:, 0]" in inspect.getsource(
-    decoding.speculative_sample)
-needs_first_input = pytest.mark.skipif(not _SPECULATIVE_TAKES_FIRST_INPUT,
-                                       reason="speculative_sample does not yet read inputs[:, 0]")
 
 
 # ---------------------------------------------------------------------------
@@ -176,7 +167,6 @@ def test_greedy_generation_matches_transformers_with_ragged_prompts(hf_pair):
 
 # Rotary + GQA and learned positions; Qwen2 differs from Llama only in biases,
 # which the logits and target-only tests above cover.
-@needs_first_input
 @pytest.mark.parametrize("layout", ["llama_gqa_untied", "gpt2"])
 def test_greedy_speculative_matches_target_and_transformers(layout, hf_pairs):
   """Draft = the target with noisy weights: some drafts rejected, output unchanged."""
@@ -362,6 +352,8 @@ def test_bad_inputs_give_clear_errors():
     decoder_only_generate(gpt2, prompts, [4, 2], max_decode_steps=126)
   with pytest.raises(ValueError, match="learned position table"):
     gpt2.init_cache(1, 129)
+  with pytest.raises(ValueError, match="block_width"):
+    decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=model, gamma=8)
   small_vocab = load_decoder_only_model("llama_tiny_draft", vocab_size=50)
   with pytest.raises(ValueError, match="vocabulary size 50"):
     decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=small_vocab)
@@ -443,7 +435,6 @@ def _exact_continuations(model, prompt, steps, eos_id, **sampling_kw):
   return dist
 
 
-@needs_first_input
 @pytest.mark.parametrize("setting", [
     dict(temperature=1.0), dict(temperature=0.7, topk=3), dict(temperature=1.0, topp=0.8)],
     ids=["t1", "t0.7_top3", "topp0.8"])
@@ -485,7 +476,6 @@ def _sharp_tiny(name, seed, scale=6.0):
       lambda x: x * scale if x.ndim == 2 else x, model.params))
 
 
-@needs_first_input
 def test_greedy_with_ngram_adaptive_and_confident_drafts_equals_target():
   from specdec_jax.drafts import AdaptiveGammaDraft, NgramDraft
   from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
