@@ -540,3 +540,43 @@ def test_decoder_only_prompt_lookup_proposes_from_prompt_and_output():
   assert np.asarray(num_drafted).tolist() == [3, 3, 0]
   np.testing.assert_array_equal(np.asarray(probs).argmax(-1)[:2], np.asarray(tokens)[:2])
   assert np.asarray(probs)[2].sum() == 0
+
+
+# config.json files as the hub ships them (transformers 4 format: top-level
+# rope_theta / rope_scaling), abridged to the fields that matter here.
+_HUB_CONFIGS = {
+    "llama_3_2_1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072,
+        "mlp_bias": False, "num_attention_heads": 32, "num_hidden_layers": 16,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256},
+    "qwen2_0_5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "eos_token_id": 151643,
+        "hidden_act": "silu", "hidden_size": 896, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "use_sliding_window": False, "vocab_size": 151936},
+    "gpt2": {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "activation_function": "gelu_new", "bos_token_id": 50256, "eos_token_id": 50256,
+        "layer_norm_epsilon": 1e-05, "n_ctx": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12,
+        "n_positions": 1024, "vocab_size": 50257},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_HUB_CONFIGS))
+def test_hub_config_json_parses_to_the_named_config(name):
+  import dataclasses
+  from specdec_jax.checkpoints_decoder_only import hf_config_to_decoder_config
+  parsed = hf_config_to_decoder_config(_HUB_CONFIGS[name])
+  named = get_decoder_config(name, dtype="float32")
+  # pad_id only fills prompt padding; Qwen2's context length and BOS are not
+  # in the abridged file.
+  ignored = {"pad_id", "max_positions", "bos_id"} if name == "qwen2_0_5b" else {"pad_id"}
+  for field in dataclasses.fields(named):
+    if field.name not in ignored:
+      assert getattr(parsed, field.name) == getattr(named, field.name), field.name
