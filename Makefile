@@ -7,7 +7,13 @@ PIP := $(VENV)/bin/pip
 # CPU: float32 and no accelerator probing noise.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test venv venv-test clean
+# T5X integration (tests/test_t5x_integration.py): T5X's sources are not on
+# PyPI; point T5X_PATH at the folder holding its t5x/ package. Its own venv,
+# since tensorflow pins numpy/protobuf its own way.
+T5X_PATH ?= ../shared/third_party
+VENV_T5X := .venv-t5x
+
+.PHONY: demo test test-t5x venv venv-test clean
 
 $(VENV)/.core: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,5 +34,15 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup tests
 
+$(VENV_T5X)/.t5x: setup.py
+	$(PYTHON) -m venv $(VENV_T5X)
+	$(VENV_T5X)/bin/pip install -q --upgrade pip
+	$(VENV_T5X)/bin/pip install -q -e '.[test,t5x]'
+	touch $@
+
+test-t5x: $(VENV_T5X)/.t5x
+	SPECDEC_T5X_PATH=$(abspath $(T5X_PATH)) PYTHONPATH=$(abspath $(T5X_PATH)) \
+	  $(VENV_T5X)/bin/python -m pytest -q -rs --timeout=900 tests/test_t5x_integration.py tests/test_t5x_model.py
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VENV_T5X) *.egg-info
