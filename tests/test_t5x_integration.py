@@ -364,11 +364,12 @@ def test_greedy_predict_batch_equals_t5x(t5x_written, draft_checkpoint):
 # ---------------------------------------------------------------------------- python -m t5x.infer
 
 
-def _t5x_infer(tmp_path, checkpoints_by_name, name, *bindings):
-  """Runs T5X's infer binary with configs/t5x/demo_pair_infer.gin; returns its output rows."""
+def _t5x_infer(tmp_path, checkpoints_by_name, name, *bindings,
+               gin_file="configs/t5x/demo_pair_infer.gin"):
+  """Runs T5X's infer binary with a demo-pair gin file; returns its output rows."""
   output_dir = str(tmp_path / f"infer_{name}")
   command = [sys.executable, "-m", "t5x.infer", f"--gin_search_paths={T5X_PATH},{REPO}",
-             "--gin_file=configs/t5x/demo_pair_infer.gin",
+             f"--gin_file={gin_file}",
              f"--gin.CHECKPOINT_PATH='{checkpoints_by_name['target']}'",
              f"--gin.DRAFT_CHECKPOINT='{checkpoints_by_name['small']}'",
              f"--gin.INFER_OUTPUT_DIR='{output_dir}'", *bindings]
@@ -393,11 +394,16 @@ def test_t5x_infer_demo_pair_end_to_end(tmp_path):
   plain = _t5x_infer(tmp_path, paths, "plain",
                      "--gin.t5x_model.SpeculativeEncoderDecoderModel.decode_fn="
                      "@decoding.temperature_sample")
+  # T5X's own EncoderDecoderModel + example network + temperature_sample.
+  t5x_own = _t5x_infer(tmp_path, paths, "t5x_own",
+                       gin_file="configs/t5x/demo_pair_t5x_baseline.gin")
   rows = t5x_tasks.demo_heldout(limit=16)
-  assert len(speculative) == len(plain) == len(rows) == 16
+  assert len(speculative) == len(plain) == len(t5x_own) == len(rows) == 16
   # Identical outputs, text and ids, example for example.
-  assert [r["prediction"] for r in speculative] == [r["prediction"] for r in plain]
-  assert [r["prediction_tokens"] for r in speculative] == [r["prediction_tokens"] for r in plain]
+  for other in (plain, t5x_own):
+    assert [r["prediction"] for r in speculative] == [r["prediction"] for r in other]
+    assert ([r["prediction_tokens"] for r in speculative] ==
+            [r["prediction_tokens"] for r in other])
   assert [r["inputs"]["inputs_pretokenized"] for r in speculative] == [r["input"] for r in rows]
   # And they are the demo target's greedy decodes (specdec_jax.generate, no T5X).
   pair = specdec_jax.load_demo_pair()
