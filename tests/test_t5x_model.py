@@ -80,3 +80,32 @@ def test_export_t5x_round_trip(tmp_path, pair):
   assert sorted(got) == sorted(want)
   for key in want:
     np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
+
+
+def test_t5x_network_packing_equals_separate_rows(pair):
+  """T5X's packed batches: two examples in one row score as they do alone (no T5X needed)."""
+  import jax.numpy as jnp
+  from specdec_jax.t5x_model import T5XNetwork
+  target, _ = pair
+  network = T5XNetwork(target.config)
+  variables = {"params": target.params}
+
+  def logits(encoder, inputs, targets, **packing):
+    return np.asarray(network.apply(variables, jnp.asarray(encoder), jnp.asarray(inputs),
+                                    jnp.asarray(targets), enable_dropout=False, **packing))
+
+  first = dict(encoder=[[5, 6, 7, 1]], inputs=[[0, 3, 4]], targets=[[3, 4, 1]])
+  second = dict(encoder=[[9, 8, 1]], inputs=[[0, 2]], targets=[[2, 1]])
+  packed = logits([[5, 6, 7, 1, 9, 8, 1, 0]], [[0, 3, 4, 0, 2, 0]], [[3, 4, 1, 2, 1, 0]],
+                  encoder_segment_ids=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]]),
+                  decoder_segment_ids=jnp.array([[1, 1, 1, 2, 2, 0]]),
+                  encoder_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0]]),
+                  decoder_positions=jnp.array([[0, 1, 2, 0, 1, 0]]))
+  np.testing.assert_allclose(packed[0, :3], logits(**first)[0], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(packed[0, 3:5], logits(**second)[0], atol=1e-5, rtol=0)
+  # Unpadded and unpacked, it is the plain teacher-forced model.
+  np.testing.assert_allclose(logits(**first)[0], np.asarray(target.logits(
+      np.array(first["encoder"], np.int32), np.array(first["inputs"], np.int32)))[0],
+      atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="cached decode"):
+    logits(**first, decode=True)
