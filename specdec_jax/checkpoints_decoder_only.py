@@ -314,3 +314,96 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
     flat[tuple(key.split("/"))] = place(tuple(key.split("/")), array)
     del array  # Free the host copy before reading the next tensor.
   return DecoderOnlyModel(config, traverse_util.unflatten_dict(flat))
+
+
+# ----------------------------------------------------------------------------
+# Export: our model -> a Hugging Face directory transformers loads.
+
+_EXPORT_ACTIVATIONS = {"silu": "silu", "gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}
+
+
+def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
+  """The config.json dict of `config` (transformers 4 field names, which 5 reads too).
+
+  Raises:
+    ValueError: a combination the HF architecture cannot express (e.g. Llama
+      with q/k/v biases but no output bias: that is Qwen2's layout).
+  """
+  ids = dict(bos_token_id=config.bos_id, eos_token_id=config.eos_id, pad_token_id=config.pad_id,
+             vocab_size=config.vocab_size, tie_word_embeddings=config.tie_word_embeddings)
+  if config.family == "gpt2":
+    if not (config.qkv_bias and config.out_bias and config.mlp_bias):
+      raise ValueError("GPT-2 has biases on every projection: qkv_bias, out_bias and mlp_bias "
+                       "must all be True to export as GPT2LMHeadModel")
+    if config.num_kv_heads != config.num_heads or config.num_heads * config.head_dim != (
+        config.emb_dim):
+      raise ValueError("GPT-2 needs num_kv_heads == num_heads and num_heads * head_dim == emb_dim")
+    return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=config.emb_dim,
+                n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.mlp_dim,
+                n_positions=config.max_positions, n_ctx=config.max_positions,
+                layer_norm_epsilon=config.norm_epsilon,
+                activation_function=_EXPORT_ACTIVATIONS[config.activation], **ids)
+  if config.family == "qwen2":
+    if not config.qkv_bias or config.out_bias or config.mlp_bias:
+      raise ValueError("Qwen2 has q/k/v biases only: qkv_bias must be True, out_bias and "
+                       "mlp_bias False to export as Qwen2ForCausalLM")
+    bias_fields = {}
+  else:
+    if config.qkv_bias != config.out_bias:
+      raise ValueError("Llama's attention_bias covers q/k/v and o together: qkv_bias and "
+                       "out_bias must be equal to export as LlamaForCausalLM")
+    bias_fields = dict(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+  hf = dict(architectures=[f"{'Llama' if config.family == 'llama' else 'Qwen2'}ForCausalLM"],
+            model_type=config.family, hidden_size=config.emb_dim,
+            intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+            head_dim=config.head_dim, max_position_embeddings=config.max_positions,
+            rms_norm_eps=config.norm_epsilon,
+            hidden_act=_EXPORT_ACTIVATIONS[config.activation], rope_theta=config.rope_theta,
+            **bias_fields, **ids)
+  if config.rope_scaling == "linear":
+    hf["rope_scaling"] = dict(rope_type="linear", factor=config.rope_factor)
+  elif config.rope_scaling == "llama3":
+    hf["rope_scaling"] = dict(rope_type="llama3", factor=config.rope_factor,
+                              low_freq_factor=config.rope_low_freq_factor,
+                              high_freq_factor=config.rope_high_freq_factor,
+                              original_max_position_embeddings=config.rope_original_max_positions)
+  return hf
+
+
+def export_hf_decoder_only(model: DecoderOnlyModel, directory) -> None:
+  """Writes `model` as a Hugging Face directory (config.json + model.safetensors).
+
+  Tensors keep the params' dtype; kernels are transposed back to HF Linear
+  weights and GPT-2's q/k/v are fused into c_attn.
+  """
+  from specdec_jax.checkpoints import write_safetensors  # The T5 writer, reused.
+  config = model.config
+  hf_config = decoder_config_to_hf_config(config)
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  flat = {"/".join(k): v for k, v in traverse_util.flatten_dict(model.params).items()}
+  # HF name -> [(part, our name, transform)]: c_attn gathers three params.
+  sources: Dict[str, list] = {}
+  for ours, (theirs, transform, part) in hf_names(config).items():
+    sources.setdefault(theirs, []).append((part, ours, transform))
+
+  def make(parts):
+    def build():  # Called by the writer right before it writes this tensor.
+      arrays = [np.asarray(flat[ours]).T if transform == "transpose" else np.asarray(flat[ours])
+                for _, ours, transform in parts]
+      return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)
+    return build
+
+  tensors = []
+  for theirs in sorted(sources):
+    parts = sorted(sources[theirs], key=lambda p: -1 if p[0] is None else p[0])
+    shapes = [tuple(reversed(flat[ours].shape)) if transform == "transpose" else
+              tuple(flat[ours].shape) for _, ours, transform in parts]
+    shape = shapes[0][:-1] + (sum(s[-1] for s in shapes),)
+    dtype = np.dtype(flat[parts[0][1]].dtype)
+    tensors.append((theirs, shape, dtype, make(parts)))
+  write_safetensors(os.path.join(directory, "model.safetensors"), tensors,
+                    metadata={"format": "pt"})
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)

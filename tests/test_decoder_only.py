@@ -580,3 +580,29 @@ def test_hub_config_json_parses_to_the_named_config(name):
   for field in dataclasses.fields(named):
     if field.name not in ignored:
       assert getattr(parsed, field.name) == getattr(named, field.name), field.name
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "gpt2_tiny"])
+def test_export_hf_round_trip(name, tmp_path):
+  """Our model -> HF directory: transformers reproduces our logits; we reload it exactly."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
+  model = _sharp_tiny(name, seed=3, scale=4.0)
+  if name == "llama_tiny":  # Cover Llama 3.1 rotary scaling in the exported config too.
+    model = DecoderOnlyModel(model.config.replace(rope_scaling="llama3", rope_factor=4.0,
+                                                  rope_original_max_positions=32),
+                             model.params)
+  export_hf_decoder_only(model, tmp_path)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  tokens = _random_prompts([13, 13], seed=4)
+  with torch.no_grad():
+    want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model.logits(tokens)), want, atol=1e-4, rtol=0)
+  again = load_hf_decoder_only(tmp_path, dtype="float32")
+  assert again.config == model.config.replace(pad_id=again.config.pad_id)
+  for a, b in zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(model.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="Qwen2 has q/k/v biases only"):
+    export_hf_decoder_only(DecoderOnlyModel(model.config.replace(family="qwen2", qkv_bias=False),
+                                            model.params), tmp_path / "bad")
