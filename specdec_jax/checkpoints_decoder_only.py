@@ -29,6 +29,9 @@ onto the tree of `models/decoder_only.py`:
     transformer.h.{i}.mlp.c_fc / c_proj        -> layers_{i}/mlp/up_proj / down_proj
     transformer.ln_f.{weight,bias}             -> norm/{scale,bias}
 
+`export_hf_decoder_only(model, directory)` writes the reverse (config.json +
+model.safetensors) for transformers to load.
+
 Tied models (`tie_word_embeddings`, the GPT-2 and small-Qwen2 default) use the
 token embedding as the output projection; an `lm_head.weight` stored beside it
 is ignored, as HF ties it. Tensors are read one at a time, cast to the
@@ -232,7 +235,8 @@ def _mapped_tensor(stored: _Tensor, transform: str, part: Optional[int]) -> _Ten
     shape = tuple(reversed(shape))
   if part is not None:
     if shape[-1] % 3:
-      return _Tensor(stored.source, shape + ("not divisible by 3",), lambda dtype: None)
+      raise CheckpointError(f"{stored.source}: fused q/k/v of shape {shape} cannot be split in "
+                            f"three equal parts")
     shape = shape[:-1] + (shape[-1] // 3,)
 
   def read(dtype):

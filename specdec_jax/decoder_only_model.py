@@ -223,7 +223,9 @@ def load_decoder_only_model(source: Union[str, DecoderOnlyConfig, os.PathLike], 
     source: a named config (`gpt2`, `qwen2-0.5b`, `llama_tiny`, ...) or a
       `DecoderOnlyConfig` (random init), or a Hugging Face directory of a
       LlamaForCausalLM / Qwen2ForCausalLM / GPT2LMHeadModel (see
-      `checkpoints_decoder_only`).
+      `checkpoints_decoder_only`), or a hub id (`Qwen/Qwen2-0.5B`), fetched
+      with `huggingface_hub` when installed and reachable. A local path or
+      named config wins over a hub id of the same spelling.
     dtype: 'float32' / 'bfloat16' / 'float16'; default float32 on CPU,
       bfloat16 elsewhere.
     seed: init seed for random weights.
@@ -242,11 +244,14 @@ def load_decoder_only_model(source: Union[str, DecoderOnlyConfig, os.PathLike], 
     config = get_decoder_config(source, **config_overrides)
     config = config.replace(dtype=dtype or default_dtype())
     return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
+  from specdec_jax import checkpoints  # Heavy imports only when loading files.
   if not os.path.exists(source):
-    raise ValueError(f"{source!r} is neither a decoder-only config name nor an existing "
-                     f"directory. Known configs: {', '.join(sorted(DECODER_CONFIGS))}")
+    if not checkpoints._looks_like_hub_id(source):
+      raise ValueError(f"{source!r} is neither a decoder-only config name nor an existing "
+                       f"directory. Known configs: {', '.join(sorted(DECODER_CONFIGS))}")
+    source = checkpoints._download_from_hub(source)  # A clear error when offline.
   if config_overrides:
     raise ValueError(f"config overrides {sorted(config_overrides)} apply to random init only, "
                      f"not to a checkpoint (its config.json defines the shapes)")
-  from specdec_jax import checkpoints_decoder_only  # Heavy imports only when loading files.
+  from specdec_jax import checkpoints_decoder_only
   return checkpoints_decoder_only.load_hf_decoder_only(source, dtype=dtype)

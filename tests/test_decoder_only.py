@@ -606,3 +606,18 @@ def test_export_hf_round_trip(name, tmp_path):
   with pytest.raises(ValueError, match="Qwen2 has q/k/v biases only"):
     export_hf_decoder_only(DecoderOnlyModel(model.config.replace(family="qwen2", qkv_bias=False),
                                             model.params), tmp_path / "bad")
+
+
+def test_hub_ids_download_or_fail_clearly(monkeypatch, hf_pairs):
+  hub = pytest.importorskip("huggingface_hub")
+  _, _, model, directory = hf_pairs("gpt2")
+
+  def offline(*args, **kwargs):
+    raise ConnectionError("offline")
+
+  monkeypatch.setattr(hub, "snapshot_download", offline)
+  with pytest.raises(FileNotFoundError, match="could not be fetched"):
+    load_decoder_only_model("someone/gpt2-not-here")
+  monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kwargs: directory)
+  fetched = load_decoder_only_model("someone/gpt2-cached", dtype="float32")
+  assert fetched.config == model.config
