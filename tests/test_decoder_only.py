@@ -518,6 +518,12 @@ def test_drafts_of_the_wrong_family_are_clear_errors():
                           draft=PromptLookupDraft(VOCAB, eos_id=EOS))
   with pytest.raises(TypeError, match="DecoderOnlyModel or a specdec_jax Draft"):
     decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft="gpt2")
+  # The reverse: decoder-only drafts for a T5 target.
+  from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
+  with pytest.raises(ValueError, match="decoder-only draft cannot serve a T5Config target"):
+    sj.generate(t5, prompts, max_decode_steps=3, draft=DecoderOnlyModelDraft(target))
+  with pytest.raises(TypeError, match="got DecoderOnlyModel"):
+    sj.generate(t5, prompts, max_decode_steps=3, draft=target)
 
 
 def test_decoder_only_prompt_lookup_proposes_from_prompt_and_output():
