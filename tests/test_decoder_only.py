@@ -627,3 +627,57 @@ def test_hub_ids_download_or_fail_clearly(monkeypatch, hf_pairs):
   monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kwargs: directory)
   fetched = load_decoder_only_model("someone/gpt2-cached", dtype="float32")
   assert fetched.config == model.config
+
+
+# ---------------------------------------------------------------------------
+# Training and distillation losses with specdec_jax.train.
+
+def test_causal_lm_loss_and_training_steps():
+  from specdec_jax import train
+  from specdec_jax import train_decoder_only as tdo
+  model = load_decoder_only_model("llama_tiny_draft", seed=0)
+  rng = np.random.RandomState(0)
+  sequences = rng.randint(3, VOCAB, (4, 12)).astype(np.int32)
+  batch = tdo.lm_batch(sequences, lengths=[12, 9, 12, 5], prompt_lengths=[3, 1, 0, 2])
+  assert batch["weights"][1].tolist() == [0] + [1] * 8 + [0] * 3
+  loss_fn = tdo.causal_lm_loss_fn(model.config)
+  loss, aux = loss_fn(model.params, batch)
+  # The same number from the uncached forward pass.
+  logits = np.asarray(model.logits(sequences))[:, :-1]
+  log_probs = jax.nn.log_softmax(logits)
+  nll = -np.take_along_axis(np.asarray(log_probs), sequences[:, 1:, None], axis=-1)[..., 0]
+  np.testing.assert_allclose(float(loss), float((nll * batch["weights"][:, 1:]).sum()),
+                             rtol=1e-5)
+  assert float(aux["tokens"]) == batch["weights"][:, 1:].sum()
+  optimizer = train.make_optimizer("adamw", 3e-3)
+  state = train.create_train_state(model.params, optimizer)
+  step = jax.jit(lambda s, b: train.train_step(s, b, loss_fn=loss_fn, optimizer=optimizer))
+  first = None
+  for _ in range(30):
+    state, metrics = step(state, batch)
+    first = float(metrics["loss"]) if first is None else first
+  assert float(metrics["loss"]) < 0.5 * first, "memorising one batch must be easy"
+
+
+def test_causal_distillation_raises_agreement():
+  from specdec_jax import train
+  from specdec_jax import train_decoder_only as tdo
+  target = _sharp_tiny("llama_tiny", seed=1, scale=4.0)
+  draft = load_decoder_only_model("llama_tiny_draft", seed=2)
+  out = decoder_only_generate(target, _random_prompts([4] * 8, seed=3), max_decode_steps=12,
+                              temperature=1.0, eos_id=-1)
+  sequences = np.concatenate([_random_prompts([4] * 8, seed=3), np.asarray(out.sequences)], 1)
+  batch = tdo.lm_batch(sequences, lengths=[16] * 8, prompt_lengths=[4] * 8)
+  batch["teacher_probs"] = tdo.causal_teacher_probs(target, sequences, temperature=1.0)
+  loss_fn = tdo.causal_distill_loss_fn({"draft": draft.config}, "tv", temperature=1.0)
+  optimizer = train.make_optimizer("adamw", 3e-3)
+  state = train.create_train_state({"draft": draft.params}, optimizer)
+  step = jax.jit(lambda s, b: train.train_step(s, b, loss_fn=loss_fn, optimizer=optimizer))
+  first = None
+  for _ in range(40):
+    state, metrics = step(state, batch)
+    first = float(metrics["loss"]) if first is None else first
+  # TV = 1 - beta per token: distillation raises the acceptance probability.
+  assert float(metrics["loss"]) < 0.7 * first
+  with pytest.raises(ValueError, match="unknown divergence"):
+    tdo.causal_distill_loss_fn({"draft": draft.config}, "reverse_kl", temperature=1.0)
