@@ -32,6 +32,6 @@ from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
 from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
 from specdec_jax.models.decoder_configs import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                 get_decoder_config)
-from specdec_jax import train_decoder_only
+from specdec_jax import decoder_only_sharding, train_decoder_only
 
 __version__ = "0.1.0"
