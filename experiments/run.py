@@ -101,6 +101,9 @@ class ModelSpec:
       raise ValueError("perturb_target applies to the draft only")
 
 
+_SPECULATIVE_COUNTERS = frozenset(decoding.init_stats(1, 1))
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class Experiment:
@@ -108,7 +111,10 @@ class Experiment:
 
   `draft` is a `ModelSpec` or any `specdec_jax.drafts.Draft` (n-gram, prompt
   lookup, ...). max_decode_steps must be >= gamma + 1 (the block that measures
-  verification cost has gamma + 1 tokens).
+  verification cost has gamma + 1 tokens). block_width: the target's block
+  width W in both loops (default `decoding.DEFAULT_BLOCK_WIDTH`); greedy
+  outputs are checked against target-only decoding at W, and the speedup is
+  against the faster of target-only decoding at W and at width 1.
   """
   target: ModelSpec = gin.REQUIRED
   draft: Union[ModelSpec, Draft] = gin.REQUIRED
@@ -123,6 +129,7 @@ class Experiment:
   max_decode_steps: int = 128
   seed: int = 0
   timing_repeats: int = 20
+  block_width: Optional[int] = None
 
 
 # ---------------------------------------------------------------------------
@@ -279,9 +286,17 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   encoder_tokens = tasks.encode_batch(exp.tokenizer, [e.inputs for e in examples],
                                       exp.max_input_length)
   settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp)
-  baseline = SpeculativeEncoderDecoderModel(target.config, draft=draft, **settings)
+  width = decoding.resolve_block_width(exp.block_width, exp.gamma)
+  # Two exact target-only decoders: at the speculative loop's width W (the
+  # reference its greedy outputs must equal bit for bit) and at width 1
+  # (often faster on CPU). The speedup is against the faster of the two.
+  reference = SpeculativeEncoderDecoderModel(target.config, draft=draft, block_width=width,
+                                             **settings)
+  narrow = (SpeculativeEncoderDecoderModel(target.config, draft=draft, block_width=1,
+                                           **settings) if width != 1 else None)
   speculative = SpeculativeEncoderDecoderModel(
-      target.config, draft=draft, decode_fn=decoding.speculative_sample, **settings)
+      target.config, draft=draft, decode_fn=decoding.speculative_sample, block_width=width,
+      **settings)
   params = {"target": target.params, "draft": draft.params}
   decoder_inputs = np.zeros((exp.batch_size, exp.max_decode_steps), np.int32)
   rng = jax.random.PRNGKey(exp.seed)
@@ -301,10 +316,12 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
 
   all_batches = list(batches(encoder_tokens, exp.batch_size))
   logging.info("compiling (warm-up on the first batch)")
-  decode(baseline, all_batches[0][0], rng)
+  decode(reference, all_batches[0][0], rng)
+  if narrow is not None:
+    decode(narrow, all_batches[0][0], rng)
   decode(speculative, all_batches[0][0], rng)
 
-  walltime = {"baseline": 0.0, "speculative": 0.0}
+  walltime = {"baseline": 0.0, "baseline_width_1": 0.0, "speculative": 0.0}
   outputs = {"baseline": [], "speculative": []}
   row_stats = []
   for index, (batch, real) in enumerate(tqdm.tqdm(all_batches, desc="batches", unit="batch")):
@@ -312,13 +329,17 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     # independent samples (greedy ignores them).
     base_key = jax.random.fold_in(rng, 2 * index)
     spec_key = jax.random.fold_in(rng, 2 * index + 1)
-    base_out, _, base_time = decode(baseline, batch, base_key)
+    base_out, _, base_time = decode(reference, batch, base_key)
+    if narrow is not None:
+      walltime["baseline_width_1"] += decode(narrow, batch, base_key)[2]
     spec_out, stats, spec_time = decode(speculative, batch, spec_key)
     walltime["baseline"] += base_time
     walltime["speculative"] += spec_time
     outputs["baseline"].append(base_out[:real])
     outputs["speculative"].append(spec_out[:real])
-    row_stats.append({k: np.asarray(v)[:real] for k, v in stats.items()})
+    # The aux also carries T5X's own entries (scores); keep the counters.
+    row_stats.append({k: np.asarray(v)[:real] for k, v in stats.items()
+                      if k in _SPECULATIVE_COUNTERS})
   sequences = {k: np.concatenate(v) for k, v in outputs.items()}
   lengths = {k: np.asarray(sequence_lengths(jnp.asarray(v), target.config.eos_id))
              for k, v in sequences.items()}
@@ -341,7 +362,11 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     c = draft_step / target_step
 
   alpha = stats.alpha
-  speedup = walltime["baseline"] / walltime["speculative"]
+  baseline_width = width
+  baseline_time = walltime["baseline"]
+  if narrow is not None and walltime["baseline_width_1"] < baseline_time:
+    baseline_width, baseline_time = 1, walltime["baseline_width_1"]
+  speedup = baseline_time / walltime["speculative"]
   identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1)
   result = dict(
       task=exp.task.name, target=exp.target.name,
@@ -351,8 +376,11 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
       num_examples=len(examples), batch_size=exp.batch_size,
       max_input_length=exp.max_input_length, max_decode_steps=exp.max_decode_steps,
       backend=jax.default_backend(), **settings,
-      walltime_baseline_s=walltime["baseline"], walltime_speculative_s=walltime["speculative"],
-      speedup=speedup,
+      walltime_baseline_s=baseline_time, walltime_speculative_s=walltime["speculative"],
+      walltime_target_only_s={str(width): walltime["baseline"],
+                              **({"1": walltime["baseline_width_1"]} if narrow else {})},
+      speedup=speedup, speedup_baseline_block_width=baseline_width, block_width=width,
+      identical_outputs_checked_against=f"target-only decoding at block width {width}",
       tokens_baseline=int(lengths["baseline"].sum()),
       tokens_speculative=int(lengths["speculative"].sum()),
       acceptance_rate=stats.acceptance_rate, alpha=alpha,

@@ -35,7 +35,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -43,6 +43,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from specdec_jax import decoding
 from specdec_jax import generation
 from specdec_jax import theory
 from specdec_jax.model import Model, default_dtype, load_model
@@ -58,6 +59,9 @@ flags.DEFINE_list("draft_noise", [], "For each value s, also a draft that is a c
                   "target with every weight w -> w * (1 + s * N(0, 1)): alpha inside (0, 1).")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes.")
 flags.DEFINE_list("gammas", ["4"], "Drafted tokens per iteration.")
+flags.DEFINE_integer("block_width", 0, "The target's block width W in the speculative loop and "
+                     "the reference target-only decoding (0: gamma + 1, the narrowest exact "
+                     "width); target-only width 1 is timed too and the faster is the baseline.")
 flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures (0 = greedy).")
 flags.DEFINE_integer("max_decode_steps", 64, "Tokens generated per row.")
 flags.DEFINE_integer("encoder_length", 32, "Encoder input length (random tokens).")
@@ -165,9 +169,15 @@ def time_prefill(model: Model, encoder_tokens, max_len: int, repeats: int) -> fl
 
 def benchmark_row(target: Model, draft: Model, draft_name: str, batch: int, gamma: int,
                   temperature: float, max_decode_steps: int, encoder_length: int, repeats: int,
-                  seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8
-                  ) -> Dict[str, Any]:
-  """Times AR vs speculative `generate` for one setting; returns a JSON-able dict."""
+                  seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8,
+                  block_width: Optional[int] = None) -> Dict[str, Any]:
+  """Times AR vs speculative `generate` for one setting; returns a JSON-able dict.
+
+  block_width: the target's width W in the speculative loop and in the
+  reference target-only decoding (default gamma + 1, the narrowest exact
+  width); target-only decoding at width 1 is timed too, and the speedup is
+  against the faster of the two.
+  """
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
   vocab = target.config.vocab_size
@@ -176,17 +186,28 @@ def benchmark_row(target: Model, draft: Model, draft_name: str, batch: int, gamm
   eos_id = None if stop_at_eos else NO_EOS
   kwargs = dict(max_decode_steps=max_decode_steps, temperature=temperature, eos_id=eos_id,
                 rng=jax.random.PRNGKey(seed))
-  ar = lambda: generate_sequences(target, tokens, **kwargs)
-  spec = lambda: generate_sequences(target, tokens, draft=draft, gamma=gamma, **kwargs)
+  # Target-only decoding at the speculative loop's width W is the reference its
+  # greedy outputs must equal bit for bit; at width 1 it may be faster (CPU).
+  # The speedup is against the faster of the two: the fixed width never
+  # flatters it.
+  width = decoding.resolve_block_width(gamma + 1 if block_width is None else block_width, gamma)
+  ar = lambda: generate_sequences(target, tokens, block_width=width, **kwargs)
+  ar_narrow = lambda: generate_sequences(target, tokens, block_width=1, **kwargs)
+  spec = lambda: generate_sequences(target, tokens, draft=draft, gamma=gamma,
+                                    block_width=width, **kwargs)
 
   ar_out, spec_out = ar(), spec()  # compile and warm up
+  ar_narrow()
   compiles_before = generation.compile_count()
-  ar_s, spec_s = [], []
+  ar_wide_s, ar_narrow_s, spec_s = [], [], []
   for repeat in range(repeats):
-    order = [(ar, ar_s), (spec, spec_s)]
-    for fn, store in (order if repeat % 2 == 0 else order[::-1]):
+    order = [(ar, ar_wide_s), (ar_narrow, ar_narrow_s), (spec, spec_s)]
+    shift = repeat % len(order)
+    for fn, store in order[shift:] + order[:shift]:
       store.append(_seconds(fn))
   compiles_after = generation.compile_count()
+  baseline_width = 1 if statistics.median(ar_narrow_s) < statistics.median(ar_wide_s) else width
+  ar_s = ar_narrow_s if baseline_width == 1 else ar_wide_s
 
   ar_tokens = int(np.asarray(ar_out.lengths).sum())
   spec_tokens = int(np.asarray(spec_out.lengths).sum())
@@ -226,6 +247,10 @@ def benchmark_row(target: Model, draft: Model, draft_name: str, batch: int, gamm
       identical_greedy_outputs=(bool(np.array_equal(np.asarray(ar_out.sequences),
                                                     np.asarray(spec_out.sequences)))
                                 if temperature == 0 else None),
+      identical_checked_against=f"target-only decoding at block width {width}",
+      block_width=width, baseline_block_width=baseline_width,
+      ar_ms_by_width={"1": statistics.median(ar_narrow_s) * 1e3,
+                      str(width): statistics.median(ar_wide_s) * 1e3},
       ar_ms_per_token=ar_ms / ar_tokens, ar_tokens_per_s=ar_tokens / ar_ms * 1e3,
       spec_ms_per_token=spec_ms / spec_tokens, spec_tokens_per_s=spec_tokens / spec_ms * 1e3,
       ar_ms=ar_ms, spec_ms=spec_ms,
@@ -319,7 +344,7 @@ def run(target_name: str, drafts: Sequence[str], noises: Sequence[float],
         batch_sizes: Sequence[int], gammas: Sequence[int], temperatures: Sequence[float],
         max_decode_steps: int, encoder_length: int, repeats: int, vocab_size: int = 0,
         seed: int = 0, stop_at_eos: bool = False, cost_calls: int = 8,
-        dtype: str = "") -> Dict[str, Any]:
+        dtype: str = "", block_width: Optional[int] = None) -> Dict[str, Any]:
   """Runs every (draft, batch, gamma, temperature) row; returns the JSON document."""
   target = load(target_name, vocab_size, seed, dtype)
   draft_models = load_drafts(target, drafts, noises, vocab_size, seed, dtype)
@@ -332,14 +357,15 @@ def run(target_name: str, drafts: Sequence[str], noises: Sequence[float],
                        gamma, temperature)
           rows.append(benchmark_row(target, draft, draft_name, batch, gamma, temperature,
                                     max_decode_steps, encoder_length, repeats, seed,
-                                    stop_at_eos, cost_calls))
+                                    stop_at_eos, cost_calls, block_width))
   return dict(machine=machine_info(), method=METHOD,
               settings=dict(target=target_name, target_config=_describe(target),
                             drafts=list(draft_models), batch_sizes=list(batch_sizes),
                             gammas=list(gammas), temperatures=list(temperatures),
                             max_decode_steps=max_decode_steps, encoder_length=encoder_length,
                             repeats=repeats, vocab_size=target.config.vocab_size, seed=seed,
-                            stop_at_eos=stop_at_eos, cost_calls=cost_calls),
+                            stop_at_eos=stop_at_eos, cost_calls=cost_calls,
+                            block_width=block_width),
               rows=rows)
 
 
@@ -350,7 +376,7 @@ def main(argv):
                [int(b) for b in FLAGS.batch_sizes], [int(g) for g in FLAGS.gammas],
                [float(t) for t in FLAGS.temperatures], FLAGS.max_decode_steps,
                FLAGS.encoder_length, FLAGS.repeats, FLAGS.vocab_size, FLAGS.seed,
-               FLAGS.stop_at_eos, FLAGS.cost_calls, FLAGS.dtype)
+               FLAGS.stop_at_eos, FLAGS.cost_calls, FLAGS.dtype, FLAGS.block_width or None)
   print(f"target {result['settings']['target']} ({result['settings']['target_config']}), "
         f"{FLAGS.max_decode_steps} new tokens, machine {result['machine']['cpu']} "
         f"x{result['machine']['nproc']}")

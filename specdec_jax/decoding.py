@@ -234,7 +234,8 @@ ProposeFn = Callable[[Array, Any, Array, Array], Tuple[Array, Array, Array, Any]
 
 def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: float,
                      topk: int, topp: float,
-                     confidence_threshold: Optional[float] = None) -> ProposeFn:
+                     confidence_threshold: Optional[float] = None,
+                     unroll: Optional[bool] = None) -> ProposeFn:
   """Builds a proposer that drafts up to gamma tokens with a model's block callback.
 
   The draft's cache has seen every position before the row's last token
@@ -252,11 +253,17 @@ def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: f
   reads only the draft's logits at a position *before* its token is drawn,
   never the drawn token nor the target, so exactness is kept.
 
+  Fixed-length drafting (no threshold, no per-row limit) is unrolled when
+  `unroll` is True (default: on every backend but CPU, where a loop's
+  condition costs nothing and unrolling only lengthens compiles).
+
   The proposer maps (rng, cache, sequences [batch, len + 1], lengths [batch],
   max_drafted [batch] int32 in [1, gamma] or None) to (draft_tokens [batch,
   gamma] (0 past num_drafted), draft_probs [batch, gamma, vocab] (0 past
   num_drafted), num_drafted [batch] int32, cache).
   """
+
+  unroll_fixed = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
 
   def draw(logits, step_rng):
     probs = sampling.adjust_probs(logits, temperature, topk, topp)
@@ -301,7 +308,16 @@ def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: f
 
     init = (jnp.int32(1), token, cache, draft_tokens, draft_probs,
             jnp.ones((batch,), jnp.int32), limit > 1)
-    _, _, cache, draft_tokens, draft_probs, num_drafted, _ = jax.lax.while_loop(cond, body, init)
+    if unroll_fixed and max_drafted is None and confidence_threshold is None:
+      # Fixed length: every row drafts gamma tokens, so the loop is unrolled.
+      # A while loop's condition is read back by the host every step on GPUs,
+      # a fixed cost per draft token that a draft step cannot afford.
+      carry = init
+      for _ in range(gamma - 1):
+        carry = body(carry)
+    else:
+      carry = jax.lax.while_loop(cond, body, init)
+    _, _, cache, draft_tokens, draft_probs, num_drafted, _ = carry
     return draft_tokens, draft_probs, num_drafted, cache
 
   return propose

@@ -166,6 +166,7 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
              topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
              rng: Optional[Array] = None, draft=None, gamma: int = 4,
              block_width: Optional[int] = None, matmul_precision: Optional[str] = None,
+             batch_invariant: bool = False,
              partitioner: Optional[sharding.Partitioner] = None,
              draft_partitioner: Optional[sharding.Partitioner] = None) -> GenerateOutput:
   """Decodes `encoder_tokens` with `model`, speculatively when `draft` is given.
@@ -189,6 +190,11 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
     matmul_precision: `jax.default_matmul_precision` for the whole decode
       ('highest' = full float32 matmuls on GPUs/TPUs, which otherwise use
       TF32 / bf16 passes); None keeps JAX's setting.
+    batch_invariant: decode each row with the same batch-1 program, so a
+      row's output never depends on the rows beside it (kernels for other
+      batch sizes round differently: see BENCHMARKS.md). Costs the batch's
+      parallelism: rows run one after another. Sampled rows use
+      fold_in(rng, row) as their key.
     partitioner: run under this `sharding.Partitioner`'s mesh: params, inputs
       and the target cache are laid out by its rules (pass params already
       sharded, e.g. from `sharding.load_sharded_model`, to avoid a copy).
@@ -198,6 +204,17 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
     GenerateOutput; `stats` is set when a draft was used.
   """
   tokens = check_tokens(encoder_tokens)
+  if batch_invariant:
+    if partitioner is not None or draft_partitioner is not None:
+      raise ValueError("batch_invariant decodes rows one at a time; it does not take a "
+                       "partitioner (shard the batch, or drop batch_invariant)")
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    rows = [generate(model, tokens[i:i + 1], max_decode_steps=max_decode_steps,
+                     temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
+                     rng=jax.random.fold_in(rng, i), draft=draft, gamma=gamma,
+                     block_width=block_width, matmul_precision=matmul_precision)
+            for i in range(tokens.shape[0])]
+    return _concatenate_rows(rows)
   if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
     raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
   sampling.validate_sampling(temperature, topk, topp, model.config.vocab_size)
@@ -244,3 +261,15 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
   stats = {k: np.asarray(v) for k, v in stats.items()}
   return GenerateOutput(sequences, lengths, SpeculativeStats(
       gamma=int(gamma), emitted=np.asarray(lengths), **stats))
+
+
+def _concatenate_rows(rows) -> GenerateOutput:
+  """One GenerateOutput from per-row outputs (batch_invariant decoding)."""
+  sequences = jnp.concatenate([r.sequences for r in rows])
+  lengths = jnp.concatenate([r.lengths for r in rows])
+  if rows[0].stats is None:
+    return GenerateOutput(sequences, lengths)
+  per_row = {f.name: np.concatenate([getattr(r.stats, f.name) for r in rows])
+             for f in dataclasses.fields(SpeculativeStats) if f.name != "gamma"}
+  return GenerateOutput(sequences, lengths,
+                        SpeculativeStats(gamma=rows[0].stats.gamma, **per_row))

@@ -6,13 +6,15 @@ machine (Theorem 3.8 assumes C(k) = 1). Every script that reports them uses
 these functions, so the numbers mean the same thing everywhere.
 """
 
+import dataclasses
 import functools
 import statistics
 import time
-from typing import Dict, Sequence
+from typing import Any, Dict, List, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specdec_jax.model import Model
 
@@ -82,22 +84,67 @@ def block_step_seconds(model: Model, encoder_tokens, k: int, max_decode_len: int
   return ms["model"][k] / 1e3
 
 
-def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs, spec_kwargs):
+@dataclasses.dataclass
+class PairedTimes:
+  """Per-input timings of target-only vs speculative `generate` (see time_generate_pairs).
+
+  base_seconds: [n] the fastest exact target-only decoding (block width
+    `base_width`) per input; spec_seconds: [n] speculative decoding.
+  base_width: the target-only block width that was fastest over all inputs
+    (1 or the speculative loop's width W): speedups are against it.
+  reference_width: W, the width of the target-only decoding that speculative
+    outputs are checked against (identical greedy outputs by construction).
+  width_seconds: {width: [n]} per-input medians of each target-only width.
+  reference_outputs / spec_outputs: [n] `GenerateOutput`s of the last call.
+  """
+  base_seconds: List[float]
+  spec_seconds: List[float]
+  base_width: int
+  reference_width: int
+  width_seconds: Dict[int, List[float]]
+  reference_outputs: List[Any]
+  spec_outputs: List[Any]
+
+  @property
+  def identical(self) -> bool:
+    """Greedy: every speculative output equals target-only decoding at width W."""
+    return all(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
+               for r, s in zip(self.reference_outputs, self.spec_outputs))
+
+
+def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs,
+                        spec_kwargs) -> PairedTimes:
   """Times target-only and speculative `generate` on each input row at batch 1, paired.
 
-  Per input: one untimed call of each (compiles on the first input), then
-  `repeats` rounds of both calls, the order flipping every round, so a change in
-  the load of a shared machine hits both sides alike.
+  The baseline is the *fastest exact* target-only decoding: the target at the
+  speculative loop's block width W (whose greedy output speculative decoding
+  reproduces bit for bit) and at width 1 (often faster on CPUs, where wider
+  blocks cost more) are both timed, and speedups use the faster one, so the
+  fixed width never flatters a speedup.
+
+  Per input: one untimed call of each side (compiles on the first input), then
+  `repeats` rounds of all sides, the order rotating every round, so a change in
+  the load of a shared machine hits every side alike.
 
   Args:
     target: the target Model; inputs: [n, len] int32 encoder tokens.
     base_kwargs / spec_kwargs: `generate` keyword arguments of each side
-      (spec_kwargs carries `draft` and `gamma`).
+      (spec_kwargs carries `draft` and `gamma`). A `block_width` in
+      base_kwargs pins the baseline to that width alone.
   Returns:
-    (base_seconds [n], spec_seconds [n]: per-input medians, base_outputs,
-    spec_outputs: the `GenerateOutput` of each input's last call).
+    PairedTimes.
   """
+  from specdec_jax.decoding import resolve_block_width
   from specdec_jax.generation import generate
+
+  gamma = spec_kwargs.get("gamma", 4) if spec_kwargs.get("draft") is not None else None
+  width = resolve_block_width(spec_kwargs.get("block_width"), gamma)
+  sides = {("base", width): dict(base_kwargs, block_width=width)}
+  if "block_width" in base_kwargs:
+    sides = {("base", base_kwargs["block_width"]): dict(base_kwargs)}
+  elif width != 1:
+    sides[("base", 1)] = dict(base_kwargs, block_width=1)
+  sides[("spec", width)] = spec_kwargs
 
   def timed(x, kwargs):
     start = time.perf_counter()
@@ -105,23 +152,26 @@ def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs, spec_k
     jax.block_until_ready(out.sequences)
     return time.perf_counter() - start, out
 
-  base_seconds, spec_seconds, base_outs, spec_outs = [], [], [], []
+  medians = {side: [] for side in sides}
+  last = {side: [] for side in sides}
+  order = list(sides)
   for i in range(len(inputs)):
     x = inputs[i:i + 1]
-    _, base = timed(x, base_kwargs)
-    _, spec = timed(x, spec_kwargs)
-    times = {"base": [], "spec": []}
+    outs = {side: timed(x, kwargs)[1] for side, kwargs in sides.items()}
+    times = {side: [] for side in sides}
     for repeat in range(repeats):
-      sides = [("base", base_kwargs), ("spec", spec_kwargs)]
-      for side, kwargs in (sides if repeat % 2 == 0 else sides[::-1]):
-        seconds, out = timed(x, kwargs)
+      shift = repeat % len(order)
+      for side in order[shift:] + order[:shift]:
+        seconds, outs[side] = timed(x, sides[side])
         times[side].append(seconds)
-        if side == "base":
-          base = out
-        else:
-          spec = out
-    base_seconds.append(statistics.median(times["base"]) if repeats else float("nan"))
-    spec_seconds.append(statistics.median(times["spec"]) if repeats else float("nan"))
-    base_outs.append(base)
-    spec_outs.append(spec)
-  return base_seconds, spec_seconds, base_outs, spec_outs
+    for side in sides:
+      medians[side].append(statistics.median(times[side]) if repeats else float("nan"))
+      last[side].append(outs[side])
+  base_sides = [side for side in sides if side[0] == "base"]
+  fastest = min(base_sides, key=lambda side: sum(medians[side]) if repeats else side[1])
+  reference = ("base", width) if ("base", width) in sides else fastest
+  return PairedTimes(
+      base_seconds=medians[fastest], spec_seconds=medians[("spec", width)],
+      base_width=fastest[1], reference_width=reference[1],
+      width_seconds={side[1]: medians[side] for side in base_sides},
+      reference_outputs=last[reference], spec_outputs=last[("spec", width)])

@@ -6,6 +6,8 @@ gamma + 1 (verification) rounds differently, and near-tied argmaxes flip. With
 one width both loops run the same target program, row for row.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,6 @@ from specdec_jax import decoding, dtypes, testing
 from specdec_jax.demo_pair import DEFAULT_DIR
 from specdec_jax.model import Model
 from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
-
-import os
 
 SHIPPED = os.path.exists(os.path.join(DEFAULT_DIR, "config.json"))
 
@@ -43,10 +43,9 @@ def test_demo_pair_bf16_speculative_equals_target_only_with_defaults():
   batch = {"encoder_input_tokens": inputs,
            "decoder_input_tokens": np.zeros((len(inputs), steps), np.int32)}
   params = {"target": target.params, "draft": draft.params}
-  plain = SpeculativeEncoderDecoderModel(target.config)
+  # (Plain predict_batch equals plain generate: tests/test_t5x_model.py.)
   spec = SpeculativeEncoderDecoderModel(target.config, draft=draft.config,
                                         decode_fn=decoding.speculative_sample, gamma=4)
-  np.testing.assert_array_equal(np.asarray(plain.predict_batch(params, batch)), expected)
   np.testing.assert_array_equal(np.asarray(spec.predict_batch(params, batch)), expected)
 
 
@@ -82,23 +81,24 @@ def test_every_target_call_has_width_w(monkeypatch):
 
   monkeypatch.setattr(Model, "block_fn", recording_block_fn)
   # A shape no other test uses, so `generate` traces afresh here.
-  target = sj.load_model("tiny", vocab_size=48, emb_dim=40, dtype="float32", seed=9)
+  # One layer per stack: this test compiles many programs.
+  target = sj.load_model("tiny", vocab_size=48, emb_dim=40, num_encoder_layers=1,
+                         num_decoder_layers=1, dtype="float32", seed=9)
   # A draft of another shape, so its own calls (widths 1 and 2) are told apart.
   draft = sj.load_model(target.config.replace(num_decoder_layers=1), seed=10)
   inputs = testing.random_encoder_tokens(2, 5, 48, seed=1)
   widths = lambda: {w for config, w in seen if config == target.config}
-  for temperature in (0.0, 1.0):
-    for kwargs, width in ((dict(), decoding.DEFAULT_BLOCK_WIDTH),
-                          (dict(draft=draft, gamma=3), decoding.DEFAULT_BLOCK_WIDTH),
-                          (dict(draft=draft, gamma=1), decoding.DEFAULT_BLOCK_WIDTH),
-                          (dict(block_width=5), 5),
-                          (dict(draft=draft, gamma=4, block_width=5), 5),
-                          (dict(draft=draft, gamma=9, block_width=12), 12),
-                          (dict(block_width=1), 1)):
-      seen.clear()
-      sj.generate(target, inputs, max_decode_steps=6, temperature=temperature, **kwargs)
-      assert seen, "the target was not traced: the test would prove nothing"
-      assert widths() == {width}, (kwargs, seen)
+  default = decoding.DEFAULT_BLOCK_WIDTH
+  cases = [(0.0, dict(), default), (0.0, dict(draft=draft, gamma=3), default),
+           (0.0, dict(draft=draft, gamma=1), default), (0.0, dict(block_width=5), 5),
+           (0.0, dict(draft=draft, gamma=4, block_width=5), 5),
+           (0.0, dict(draft=draft, gamma=9, block_width=12), 12), (0.0, dict(block_width=1), 1),
+           (1.0, dict(), default), (1.0, dict(draft=draft, gamma=3), default)]
+  for temperature, kwargs, width in cases:
+    seen.clear()
+    sj.generate(target, inputs, max_decode_steps=6, temperature=temperature, **kwargs)
+    assert seen, "the target was not traced: the test would prove nothing"
+    assert widths() == {width}, (temperature, kwargs, seen)
   # The T5X-style model: the same width in both of its loops.
   batch = {"encoder_input_tokens": inputs, "decoder_input_tokens": np.zeros((2, 6), np.int32)}
   params = {"target": target.params, "draft": draft.params}
@@ -124,20 +124,6 @@ def test_gamma_wider_than_block_width_is_a_clear_error():
   with pytest.raises(ValueError, match="block_width"):
     SpeculativeEncoderDecoderModel(target.config, draft=draft.config, gamma=8,
                                    decode_fn=decoding.speculative_sample)
-
-
-def test_sampling_distribution_unaffected_by_width():
-  # Same rng, same logits row: the width changes no sampled token in float32
-  # on this tiny model, and sampled speculative decoding keeps its stats sane.
-  target, draft = testing.tiny_pair(vocab_size=64, noise=0.1, seed=2)
-  inputs = testing.random_encoder_tokens(4, 6, 64, seed=2)
-  rng = jax.random.PRNGKey(3)
-  a = sj.generate(target, inputs, max_decode_steps=10, temperature=1.0, rng=rng, block_width=1)
-  b = sj.generate(target, inputs, max_decode_steps=10, temperature=1.0, rng=rng)
-  assert a.sequences.shape == b.sequences.shape
-  out = sj.generate(target, inputs, max_decode_steps=10, temperature=1.0, rng=rng, draft=draft,
-                    gamma=3)
-  np.testing.assert_array_equal(out.stats.emitted, out.stats.accepted + out.stats.iterations)
 
 
 @pytest.mark.parametrize("spelling", [jnp.bfloat16, np.dtype("bfloat16") if hasattr(
@@ -172,3 +158,40 @@ def test_matmul_precision_option():
   np.testing.assert_array_equal(np.asarray(plain.sequences), np.asarray(highest.sequences))
   with pytest.raises(ValueError, match="matmul_precision"):
     sj.generate(target, inputs, max_decode_steps=5, matmul_precision="fastest")
+
+
+def test_unrolled_fixed_length_draft_equals_the_loop():
+  # Accelerators unroll fixed-length drafting (no host read-back of a loop
+  # condition per draft token); CPU keeps the loop. Both must propose the same.
+  target, draft = testing.tiny_pair(vocab_size=64, noise=0.1, seed=6)
+  inputs = testing.random_encoder_tokens(3, 6, 64, seed=6)
+  steps, gamma = 10, 3
+  cache = target.init_cache(3, steps, inputs)
+  draft_cache = draft.init_cache(3, steps, inputs)
+  outs = []
+  for unroll in (False, True):
+    propose = decoding.model_propose_fn(draft.block_fn(), gamma, 1.0, 0, 0.0, unroll=unroll)
+    fn = jax.jit(lambda c, d, rng: decoding.speculative_sample(
+        jnp.zeros((3, steps), jnp.int32), c, target.block_fn(), d, None, eos_id=-1,
+        decode_rng=rng, gamma=gamma, temperature=1.0, topk=0, propose_fn=propose))
+    outs.append(fn(cache, draft_cache, jax.random.PRNGKey(1)))
+  np.testing.assert_array_equal(np.asarray(outs[0][0]), np.asarray(outs[1][0]))
+  for key in outs[0][1]:
+    np.testing.assert_array_equal(np.asarray(outs[0][1][key]), np.asarray(outs[1][1][key]))
+
+
+def test_batch_invariant_option_gives_each_row_its_batch_1_output():
+  target, draft = testing.tiny_pair(vocab_size=128, noise=0.05, seed=8)
+  target, draft = _cast(target, "bfloat16"), _cast(draft, "bfloat16")
+  inputs = testing.random_encoder_tokens(5, 7, 128, seed=8)
+  for kwargs in (dict(), dict(draft=draft, gamma=3)):
+    alone = [np.asarray(sj.generate(target, inputs[i:i + 1], max_decode_steps=12, eos_id=-1,
+                                    **kwargs).sequences[0]) for i in range(5)]
+    together = sj.generate(target, inputs, max_decode_steps=12, eos_id=-1, batch_invariant=True,
+                           **kwargs)
+    np.testing.assert_array_equal(np.asarray(together.sequences), np.stack(alone))
+    assert together.sequences.shape == (5, 12) and together.lengths.shape == (5,)
+    if kwargs:
+      assert together.stats.iterations.shape == (5,)
+      np.testing.assert_array_equal(together.stats.emitted,
+                                    together.stats.accepted + together.stats.iterations)
