@@ -12,7 +12,7 @@ an error by default and replication with `on_indivisible='replicate'`.
 
 Not yet here (issue 16): `decoder_only_generate` under a partitioner with
 cache constraints and activation axes (today a sharded model runs through it
-with GSPMD choosing the cache layout), and sharded checkpoint loading.
+with GSPMD choosing the cache layout).
 """
 
 from typing import Any, Optional, Sequence, Tuple
@@ -109,6 +109,23 @@ def shard_decoder_only_model(model: DecoderOnlyModel,
   shardings = param_shardings(partitioner, model.params)
   return DecoderOnlyModel(model.config, jax.tree_util.tree_map(
       lambda s, x: jax.device_put(x, s), shardings, model.params))
+
+
+def load_sharded_decoder_only(path, partitioner: sharding.Partitioner, *,
+                              dtype: Optional[str] = None) -> DecoderOnlyModel:
+  """Loads a Hugging Face decoder-only directory straight into `partitioner`'s layout.
+
+  Each tensor is read, cast and placed in its sharding before the next is
+  read, so the host holds at most one tensor.
+  """
+  from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
+
+  def place(key, array):
+    spec = partitioner.spec(param_logical_axes(key, array.ndim), array.shape,
+                            "params/" + "/".join(key))
+    return jax.device_put(array, partitioner.sharding(spec))
+
+  return load_hf_decoder_only(path, dtype=dtype, place=place)
 
 
 def abstract_params(config: DecoderOnlyConfig):

@@ -112,3 +112,18 @@ def test_multidevice_sharded_decoding_equals_unsharded():
                               draft=dos.shard_decoder_only_model(draft, draft_part))
   np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
   np.testing.assert_array_equal(got.stats.accepted, want.stats.accepted)
+
+
+@multidevice
+def test_multidevice_hf_directory_loads_straight_into_shards(tmp_path):
+  from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
+  model = load_decoder_only_model("qwen2_tiny", vocab_size=96, seed=4, dtype="float32")
+  export_hf_decoder_only(model, tmp_path)
+  target_part, _ = sharding.make_partitioners("2,4")
+  loaded = dos.load_sharded_decoder_only(tmp_path, target_part, dtype="float32")
+  expected = dos.param_shardings(target_part, model.params)
+  for got, want, sharding_ in zip(jax.tree_util.tree_leaves(loaded.params),
+                                  jax.tree_util.tree_leaves(model.params),
+                                  jax.tree_util.tree_leaves(expected)):
+    assert got.sharding == sharding_
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
