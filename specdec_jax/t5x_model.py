@@ -205,6 +205,41 @@ def _is_params_tree(params: Mapping[str, Any]) -> bool:
   return "token_embedder" in params
 
 
+# The T5X variable collection that carries the draft's params when
+# `draft_as_variables=True` (T5X's `flax_mutables`).
+DRAFT_COLLECTION = "draft"
+# Drafts of models built with draft_as_variables=True, for restore_draft_variables.
+_DRAFTS_TO_RESTORE = []
+
+
+def _shapes(tree) -> Any:
+  return jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), flax.core.unfreeze(tree))
+
+
+@gin.configurable
+def restore_draft_variables(state_dict: Mapping[str, Any], target_state_dict: Mapping[str, Any]
+                            ) -> Mapping[str, Any]:
+  """A T5X `RestoreStateTransformationFn` supplying the draft to a target-only checkpoint.
+
+  With `draft_as_variables=True`, T5X's train state holds the draft under
+  `flax_mutables['draft']`, which a checkpoint of the target lacks. Listed in
+  `RestoreCheckpointConfig.state_transformation_fns`, this adds the arrays of
+  the model's draft (matched by shapes) to the state read from the checkpoint,
+  so T5X restores them, sharded by its partitioner, with the target.
+  """
+  wanted = target_state_dict.get("flax_mutables", {}).get(DRAFT_COLLECTION)
+  if wanted is None or DRAFT_COLLECTION in state_dict.get("flax_mutables", {}):
+    return state_dict
+  for draft_params in reversed(_DRAFTS_TO_RESTORE):
+    if _shapes(draft_params) == _shapes(wanted):
+      mutables = dict(state_dict.get("flax_mutables", {}))
+      mutables[DRAFT_COLLECTION] = jax.tree_util.tree_map(
+          np.asarray, flax.core.unfreeze(draft_params))
+      return dict(state_dict, flax_mutables=mutables)
+  raise ValueError("restore_draft_variables: no SpeculativeEncoderDecoderModel built with "
+                   "draft_as_variables=True has a draft of the shapes this train state wants")
+
+
 @gin.configurable
 class SpeculativeEncoderDecoderModel(_BASE):
   """T5X's `EncoderDecoderModel` over a target network, decoding with a draft.
@@ -228,6 +263,13 @@ class SpeculativeEncoderDecoderModel(_BASE):
       default `decoding.DEFAULT_BLOCK_WIDTH`.
     draft_dtype: dtype a draft checkpoint is loaded in (default: the
       target's compute dtype).
+    draft_as_variables: pass the draft's params through T5X's train state
+      (variable collection 'draft', T5X's `flax_mutables`): T5X's partitioner
+      shards them by their logical axes and hands them to `predict_batch` as
+      arguments. Otherwise they are constants of T5X's compiled infer step
+      (copied into the program: fine for small drafts). Needs
+      `RestoreCheckpointConfig.state_transformation_fns =
+      [@t5x_model.restore_draft_variables]` when restoring a target checkpoint.
   """
 
   def __init__(self, target_config: Union[str, T5Config],
@@ -237,7 +279,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
                input_vocabulary=None, output_vocabulary=None,
                block_width: Optional[int] = None, draft_dtype: Optional[str] = None,
                optimizer_def=None, label_smoothing: float = 0.0, z_loss: float = 0.0,
-               loss_normalizing_factor=None, default_decoder_params=None):
+               loss_normalizing_factor=None, default_decoder_params=None,
+               draft_as_variables: bool = False):
     # Gin's dynamic registration hands over a wrapper of the function.
     decode_fn = inspect.unwrap(decode_fn)
     if decode_fn not in (decoding.temperature_sample, decoding.speculative_sample):
@@ -261,6 +304,12 @@ class SpeculativeEncoderDecoderModel(_BASE):
     self.block_width = decoding.resolve_block_width(
         block_width, self.gamma if decode_fn is decoding.speculative_sample else None)
     self.temperature, self.topk, self.topp = float(temperature), int(topk), float(topp)
+    self.draft_as_variables = bool(draft_as_variables)
+    if self.draft_as_variables:
+      if self.draft is None or self.draft.params is None:
+        raise ValueError("draft_as_variables=True needs a draft with params (a checkpoint "
+                         "path, Model or Draft)")
+      _DRAFTS_TO_RESTORE.append(self.draft.params)
     self.module = T5XNetwork(target_config)
     if _BASE is not object:  # Needs a source install of t5x.
       super().__init__(module=self.module, input_vocabulary=input_vocabulary,
@@ -276,6 +325,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
   def get_initial_variables(self, rng: Array, input_shapes: Mapping[str, Tuple[int, ...]],
                             input_types: Optional[Mapping[str, Any]] = None):
     """T5X's initial variables: {'params': target params, 'params_axes': their axes}.
+
+    With draft_as_variables, also {'draft': draft params, 'draft_axes': ...}.
 
     Args:
       rng: init PRNG key.
@@ -296,8 +347,11 @@ class SpeculativeEncoderDecoderModel(_BASE):
         encoder_segment_ids=ones("encoder_segment_ids", jnp.int32),
         decoder_segment_ids=ones("decoder_segment_ids", jnp.int32),
         enable_dropout=False, decode=False)
-    return flax.core.freeze({"params": variables["params"],
-                             "params_axes": params_axes(variables["params"])})
+    initial = {"params": variables["params"], "params_axes": params_axes(variables["params"])}
+    if self.draft_as_variables:
+      initial[DRAFT_COLLECTION] = self.draft.params
+      initial[DRAFT_COLLECTION + "_axes"] = params_axes(self.draft.params)
+    return flax.core.freeze(initial)
 
   def _compute_logits(self, params: PyTree, batch: Mapping[str, Array], dropout_rng=None,
                       mutable=False, other_variables=None):
@@ -306,6 +360,9 @@ class SpeculativeEncoderDecoderModel(_BASE):
       params = params["target"]
     if _BASE is object:
       raise NotImplementedError("score_batch / loss_fn need T5X (a source install)")
+    # T5X hands its flax_mutables to the network; the draft is not the network's.
+    other_variables = {k: v for k, v in (other_variables or {}).items()
+                       if k != DRAFT_COLLECTION}
     return super()._compute_logits(params, batch, dropout_rng=dropout_rng, mutable=mutable,
                                    other_variables=other_variables)
 
@@ -353,7 +410,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
                              return_all_decodes: Optional[bool] = None,
                              num_decodes: Optional[int] = None,
                              prompt_with_targets: bool = False,
-                             max_decode_steps: Optional[int] = None
+                             max_decode_steps: Optional[int] = None,
+                             flax_mutables: Optional[Mapping[str, PyTree]] = None
                              ) -> Tuple[Array, Dict[str, Array]]:
     """Decodes a batch, T5X style.
 
@@ -373,6 +431,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
       num_decodes: samples per input (temperature_sample only; 1 otherwise).
       prompt_with_targets: unsupported (must be False).
       max_decode_steps: at most this many tokens (default dec_len).
+      flax_mutables: T5X's other variable collections; with
+        draft_as_variables, the draft's params are flax_mutables['draft'].
     Returns:
       decodes [batch, dec_len] int32 (0 after EOS) and aux: {'scores': [batch]}
       as T5X's temperature_sample (log-prob of each decode); speculative_sample
@@ -405,7 +465,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
                        f"{decoder_inputs.shape[0]} decoder rows")
     if self.is_speculative and num_decodes != 1:
       raise ValueError("speculative_sample draws one decode per input (num_decodes=1)")
-    target_params, draft_params = self._split_params(params)
+    target_params, draft_params = self._split_params(params, flax_mutables)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     key = (self.target_config, None if self.draft is None else self.draft.static_key(),
            self._decode_fn.__name__, self.gamma, self.block_width, self.temperature, self.topk,
@@ -420,7 +480,9 @@ class SpeculativeEncoderDecoderModel(_BASE):
       decodes, aux = decodes[:, -1], {"scores": aux["scores"][:, -1]}
     return decodes, aux
 
-  def _split_params(self, params: Mapping[str, PyTree]) -> Tuple[PyTree, Optional[PyTree]]:
+  def _split_params(self, params: Mapping[str, PyTree],
+                    flax_mutables: Optional[Mapping[str, PyTree]] = None
+                    ) -> Tuple[PyTree, Optional[PyTree]]:
     """(target params, draft params or None) from either params convention."""
     if not isinstance(params, Mapping):
       raise TypeError(f"params must be a mapping, got {type(params).__name__}")
@@ -433,6 +495,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
                        f"decoder) or {{'target': ..., 'draft': ...}}; got keys {sorted(params)}")
     if not self.is_speculative:
       return dict(target), None
+    if draft is None and flax_mutables and DRAFT_COLLECTION in flax_mutables:
+      draft = flax_mutables[DRAFT_COLLECTION]
     if draft is None:
       draft = self.draft.params
     if draft is None:
@@ -441,6 +505,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
     return dict(target), draft
 
   def predict_batch(self, params: Mapping[str, PyTree], batch: Mapping[str, Array],
-                    rng: Optional[Array] = None, **kwargs) -> Array:
+                    rng: Optional[Array] = None,
+                    flax_mutables: Optional[Mapping[str, PyTree]] = None, **kwargs) -> Array:
     """`predict_batch_with_aux` without the aux: decodes [batch, dec_len]."""
-    return self.predict_batch_with_aux(params, batch, rng=rng, **kwargs)[0]
+    return self.predict_batch_with_aux(params, batch, rng=rng, flax_mutables=flax_mutables,
+                                       **kwargs)[0]

@@ -434,3 +434,43 @@ def test_xxl_small_gin_parses():
                                    PYTHONPATH=os.pathsep.join([site, T5X_PATH, REPO])))
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.split() == ["4", "t5_1_1_xxl"]
+
+
+def test_draft_as_variables_restores_and_feeds_the_draft(t5x_written, draft_checkpoint, tmp_path):
+  """The draft in T5X's train state: restored beside a target-only checkpoint, then used."""
+  from specdec_jax import t5x_model
+  network, variables, target_checkpoint = t5x_written
+  _, model = _models(network, draft=draft_checkpoint, gamma=3, draft_as_variables=True,
+                     decode_fn=specdec_jax.speculative_sample, temperature=1.0)
+  shapes = {"encoder_input_tokens": (3, 6), "decoder_input_tokens": (3, 10)}
+  initial = model.get_initial_variables(jax.random.PRNGKey(0), shapes)
+  assert set(initial) == {"params", "params_axes", "draft", "draft_axes"}
+  state, checkpointer = _t5x_checkpointer(initial, tmp_path / "restore")
+  with pytest.raises(ValueError):  # The target's checkpoint alone lacks the draft...
+    checkpointer.restore(path=target_checkpoint)
+  restored = checkpointer.restore(  # ...which the transformation supplies.
+      path=target_checkpoint, state_transformation_fns=[t5x_model.restore_draft_variables])
+  draft = specdec_jax.load_model(draft_checkpoint, dtype="float32")
+  for name, tree in (("params", variables["params"]), ("draft", draft.params)):
+    got = _flat(restored.params if name == "params" else restored.flax_mutables["draft"])
+    for key, value in _flat(tree).items():
+      np.testing.assert_array_equal(got[key], value, err_msg=f"{name}/{key}")
+  # predict_batch takes the draft from flax_mutables (T5X passes them when the
+  # signature names them): the same draft there gives the same samples and
+  # counters as passing it explicitly; another draft changes them.
+  batch = {"encoder_input_tokens": np.array([[5, 6, 7, 9, 1, 0], [9, 3, 4, 5, 6, 1],
+                                             [2, 1, 0, 0, 0, 0]], np.int32),
+           "decoder_input_tokens": np.zeros((3, 10), np.int32)}
+  import inspect
+  assert "flax_mutables" in inspect.signature(model.predict_batch).parameters
+  rng = jax.random.PRNGKey(3)
+  decodes, aux = model.predict_batch_with_aux(restored.params, batch, rng=rng,
+                                              flax_mutables=restored.flax_mutables)
+  explicit, explicit_aux = model.predict_batch_with_aux(
+      {"target": restored.params, "draft": draft.params}, batch, rng=rng)
+  np.testing.assert_array_equal(decodes, explicit)
+  np.testing.assert_array_equal(aux["beta_sum"], explicit_aux["beta_sum"])
+  zero_draft = jax.tree_util.tree_map(jnp.zeros_like, restored.flax_mutables["draft"])
+  _, aux_zero = model.predict_batch_with_aux(restored.params, batch, rng=rng,
+                                             flax_mutables={"draft": zero_draft})
+  assert not np.array_equal(aux_zero["beta_sum"], aux["beta_sum"])
