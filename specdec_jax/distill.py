@@ -40,6 +40,7 @@ import numpy as np
 from specdec_jax import data as data_lib
 from specdec_jax import sampling
 from specdec_jax import train
+from specdec_jax.drafts import NgramDraft
 from specdec_jax.generation import generate
 from specdec_jax.model import Model
 from specdec_jax.models.configs import T5Config
@@ -147,6 +148,21 @@ def generate_targets(model: Model, inputs: np.ndarray, *, max_decode_steps: int,
                    rng=jax.random.fold_in(jax.random.PRNGKey(seed), b))
     outputs.append(np.asarray(out.sequences)[:len(chunk)])
   return data_lib.Seq2SeqData(inputs, np.concatenate(outputs).astype(np.int32))
+
+
+def ngram_from_target_samples(model: Model, encoder_tokens, *, max_decode_steps: int,
+                              order: int = 2, smoothing: float = 0.0, temperature: float = 1.0,
+                              rng: Optional[Array] = None, **fit_kwargs) -> NgramDraft:
+  """An n-gram draft fitted on the target's own samples for encoder_tokens [batch, len].
+
+  Lives here, not in drafts/ngram.py: it decodes with the target, and the
+  drafts sit below the decode entry point in the import order.
+  """
+  out = generate(model, encoder_tokens, max_decode_steps=max_decode_steps,
+                 temperature=temperature, rng=rng)
+  return NgramDraft.fit(np.asarray(out.sequences), model.config.vocab_size, order=order,
+                        smoothing=smoothing, eos_id=model.config.eos_id,
+                        pad_id=model.config.pad_id, **fit_kwargs)
 
 
 def measure_alpha(target: Model, draft, prompts: np.ndarray, *, max_decode_steps: int,

@@ -84,3 +84,18 @@ def test_bad_input(trained_target):
   bad = data.Seq2SeqData(np.full((4, 3), VOCAB + 5, np.int32), np.ones((4, 2), np.int32))
   with pytest.raises(ValueError, match="outside the vocabulary"):
     distill.distill_drafts(trained_target, {"d": draft}, bad, steps=1)
+
+
+def test_ngram_from_target_samples_counts_the_targets_outputs():
+  from specdec_jax import testing
+  from specdec_jax.drafts import NgramDraft
+  from specdec_jax.generation import generate
+  target = testing.tiny_pair(vocab_size=32, seed=3)[0]
+  enc = testing.random_encoder_tokens(4, 5, 32, seed=3)
+  rng = jax.random.PRNGKey(2)
+  draft = distill.ngram_from_target_samples(target, enc, max_decode_steps=6, rng=rng)
+  samples = np.asarray(generate(target, enc, max_decode_steps=6, temperature=1.0,
+                                rng=rng).sequences)
+  expected = NgramDraft.fit(samples, 32, order=2, eos_id=target.config.eos_id,
+                            pad_id=target.config.pad_id)
+  np.testing.assert_array_equal(draft.dense_bigram_counts(), expected.dense_bigram_counts())

@@ -74,8 +74,9 @@ class NgramDraft(Draft):
   """A unigram (order 1) or bigram (order 2) draft from token counts.
 
   Build it with `NgramDraft.fit(corpus, vocab_size, order=...)`,
-  `NgramDraft.from_target_samples(model, encoder_tokens, ...)` or
-  `NgramDraft.load(path)`; the constructor takes the count arrays.
+  `distill.ngram_from_target_samples(model, encoder_tokens, ...)` (fit on the
+  target's own outputs) or `NgramDraft.load(path)`; the constructor takes the
+  count arrays.
 
   Args:
     unigram_counts: [vocab] int, c(x).
@@ -168,18 +169,6 @@ class NgramDraft(Draft):
     bigram_counts[first[keep], rank[keep]] = counts[keep]
     return cls(unigram, bigram_tokens, bigram_counts, smoothing=smoothing, eos_id=eos_id,
                pad_id=pad_id)
-
-  @classmethod
-  def from_target_samples(cls, model, encoder_tokens, *, max_decode_steps: int, order: int = 2,
-                          smoothing: float = 0.0, temperature: float = 1.0,
-                          rng: Optional[Array] = None, **fit_kwargs) -> "NgramDraft":
-    """Fits the n-gram on the target's own samples for `encoder_tokens` [batch, len]."""
-    from specdec_jax.generation import generate  # generation imports drafts.
-    out = generate(model, encoder_tokens, max_decode_steps=max_decode_steps,
-                   temperature=temperature, rng=rng)
-    return cls.fit(np.asarray(out.sequences), model.config.vocab_size, order=order,
-                   smoothing=smoothing, eos_id=model.config.eos_id, pad_id=model.config.pad_id,
-                   **fit_kwargs)
 
   def dense_bigram_counts(self) -> np.ndarray:
     """[vocab, vocab] int64 c(a, x) as kept (for inspection at small vocabularies)."""
