@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax import decoder_only_sharding
 from specdec_jax import decoding
 from specdec_jax import sampling
+from specdec_jax import sharding
 from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
                                             check_prompt_lengths, decode_cache_length,
                                             first_inputs, mark_prompt_padding,
@@ -51,12 +53,31 @@ _COMPILED_LOCK = threading.Lock()
 
 def _build(config: DecoderOnlyConfig, draft: Optional[Draft], max_decode_steps: int,
            temperature: float, topk: int, topp: float, eos_id: int, gamma: int,
-           block_width: int):
+           block_width: int, partitioner: Optional[sharding.Partitioner] = None):
+  # Under a mesh the target is traced with its activation axis rules and its
+  # cache is pinned to its sharding where it is made and after every call, so
+  # the loop carry keeps that layout (as `generation.generate` does for T5).
+  constrain = lambda cache: cache  # noqa: E731
+  target_axes = contextlib.nullcontext
+  if partitioner is not None:
+    target_axes = partitioner.activation_axes
+
+    def constrain(cache):
+      return jax.lax.with_sharding_constraint(
+          cache, decoder_only_sharding.cache_shardings(partitioner, cache))
 
   def run(params, draft_params, prompts, prompt_lengths, rng):
     max_len = decode_cache_length(prompts.shape[1], max_decode_steps)
-    cache = prefilled_cache(config, params, prompts, prompt_lengths, max_len)
-    target_fn = shift_block_fn(absolute_block_fn(config, params), prompt_lengths)
+    with target_axes():
+      cache = constrain(prefilled_cache(config, params, prompts, prompt_lengths, max_len))
+    block = absolute_block_fn(config, params)
+
+    def target_block(tokens, positions, cache):
+      with target_axes():
+        logits, cache = block(tokens, positions, cache)
+      return logits, constrain(cache)
+
+    target_fn = shift_block_fn(target_block, prompt_lengths)
     inputs = first_inputs(prompts, prompt_lengths, max_decode_steps)
     if draft is None:
       decodes, _ = decoding.temperature_sample(
@@ -117,7 +138,10 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
                           topp: float = 0.0, eos_id: Optional[int] = None,
                           rng: Optional[Array] = None, draft=None, gamma: int = 4,
                           block_width: Optional[int] = None,
-                          matmul_precision: Optional[str] = None) -> GenerateOutput:
+                          matmul_precision: Optional[str] = None,
+                          partitioner: Optional[sharding.Partitioner] = None,
+                          draft_partitioner: Optional[sharding.Partitioner] = None
+                          ) -> GenerateOutput:
   """Continues each row's prompt with `model`, speculatively when `draft` is given.
 
   Args:
@@ -137,6 +161,12 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
       `decoding.DEFAULT_BLOCK_WIDTH`), as in `generation.generate`: equal
       widths make greedy outputs with and without a draft identical bit for bit.
     matmul_precision: `jax.default_matmul_precision` for the whole decode.
+    partitioner: run on this `sharding.Partitioner`'s mesh: target params by
+      its rules (`decoder_only_sharding`), prompts split over `data`, the
+      target cache pinned to its layout (pass params already sharded, e.g.
+      from `decoder_only_sharding.load_sharded_decoder_only`, to avoid a copy).
+    draft_partitioner: a model draft's rules on the same mesh (default:
+      weights replicated); other drafts' arrays are replicated.
   Returns:
     GenerateOutput: sequences [batch, max_decode_steps] (the new tokens only;
     0 after EOS), lengths [batch] (new tokens up to and including EOS), and
@@ -178,15 +208,30 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
   precision = check_matmul_precision(matmul_precision)
   statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id,
              int(gamma) if draft_obj is not None else 0, width)
-  key = (cfg, None if draft_obj is None else draft_obj.static_key(), precision) + statics
+  key = (cfg, None if draft_obj is None else draft_obj.static_key(), precision,
+         partitioner) + statics
+  params = model.params
+  if partitioner is not None:
+    if draft_partitioner is None:
+      draft_partitioner = partitioner.replace(rules=sharding.DRAFT_RULES)
+    # device_put is a no-op for arrays already laid out this way.
+    params = jax.device_put(params, decoder_only_sharding.param_shardings(partitioner, params))
+    if draft_obj is not None and isinstance(_innermost(draft_obj), DecoderOnlyModelDraft):
+      draft_params = jax.device_put(draft_params, decoder_only_sharding.param_shardings(
+          draft_partitioner, draft_params))
+    elif draft_obj is not None:
+      draft_params = jax.device_put(draft_params, partitioner.replicated())
+    tokens = jax.device_put(tokens, partitioner.batch_sharding(tokens.shape, "prompts"))
+    lengths = jax.device_put(lengths, partitioner.batch_sharding(lengths.shape, "prompt_lengths"))
+    rng = jax.device_put(rng, partitioner.replicated())
   with _COMPILED_LOCK:
     if key not in _COMPILED:
-      _COMPILED[key] = _build(cfg, draft_obj, *statics)
+      _COMPILED[key] = _build(cfg, draft_obj, *statics, partitioner=partitioner)
     fn = _COMPILED[key]
   # The precision is read when the program is traced (on its first call).
   with (contextlib.nullcontext() if precision is None else
         jax.default_matmul_precision(precision)):
-    sequences, stats = fn(model.params, draft_params, tokens, lengths, rng)
+    sequences, stats = fn(params, draft_params, tokens, lengths, rng)
   out_lengths = sequence_lengths(sequences, eos_id)
   if stats is None:
     return GenerateOutput(sequences, out_lengths)

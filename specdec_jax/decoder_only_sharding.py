@@ -10,9 +10,8 @@ per layer, where `heads` counts *key/value* heads: with grouped-query
 attention (e.g. 2 KV heads) a `model` axis larger than that does not divide it,
 an error by default and replication with `on_indivisible='replicate'`.
 
-Not yet here (issue 16): `decoder_only_generate` under a partitioner with
-cache constraints and activation axes (today a sharded model runs through it
-with GSPMD choosing the cache layout).
+`decoder_only_generate(..., partitioner=...)` runs on the mesh with these
+layouts; `load_sharded_decoder_only` reads a HF directory into them.
 """
 
 from typing import Any, Optional, Sequence, Tuple

@@ -112,6 +112,15 @@ def test_multidevice_sharded_decoding_equals_unsharded():
                               draft=dos.shard_decoder_only_model(draft, draft_part))
   np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
   np.testing.assert_array_equal(got.stats.accepted, want.stats.accepted)
+  # The same under the partitioners: cache pinned, activations constrained.
+  got = decoder_only_generate(target, prompts, lengths, max_decode_steps=8, gamma=3, eos_id=-1,
+                              draft=draft, partitioner=target_part, draft_partitioner=draft_part)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  got = decoder_only_generate(sharded, prompts, lengths, max_decode_steps=8, eos_id=-1,
+                              partitioner=target_part)
+  target_only = decoder_only_generate(target, prompts, lengths, max_decode_steps=8, eos_id=-1)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(target_only.sequences))
+  np.testing.assert_array_equal(np.asarray(target_only.sequences), np.asarray(want.sequences))
 
 
 @multidevice
