@@ -162,6 +162,11 @@ def detect_format(path: str) -> Tuple[str, str]:
                           f"directory with config.json, a T5X checkpoint_N directory, or an "
                           f"Orbax checkpoint directory)")
   names = set(os.listdir(path))
+  if ("checkpoint" not in names and "state" in names and
+      os.path.isfile(os.path.join(path, "state", "_METADATA"))):
+    # T5X's Orbax checkpoints (t5x.train's default): checkpoint_N/state/ is an
+    # Orbax PyTree of T5X's state dict, beside dataset/ and Orbax step metadata.
+    return "orbax", os.path.join(path, "state")
   if SPECDEC_CONFIG in names:
     return "specdec", path
   if "config.json" in names:

@@ -143,6 +143,24 @@ def test_load_checkpoint_written_by_t5x(t5x_written):
   np.testing.assert_allclose(ours[real], theirs[real], atol=1e-4, rtol=0)
 
 
+def test_load_orbax_checkpoint_written_by_t5x(t5x_written, tmp_path):
+  """t5x.train's default format: checkpoint_N/state/ is an Orbax PyTree of T5X's state."""
+  _, variables, _ = t5x_written
+  state = t5x_train_state.InferenceState.create(variables)
+  directory = tmp_path / "orbax_run"
+  os.makedirs(directory)
+  manager = t5x_checkpoints.OrbaxCheckpointManagerInterface(str(directory), state, _partitioner())
+  manager.save(state)
+  manager.wait_until_finished()
+  checkpoint = directory / "checkpoint_0"
+  assert sorted(os.listdir(checkpoint / "state")).count("_METADATA") == 1
+  got = _flat(specdec_jax.load_model(str(checkpoint), dtype="float32").params)
+  want = _flat(variables["params"])
+  assert sorted(got) == sorted(want)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 def _rewrite_specs(directory, rewrite, version=None):
   """Rewrites every TensorStore spec of a T5X msgpack in place."""
   name = os.path.join(directory, "checkpoint")
