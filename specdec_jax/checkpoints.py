@@ -16,7 +16,9 @@
   directories named with dots (`target.encoder.layers_0.attention.query.kernel`),
   referenced from the msgpack by TensorStore specs with relative paths.
 * **Orbax**: any Orbax PyTree checkpoint with the T5X params tree somewhere
-  inside (at the root, under `target`, `optimizer/target`, `params`, ...).
+  inside (at the root, under `target`, `optimizer/target`, `params`, ...),
+  including T5X's own Orbax format (`t5x.train`'s default), whose
+  `checkpoint_N/state/` is read when `checkpoint_N` is given.
 
 Optimizer state is never read. The config comes from `config.json` (HF), from
 `specdec_config.json` (ours), or from the parameter shapes (T5X / Orbax: the
