@@ -12,7 +12,9 @@ loss, aux with 'tokens')`; these are the decoder-only ones. Batches are
            target's adjusted distributions for tokens 1..T-1.
 
 The draft distillation objective is `distill.divergence_sum` (forward KL or
-TV = 1 - beta against the target's adjusted p), as for T5.
+TV = 1 - beta against the target's adjusted p), as for T5;
+`distill_decoder_only_drafts` runs it end to end (target continuations of
+prompts, teacher passes, optimizer steps) and measures alpha before and after.
 """
 
 from typing import Dict, Optional
