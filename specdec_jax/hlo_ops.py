@@ -82,9 +82,10 @@ def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
                         batch: int = 1, max_len: int = 64, enc_len: int = 16) -> str:
   """Optimised HLO of `decode_block` scoring k tokens, as the decode loops run it.
 
-  The block call sits in a while loop that carries the cache (its trip count
-  is an argument, so the loop is not unrolled), as in `decoding`: the cache is
-  then updated in place and what is counted is the loop body's work.
+  The block call sits in a while loop that carries the cache, the tokens
+  (the argmax of the last logits) and the positions (advancing by one), as in
+  `decoding`; the trip count is an argument, so the loop is not unrolled. The
+  cache is then updated in place, and the loop body is the per-step work.
 
   Args:
     config: the T5Config (shapes only: nothing is allocated).
@@ -105,13 +106,17 @@ def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
     block_fn = block_fn_for(params)
 
     def body(carry):
-      i, cache, total = carry
+      # Tokens and positions change every step, as in decoding, so that XLA
+      # cannot hoist work that depends on them alone out of the loop.
+      i, tokens, positions, cache = carry
       logits, cache = block_fn(tokens, positions, cache)
-      return i + 1, cache, total + logits[:, -1, 0]
+      tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      positions = (positions + 1) % (max_len - k + 1)
+      return i + 1, tokens, positions, cache
 
-    _, cache, total = jax.lax.while_loop(lambda c: c[0] < calls, body,
-                                         (jnp.int32(0), cache, jnp.zeros((batch,), jnp.float32)))
-    return total, cache
+    _, tokens, _, cache = jax.lax.while_loop(lambda c: c[0] < calls, body,
+                                             (jnp.int32(0), tokens, positions, cache))
+    return tokens, cache
 
   args = (params, jax.ShapeDtypeStruct((batch, k), jnp.int32),
           jax.ShapeDtypeStruct((batch,), jnp.int32), cache,

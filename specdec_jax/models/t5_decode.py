@@ -1,0 +1,282 @@
+"""The decoder's cached block step as pure functions over fused kernels.
+
+`models/t5.py` is the reference network and the saved/loaded format (T5X's
+parameter tree). A decode step that mirrors that tree runs one small
+operation per kernel, norm and softmax piece; on an accelerator a decoder
+layer then costs a fixed ~60 µs of launches whatever its width (issue 15).
+This module computes the same function as `T5.decode_block` with fewer,
+larger operations (counted per layer by `specdec_jax.hlo_ops`):
+
+* `prepare_decode_params` builds, once per set of weights, one [emb, 3,
+  inner] kernel for the self-attention query/key/value projections and one
+  [emb, n, mlp] kernel for the n gated-MLP input kernels (wi_0, wi_1), so a
+  layer runs 5 projections instead of 9. Each pre-norm's scale is folded into
+  the kernels it feeds, so a norm is one reduction whose 1/rms multiplies the
+  projection's output inside operations that exist anyway;
+* `decode_block` computes the relative position bias and both masks once per
+  call, not per layer;
+* attention reads the caches in their own [batch, len, heads, head_dim]
+  layout (a multiply-and-reduce fusion instead of a batched dot, which would
+  transpose the whole key and value caches at every layer of every step), and
+  its softmax takes the max and the sum of exponentials in one reduction;
+* keys and values are set in the cache in place (the cache is
+  `models/t5.py`'s: `T5.init_cache` makes it, and sharding rules apply as is).
+
+Numerics: RMS norm and softmax in float32, matrix products in `config.dtype`
+as in `T5.decode_block`; the order of float operations differs, and with
+bfloat16 weights so does the rounding of (norm scale x kernel), so logits
+agree with the reference to float rounding, not bit for bit
+(tests/test_decode_ops.py). Exactness of speculative decoding is unaffected:
+target-only and speculative decoding both run this function.
+"""
+
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.models.configs import T5Config
+from specdec_jax.models.t5 import (_ACTIVATIONS, _MASK_VALUE, _axes, _set_block,
+                                   relative_position_bucket)
+
+Array = jax.Array
+Prepared = Dict[str, Any]
+Cache = Dict[str, Any]
+
+
+def _mlp_kernel_names(config: T5Config) -> Tuple[str, ...]:
+  acts = config.mlp_activations
+  return ("wi",) if len(acts) == 1 else tuple(f"wi_{i}" for i in range(len(acts)))
+
+
+def prepare_decode_params(params, config: T5Config) -> Prepared:
+  """Fused decoder kernels for `decode_block`, built from a T5X parameter tree.
+
+  Pure and cheap (a few products and concatenations of the decoder's
+  kernels); call it once when a model is loaded, or inside a jitted decode
+  loop, where it runs once before the loop.
+
+  Args:
+    params: the T5X tree (`{'token_embedder': ..., 'decoder': ...}`).
+    config: the model's T5Config.
+  Returns:
+    {'embedding' [vocab, emb], 'rel_embedding' [heads, buckets] float32,
+     'decoder_norm' [emb] float32, 'logits' [emb, vocab] or None (tied),
+     'layers': per layer {
+       'qkv' [emb, 3, heads * head_dim]: pre_self_attention_layer_norm's
+         scale times the query, key and value kernels,
+       'self_out' [heads * head_dim, emb],
+       'cross_query' [emb, heads * head_dim]: pre_cross_attention_layer_norm's
+         scale times the query kernel,
+       'cross_out' [heads * head_dim, emb],
+       'wi' [emb, len(mlp_activations), mlp]: pre_mlp_layer_norm's scale
+         times wi_0, wi_1 (or wi),
+       'wo' [mlp, emb]}};
+    kernels in `config.dtype` (products formed in float32, then cast).
+  """
+  dtype = jnp.dtype(config.dtype)
+  decoder = params["decoder"]
+  missing = [f"layers_{i}" for i in range(config.num_decoder_layers)
+             if f"layers_{i}" not in decoder]
+  if missing:
+    raise ValueError(f"params['decoder'] lacks {missing} for a config with "
+                     f"{config.num_decoder_layers} decoder layers")
+  kernel = lambda tree: jnp.asarray(tree["kernel"]).astype(dtype)
+  scale = lambda tree: jnp.asarray(tree["scale"]).astype(jnp.float32)
+  fold = lambda norm, tree: (scale(norm)[:, None] *
+                             jnp.asarray(tree["kernel"]).astype(jnp.float32)).astype(dtype)
+  layers = []
+  for i in range(config.num_decoder_layers):
+    layer = decoder[f"layers_{i}"]
+    self_attn, cross_attn, mlp = (layer["self_attention"], layer["encoder_decoder_attention"],
+                                  layer["mlp"])
+    layers.append(dict(
+        # Stacked on a new axis rather than concatenated, so each projection's
+        # output dimension (sharded over `model` under a mesh) stays whole.
+        qkv=jnp.stack([fold(layer["pre_self_attention_layer_norm"], self_attn[name])
+                       for name in ("query", "key", "value")], axis=1),
+        self_out=kernel(self_attn["out"]),
+        cross_query=fold(layer["pre_cross_attention_layer_norm"], cross_attn["query"]),
+        cross_out=kernel(cross_attn["out"]),
+        wi=jnp.stack([fold(layer["pre_mlp_layer_norm"], mlp[name])
+                      for name in _mlp_kernel_names(config)], axis=1),
+        wo=kernel(mlp["wo"])))
+  return dict(
+      embedding=jnp.asarray(params["token_embedder"]["embedding"]).astype(dtype),
+      rel_embedding=jnp.asarray(decoder["relpos_bias"]["rel_embedding"]).astype(jnp.float32),
+      decoder_norm=scale(decoder["decoder_norm"]),
+      logits=None if config.logits_via_embedding else kernel(decoder["logits_dense"]),
+      layers=layers)
+
+
+def _inv_rms(x: Array, config: T5Config) -> Array:
+  """[..., emb] -> [..., 1] float32: 1 / RMS(x), T5's norm without its scale."""
+  x32 = x.astype(jnp.float32)
+  return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.layer_norm_epsilon)
+
+
+def _rms_norm(x: Array, scale: Array, config: T5Config) -> Array:
+  """T5's RMS norm of x [..., emb] in float32, returned in config.dtype."""
+  return (x.astype(jnp.float32) * _inv_rms(x, config) * scale).astype(jnp.dtype(config.dtype))
+
+
+def _max_and_sum_exp(a, b):
+  """Combines two partial (max m, sum of exp(s - m)) into one."""
+  (m1, z1), (m2, z2) = a, b
+  m = jnp.maximum(m1, m2)
+  return m, z1 * jnp.exp(m1 - m) + z2 * jnp.exp(m2 - m)
+
+
+def softmax(scores: Array, axis: int) -> Array:
+  """Softmax of float32 scores along `axis`, with one reduction for max and sum.
+
+  A single two-output reduction carries the running max m and the sum of
+  exp(s - m) (the "online softmax" of FlashAttention), where max-then-sum
+  takes two passes (and on CPU two operations each, reductions over more
+  than 32 values being split in two). It starts from the lowest finite
+  float32, not -inf, so that combining two empty partials never computes
+  exp(nan).
+  """
+  axis = axis % scores.ndim
+  lowest = jnp.finfo(jnp.float32).min.astype(jnp.float32)
+  top, total = jax.lax.reduce((scores, jnp.ones_like(scores)), (lowest, jnp.float32(0)),
+                              _max_and_sum_exp, (axis,))
+  top, total = jnp.expand_dims(top, axis), jnp.expand_dims(total, axis)
+  return jnp.exp(scores - top) / total
+
+
+def _attend(query: Array, key: Array, value: Array, bias: Array,
+            query_scale: Optional[Array] = None) -> Array:
+  """Attention of a few queries over a cache, read in the cache's own layout.
+
+  Args:
+    query: [batch, q, heads, head_dim]; key, value: [batch, len, heads, head_dim].
+    bias: float32, broadcastable to [batch, q, len, heads] (mask folded in).
+    query_scale: optional [batch, q, 1] float32 multiplying the queries
+      (applied to the scores, where it costs no extra operation).
+  Returns:
+    [batch, q, heads, head_dim] in value's dtype.
+
+  Scores and outputs are multiply-and-sum fusions over the cache as it lies;
+  a batched dot would first transpose the whole cache so that (batch, heads)
+  lead, at every layer of every step. Products are summed in float32, as the
+  reference's dots accumulate. No 1/sqrt(head_dim): T5 folds it into the
+  query weights.
+  """
+  f32 = jnp.float32
+  scores = jnp.sum(query[:, :, None].astype(f32) * key[:, None].astype(f32), axis=-1)
+  if query_scale is not None:
+    scores = scores * query_scale[..., None]
+  weights = softmax(scores + bias, axis=2)  # [batch, q, len, heads]
+  out = jnp.sum(weights[..., None] * value[:, None].astype(f32), axis=2)
+  return out.astype(value.dtype)
+
+
+def _heads(x: Array, config: T5Config) -> Array:
+  """[..., heads * head_dim] -> [..., heads, head_dim], named for GSPMD."""
+  x = x.reshape(x.shape[:-1] + (config.num_heads, config.head_dim))
+  return _axes(x, ("batch", "length", "heads", "kv"))
+
+
+def position_bias(rel_embedding: Array, config: T5Config, query_positions: Array,
+                  max_len: int) -> Array:
+  """Relative position bias plus causal mask for queries against the whole cache.
+
+  Args:
+    rel_embedding: [heads, buckets] float32.
+    query_positions: [batch, q] int32.
+    max_len: cache positions.
+  Returns:
+    [batch, q, max_len, heads] float32; keys after a query get -1e10.
+  """
+  key_positions = jnp.arange(max_len)[None, None, :]
+  relative = key_positions - query_positions[:, :, None]
+  buckets = relative_position_bucket(relative, False, config.relative_attention_num_buckets,
+                                     config.relative_attention_max_distance)
+  bias = jnp.take(rel_embedding.T, buckets, axis=0)  # [batch, q, max_len, heads]
+  causal = key_positions <= query_positions[:, :, None]
+  return bias + jnp.where(causal, 0.0, _MASK_VALUE)[..., None]
+
+
+def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
+                 cache: Cache) -> Tuple[Array, Cache]:
+  """Scores a block of tokens per row from the cache; same contract as `T5.decode_block`.
+
+  Args:
+    prepared: from `prepare_decode_params`.
+    config: the model's T5Config.
+    tokens: [batch, k] int32 decoder input tokens.
+    positions: [batch] int32, the position of each row's first token.
+    cache: from `T5.init_cache` (`Model.init_cache`).
+  Returns:
+    logits [batch, k, vocab] float32 (row b, index j predicts the token at
+    position positions[b] + j + 1), and the cache with the block's keys and
+    values set at positions[b] + 0..k-1 (writes past the cache are dropped).
+  """
+  batch, k = tokens.shape
+  dtype = jnp.dtype(config.dtype)
+  max_len = cache["layers"][0]["self_key"].shape[1]
+  query_positions = positions[:, None] + jnp.arange(k)[None, :]
+  self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len)
+  cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, :, None]
+  activations = [_ACTIVATIONS[a] for a in config.mlp_activations]
+
+  # The residual stream is [batch * k, emb]: 2-D operands for the projections.
+  x = jnp.take(prepared["embedding"], tokens.reshape(-1), axis=0)
+  rows = lambda y: y.reshape((batch, k) + y.shape[1:])
+  flat = lambda y: y.reshape((batch * k,) + y.shape[2:])
+  f32 = jnp.float32
+  new_layers = []
+  for p, layer_cache in zip(prepared["layers"], cache["layers"]):
+    # Self-attention: one projection for query, key and value (norm scale
+    # folded in; 1/rms applied to its float32 output).
+    qkv = jnp.einsum("ne,ets->nts", x, p["qkv"], preferred_element_type=f32)
+    qkv = (qkv * _inv_rms(x, config)[..., None]).astype(dtype)
+    query, key, value = (_heads(rows(qkv[:, i]), config) for i in range(3))
+    self_key = _set_block(layer_cache["self_key"], key, positions)
+    self_value = _set_block(layer_cache["self_value"], value, positions)
+    new_layers.append(dict(layer_cache, self_key=self_key, self_value=self_value))
+    heads = _attend(query, self_key, self_value, self_bias)
+    x = x + jnp.dot(flat(heads).reshape(batch * k, -1), p["self_out"])
+
+    # Cross-attention over the cached encoder keys/values; 1/rms scales the
+    # scores rather than the query.
+    query = _heads(rows(jnp.dot(x, p["cross_query"])), config)
+    # The barrier keeps XLA CPU (jax 0.10.2) from miscompiling this read of
+    # the loop-invariant cross-attention cache inside a decode loop (its
+    # YNNPACK multiply-and-sum fusion gave wrong scores at batch 1;
+    # tests/test_decode_ops.py decodes in a loop against the reference). It
+    # moves no data.
+    cross_key, cross_value = jax.lax.optimization_barrier(
+        (layer_cache["cross_key"], layer_cache["cross_value"]))
+    heads = _attend(query, cross_key, cross_value, cross_bias,
+                    query_scale=rows(_inv_rms(x, config)))
+    x = x + jnp.dot(flat(heads).reshape(batch * k, -1), p["cross_out"])
+
+    # Gated MLP: one projection for all input kernels.
+    wi = jnp.einsum("ne,eim->nim", x, p["wi"], preferred_element_type=f32)
+    wi = wi * _inv_rms(x, config)[..., None]
+    hidden = activations[0](wi[:, 0])
+    for i, act in enumerate(activations[1:], start=1):
+      hidden = hidden * act(wi[:, i])
+    hidden = flat(_axes(rows(hidden.astype(dtype)), ("batch", "length", "mlp")))
+    x = flat(_axes(rows(x + jnp.dot(hidden, p["wo"])), ("batch", "length", "embed")))
+
+  h = rows(_rms_norm(x, prepared["decoder_norm"], config))
+  if prepared["logits"] is None:
+    # Original T5 scales the output before the tied projection.
+    h = h * (config.emb_dim ** -0.5)
+    logits = jnp.dot(h, prepared["embedding"].T, preferred_element_type=jnp.float32)
+  else:
+    logits = jnp.dot(h, prepared["logits"]).astype(jnp.float32)
+  return logits, dict(cache, layers=new_layers)
+
+
+def block_fn(params, config: T5Config):
+  """A block callback `(tokens, positions, cache) -> (logits, cache)` on the fused path.
+
+  Prepares the fused kernels when called (once per trace of a decode loop),
+  so `Model.block_fn` needs no prepared state.
+  """
+  prepared = prepare_decode_params(params, config)
+  return lambda tokens, positions, cache: decode_block(prepared, config, tokens, positions, cache)
