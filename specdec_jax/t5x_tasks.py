@@ -71,6 +71,14 @@ def _heldout_dataset(split: str, shuffle_files: bool = False, seed: Optional[int
                         "targets_pretokenized": tf.TensorSpec([], tf.string)})
 
 
+def exact_match(targets, predictions):
+  """seqio metric: percent of predictions equal to their target text."""
+  if len(targets) != len(predictions):
+    raise ValueError(f"{len(targets)} targets vs {len(predictions)} predictions")
+  same = sum(str(t) == str(p) for t, p in zip(targets, predictions))
+  return {"exact_match": 100.0 * same / max(1, len(targets))}
+
+
 def register_demo_task() -> None:
   """Registers DEMO_TASK once (inputs keep no EOS and targets keep theirs, as in the demo)."""
   if DEMO_TASK in seqio.TaskRegistry.names():
@@ -80,6 +88,7 @@ def register_demo_task() -> None:
       DEMO_TASK,
       source=seqio.FunctionDataSource(_heldout_dataset, splits=[DEMO_SPLIT]),
       preprocessors=[],
+      metric_fns=[exact_match],
       output_features={"inputs": seqio.Feature(vocabulary, add_eos=False),
                        "targets": seqio.Feature(vocabulary, add_eos=False)})
 

@@ -404,7 +404,7 @@ def _t5x_infer(tmp_path, checkpoints_by_name, name, *bindings,
 
 
 def test_t5x_infer_demo_pair_end_to_end(tmp_path):
-  """T5X's own infer restores our T5X export of the demo pair and decodes speculatively."""
+  """T5X's own infer and eval restore our T5X export of the demo pair and decode speculatively."""
   from experiments.t5x_demo.prepare import prepare
   from specdec_jax import t5x_tasks
   paths = prepare(str(tmp_path / "checkpoints"))
@@ -423,6 +423,26 @@ def test_t5x_infer_demo_pair_end_to_end(tmp_path):
     assert ([r["prediction_tokens"] for r in speculative] ==
             [r["prediction_tokens"] for r in other])
   assert [r["inputs"]["inputs_pretokenized"] for r in speculative] == [r["input"] for r in rows]
+  # t5x.eval (seqio's Evaluator) scores the same predictions.
+  eval_dir = str(tmp_path / "eval")
+  site = os.path.join(REPO, "experiments", "t5x_demo", "site")
+  result = subprocess.run(
+      [sys.executable, "-m", "t5x.eval", f"--gin_search_paths={T5X_PATH},{REPO}",
+       "--gin_file=configs/t5x/demo_pair_eval.gin",
+       f"--gin.CHECKPOINT_PATH='{paths['target']}'",
+       f"--gin.DRAFT_CHECKPOINT='{paths['small']}'", f"--gin.EVAL_OUTPUT_DIR='{eval_dir}'"],
+      cwd=REPO, capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([site, T5X_PATH, REPO])))
+  assert result.returncode == 0, result.stderr[-4000:]
+  prefix = os.path.join(eval_dir, "inference_eval", "specdec_demo_pair_heldout")
+  with open(prefix + "-000000.jsonl") as f:
+    evaluated = [json.loads(line) for line in f]
+  assert [r["prediction"] for r in evaluated] == [r["prediction"] for r in speculative]
+  with open(prefix + "-metrics.jsonl") as f:
+    metrics = json.loads(f.readline())
+  exact = sum(r["prediction"] == r["target"] for r in evaluated)
+  assert metrics["exact_match"] == pytest.approx(100.0 * exact / 16)
   # And they are the demo target's greedy decodes (specdec_jax.generate, no T5X).
   pair = specdec_jax.load_demo_pair()
   expected = specdec_jax.generate(pair.target, pair.heldout_inputs(16),
