@@ -698,3 +698,21 @@ def test_distill_decoder_only_drafts_raises_alpha():
   # Measured: greedy alpha 0.04 -> 0.17 on the held-out prompts.
   before, after = result["alpha_before"]["small"], result["alpha_after"]["small"]
   assert after > max(2 * before, before + 0.05), result
+
+
+def test_bfloat16_greedy_speculative_equals_target_only():
+  """With one target block width in both loops, bf16 rounding cannot split them."""
+  target = load_decoder_only_model("qwen2_tiny", seed=7, dtype="bfloat16")
+  target = DecoderOnlyModel(target.config, jax.tree_util.tree_map(
+      lambda x: x * 6 if x.ndim == 2 else x, target.params))
+  leaves, treedef = jax.tree_util.tree_flatten(target.params)
+  keys = jax.random.split(jax.random.PRNGKey(8), len(leaves))
+  draft = DecoderOnlyModel(target.config, jax.tree_util.tree_unflatten(treedef, [
+      (x + 0.01 * jax.random.normal(k, x.shape)).astype(x.dtype) for x, k in zip(leaves, keys)]))
+  lengths = [7, 3, 5, 1]
+  prompts = _random_prompts(lengths, seed=11)
+  want = decoder_only_generate(target, prompts, lengths, max_decode_steps=12, eos_id=-1)
+  got = decoder_only_generate(target, prompts, lengths, max_decode_steps=12, eos_id=-1,
+                              draft=draft, gamma=3)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  assert 0 < got.stats.acceptance_rate < 1
