@@ -1,0 +1,203 @@
+"""Function-preserving embedding of a trained T5 into a larger T5 shape.
+
+The embedded model computes exactly the function of the small one (up to
+float rounding) with the large shape's cost: a trained target's real
+acceptance rate meets a real XXL-sized decode step (issue 15's
+"cost-realistic pair"). How each part is grown:
+
+* model width emb -> r * emb (r an integer): every residual-stream vector is
+  the small one with each dimension repeated r times. The token embedding,
+  norm scales and output kernels (attention `out`, MLP `wo`) repeat their
+  emb axis; input kernels (query/key/value, wi, logits) repeat their emb axis
+  and are divided by r, so x_large . W_large = x_small . W_small. RMS norm is
+  unchanged: the mean of squares of a repeated vector is the small one's.
+* heads / head_dim: new heads, and new dimensions of old heads, get zero
+  query/key/value kernels and zero `out` rows: scores and outputs of the
+  small heads are unchanged, new heads add nothing. New position-bias rows
+  are zero.
+* MLP units: new wi columns and wo rows are zero (act(0) * 0 = 0).
+* layers: new encoder and decoder layers come after the trained ones, with
+  every kernel zero (so their attention and MLP outputs are zero and the
+  residual stream passes through) and unit norm scales.
+
+What cannot be preserved raises `EmbeddingError` naming the field: a
+different vocabulary, special ids, relative-position buckets or distance,
+norm epsilon, MLP activations, tied logits (their emb**-0.5 rescaling and
+the tied embedding do not survive widening: logits would grow by sqrt(r)), a
+large shape smaller than the small one in any size, or a width that is not a
+multiple.
+
+  large = embed_model(pair.target, "t5_1_1_xxl")   # t5_1_1_xxl sizes, the
+                                                   # demo's 2048-token vocabulary
+"""
+
+from typing import Any, Dict, List, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.model import Model
+from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+
+
+class EmbeddingError(ValueError):
+  """The small model's layout cannot be embedded function-preservingly in that shape."""
+
+
+# Fields that must be equal for the function to carry over.
+_SAME_FIELDS = ("vocab_size", "relative_attention_num_buckets", "relative_attention_max_distance",
+                "layer_norm_epsilon", "mlp_activations", "pad_id", "eos_id", "decoder_start_id")
+# Sizes the large shape may grow.
+_GROWN_FIELDS = ("num_heads", "head_dim", "mlp_dim", "num_encoder_layers", "num_decoder_layers")
+
+
+def embedded_config(config: T5Config, shape: Union[str, T5Config], dtype: Optional[str] = None
+                    ) -> T5Config:
+  """The large config: `shape`'s sizes with `config`'s vocabulary and conventions.
+
+  Args:
+    config: the small model's config.
+    shape: a named config ('t5_1_1_xxl') or a T5Config giving emb_dim,
+      num_heads, head_dim, mlp_dim and the layer counts. A named config takes
+      the small model's vocabulary, special ids and dtype; a T5Config is used
+      as given (and checked).
+    dtype: override the result's dtype.
+  """
+  if isinstance(shape, str):
+    if shape not in CONFIGS:
+      raise EmbeddingError(f"unknown shape {shape!r}; known: {', '.join(sorted(CONFIGS))}")
+    named = get_config(shape)
+    if named.relative_attention_num_buckets != config.relative_attention_num_buckets:
+      raise EmbeddingError(
+          f"relative_attention_num_buckets differ ({config.relative_attention_num_buckets} vs "
+          f"{named.relative_attention_num_buckets} in {shape}): position biases cannot carry over")
+    large = named.replace(**{f: getattr(config, f) for f in _SAME_FIELDS}, dtype=config.dtype)
+  else:
+    large = shape
+  if dtype is not None:
+    large = large.replace(dtype=dtype)
+  check_embeddable(config, large)
+  return large
+
+
+def check_embeddable(config: T5Config, large: T5Config) -> int:
+  """Raises EmbeddingError naming every problem; returns the width ratio r."""
+  problems: List[str] = []
+  for field in _SAME_FIELDS:
+    if getattr(config, field) != getattr(large, field):
+      problems.append(f"{field} differs ({getattr(config, field)!r} vs {getattr(large, field)!r})")
+  if config.logits_via_embedding or large.logits_via_embedding:
+    problems.append("tied logits (logits_via_embedding): the tied projection and its "
+                    "emb_dim**-0.5 rescaling do not survive widening (logits would scale by "
+                    "sqrt(r)); only untied (T5 1.1) layouts can be embedded")
+  for field in _GROWN_FIELDS:
+    if getattr(large, field) < getattr(config, field):
+      problems.append(f"{field} shrinks ({getattr(config, field)} -> {getattr(large, field)})")
+  if large.emb_dim % config.emb_dim:
+    problems.append(f"emb_dim {large.emb_dim} is not a multiple of {config.emb_dim}")
+  if problems:
+    raise EmbeddingError("cannot embed this model function-preservingly: " + "; ".join(problems))
+  return large.emb_dim // config.emb_dim
+
+
+def _grow(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """Zero-pads x along axis to `size`."""
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def embed_params(params, config: T5Config, large: T5Config):
+  """The large model's T5X parameter tree computing the small model's function.
+
+  Args:
+    params: the small model's T5X tree.
+    config: its T5Config.
+    large: the large T5Config (see `embedded_config`).
+  Returns:
+    The large tree, arrays in `large.dtype`; built tensor by tensor (each in
+    float32, then cast), so peak memory is about the large tree plus its
+    largest tensor.
+  """
+  r = check_embeddable(config, large)
+  dtype = jnp.dtype(large.dtype)
+  h, d, hl, dl = config.num_heads, config.head_dim, large.num_heads, large.head_dim
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  done = lambda x: x.astype(dtype)
+
+  def wide(x, axis):  # residual-stream axis: repeat each dimension r times
+    return jnp.repeat(f32(x), r, axis=axis)
+
+  def input_kernel(kernel, out_size):  # [emb, out] -> [r emb, out_size]
+    return done(_grow(wide(kernel, 0) / r, 1, out_size))
+
+  def head_input_kernel(kernel):  # [emb, h d] -> [r emb, hl dl]
+    k = f32(kernel).reshape(config.emb_dim, h, d)
+    k = _grow(_grow(k, 1, hl), 2, dl).reshape(config.emb_dim, hl * dl)
+    return done(wide(k, 0) / r)
+
+  def head_output_kernel(kernel):  # [h d, emb] -> [hl dl, r emb]
+    k = f32(kernel).reshape(h, d, config.emb_dim)
+    k = _grow(_grow(k, 0, hl), 1, dl).reshape(hl * dl, config.emb_dim)
+    return done(wide(k, 1))
+
+  def scale(tree):
+    return {"scale": done(wide(tree["scale"], 0))}
+
+  def attention(tree):
+    out = {name: {"kernel": head_input_kernel(tree[name]["kernel"])}
+           for name in ("query", "key", "value")}
+    out["out"] = {"kernel": head_output_kernel(tree["out"]["kernel"])}
+    return out
+
+  def mlp(tree):
+    out = {name: {"kernel": input_kernel(k["kernel"], large.mlp_dim)}
+           for name, k in tree.items() if name != "wo"}
+    out["wo"] = {"kernel": done(wide(_grow(f32(tree["wo"]["kernel"]), 0, large.mlp_dim), 1))}
+    return out
+
+  def layer(tree):
+    return {name: (scale(sub) if name.endswith("layer_norm") else
+                   mlp(sub) if name == "mlp" else attention(sub))
+            for name, sub in tree.items()}
+
+  def relpos(tree):
+    return {"rel_embedding": done(_grow(f32(tree["rel_embedding"]), 0, hl))}
+
+  def identity_layer(template):
+    """A layer shaped like `template` (already large) that adds nothing."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: (jnp.ones(x.shape, dtype) if "layer_norm" in jax.tree_util.keystr(path)
+                         else jnp.zeros(x.shape, dtype)), template)
+
+  def stack(tree, small_layers, large_layers, norm_name):
+    out: Dict[str, Any] = {"relpos_bias": relpos(tree["relpos_bias"]),
+                           norm_name: scale(tree[norm_name])}
+    for i in range(small_layers):
+      out[f"layers_{i}"] = layer(tree[f"layers_{i}"])
+    for i in range(small_layers, large_layers):
+      out[f"layers_{i}"] = identity_layer(out[f"layers_{small_layers - 1}"])
+    return out
+
+  decoder = stack(params["decoder"], config.num_decoder_layers, large.num_decoder_layers,
+                  "decoder_norm")
+  decoder["logits_dense"] = {"kernel": input_kernel(params["decoder"]["logits_dense"]["kernel"],
+                                                    large.vocab_size)}
+  return {
+      "token_embedder": {"embedding": done(wide(params["token_embedder"]["embedding"], 1))},
+      "encoder": stack(params["encoder"], config.num_encoder_layers, large.num_encoder_layers,
+                       "encoder_norm"),
+      "decoder": decoder,
+  }
+
+
+def embed_model(model: Model, shape: Union[str, T5Config], dtype: Optional[str] = None) -> Model:
+  """`model` embedded in a larger shape (see the module docstring); same function, large cost.
+
+  Args:
+    model: the trained small `Model` (untied, e.g. T5 1.1 layout).
+    shape: a named config ('t5_1_1_base', 't5_1_1_xxl') or a T5Config.
+    dtype: the large model's dtype (default: the small model's).
+  """
+  large = embedded_config(model.config, shape, dtype)
+  return Model(large, embed_params(model.params, model.config, large))
