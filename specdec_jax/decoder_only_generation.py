@@ -24,7 +24,6 @@ import threading
 from typing import Any, Dict, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import decoder_only_sharding

@@ -17,7 +17,7 @@ TV = 1 - beta against the target's adjusted p), as for T5;
 prompts, teacher passes, optimizer steps) and measures alpha before and after.
 """
 
-from typing import Dict, Optional
+from typing import Dict
 
 import jax
 import jax.numpy as jnp
