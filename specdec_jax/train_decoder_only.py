@@ -47,6 +47,28 @@ def lm_batch(sequences, lengths, prompt_lengths=None) -> Dict[str, np.ndarray]:
   return dict(tokens=tokens, weights=weights)
 
 
+def lm_windows(texts, tokenizer, length: int, eos_id: int) -> np.ndarray:
+  """Fixed-length training windows [n, length] int32 from a corpus.
+
+  Each text (e.g. `data.SourceFile.text`) is tokenized line by line
+  (`tokenizer.encode_lines`, as the T5 demo data) and ended with `eos_id`;
+  the texts are concatenated in order and cut into consecutive windows, the
+  remainder dropped. Every window token is a target (`lm_batch(windows,
+  [length] * n)`), so documents follow each other across EOS as in GPT-style
+  pretraining.
+  """
+  if int(length) != length or length < 2:
+    raise ValueError(f"length must be an int >= 2, got {length!r}")
+  stream = []
+  for text in texts:
+    stream.extend(tokenizer.encode_lines(text))
+    stream.append(int(eos_id))
+  n = len(stream) // length
+  if n == 0:
+    raise ValueError(f"the corpus has {len(stream)} tokens, fewer than one window of {length}")
+  return np.asarray(stream[:n * length], np.int32).reshape(n, length)
+
+
 def _next_token_logits(module: DecoderOnly, params, tokens: Array) -> Array:
   """Logits [batch, T - 1, vocab] predicting tokens 1..T-1 from the tokens before."""
   return module.apply({"params": params}, tokens[:, :-1])

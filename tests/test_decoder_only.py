@@ -717,3 +717,18 @@ def test_bfloat16_greedy_speculative_equals_target_only():
                               draft=draft, gamma=3)
   np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
   assert 0 < got.stats.acceptance_rate < 1
+
+
+def test_lm_windows_cut_a_tokenized_corpus():
+  from specdec_jax import data
+  from specdec_jax import train_decoder_only as tdo
+  texts = ["def f(x):\n    return x + 1\n" * 20, "import os\nprint(os.sep)\n" * 20]
+  tokenizer = data.Tokenizer(data.train_tokenizer(
+      (line for t in texts for line in t.splitlines(keepends=True)), 300))
+  windows = tdo.lm_windows(texts, tokenizer, 16, eos_id=data.EOS_ID)
+  stream = [t for text in texts for t in tokenizer.encode_lines(text) + [data.EOS_ID]]
+  assert windows.shape == (len(stream) // 16, 16) and windows.dtype == np.int32
+  assert windows.reshape(-1).tolist() == stream[:windows.size]
+  assert tokenizer.decode(windows[0]) == texts[0][:len(tokenizer.decode(windows[0]))]
+  with pytest.raises(ValueError, match="fewer than one window"):
+    tdo.lm_windows(["x"], tokenizer, 64, eos_id=data.EOS_ID)
