@@ -17,6 +17,10 @@ positions, where loop position 0 holds each row's first decoder input
 
 Rows of different prompt lengths therefore generate right after their own
 prompts, and advance at their own pace in the speculative loop as for T5.
+
+Drafts get the prompts as their `init_state` "encoder tokens" with padding
+set to `decoder_only_model.PROMPT_PADDING` (-1), so each recovers the rows'
+prompt lengths through the unchanged `Draft` interface.
 """
 
 import contextlib
