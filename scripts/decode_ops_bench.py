@@ -36,6 +36,8 @@ MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
                            "demo_target (the shipped 9.7M target's shape) or config names.")
 REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats per measurement (interleaved).")
 STEPS = flags.DEFINE_integer("steps", 64, "Tokens per target-only decode.")
+# 1: one token per call; 8: decoding.DEFAULT_BLOCK_WIDTH, what `generate` uses.
+BLOCK_WIDTHS = (1, 8)
 CALLS = flags.DEFINE_integer("calls", 8, "decode_block calls per timed loop.")
 ENC_LEN = flags.DEFINE_integer("encoder_length", 32, "Encoder input length.")
 COUNT_OPS = flags.DEFINE_bool("count_ops", True, "Also count compiled operations per layer.")
@@ -48,13 +50,16 @@ def linen_block_fn(config):
       {"params": params}, tokens, positions, cache, method=T5.decode_block))
 
 
-def fast_block_fn(config):
-  """params -> the fused `t5_decode` callback (what `Model.block_fn` runs)."""
-  return lambda params: t5_decode.block_fn(params, config)
+def fast_block_fn(config, attention=None):
+  """params -> the fused `t5_decode` callback (`Model.block_fn` runs attention=None)."""
+  return lambda params: t5_decode.block_fn(params, config, attention)
 
 
 PATHS = {"before (linen T5.decode_block)": linen_block_fn,
-         "after (t5_decode)": fast_block_fn}
+         "after (t5_decode, attention='dots': CPU default)":
+             functools.partial(fast_block_fn, attention="dots"),
+         "after (t5_decode, attention='in_layout': accelerator default)":
+             functools.partial(fast_block_fn, attention="in_layout")}
 
 
 def named_config(name: str, dtype: str = "float32") -> sj.T5Config:
@@ -81,14 +86,19 @@ def block_loop(block_fn_for, k: int, calls: int):
   return jax.jit(run)
 
 
-def target_only(config, block_fn_for, steps: int):
-  """jit: target-only greedy decoding as `generate` builds it (EOS disabled)."""
+def target_only(config, block_fn_for, steps: int, block_width: int = 1):
+  """jit: target-only greedy decoding as `generate` builds it (EOS disabled).
+
+  Each step scores the current token in a block of `block_width` (see
+  `decoding.block_to_state_fn`): 1 is the cheapest; `generate`'s default
+  width makes every call the shape of a verification call.
+  """
 
   def run(params, encoder_tokens):
     cache = T5(config).apply({"params": params}, encoder_tokens, steps, method=T5.init_cache)
     inputs = jnp.zeros((encoder_tokens.shape[0], steps), jnp.int32)
     decodes, _ = decoding.temperature_sample(
-        inputs, cache, decoding.block_to_state_fn(block_fn_for(params)), -1,
+        inputs, cache, decoding.block_to_state_fn(block_fn_for(params), block_width), -1,
         temperature=0.0, topk=0)
     return decodes[:, 0]
 
@@ -111,12 +121,13 @@ def measure(name: str, repeats: int, steps: int, calls: int, enc_len: int, count
       positions = jnp.full((1,), steps // 2 - k, jnp.int32)
       jobs[(path, f"step_ms_k{k}")] = (functools.partial(
           block_loop(make(config), k, calls), model.params, cache, positions), calls)
-    jobs[(path, "target_only_ms_per_token")] = (functools.partial(
-        target_only(config, make(config), steps), model.params, tokens), steps)
+    for width in BLOCK_WIDTHS:
+      jobs[(path, f"target_only_ms_per_token_w{width}")] = (functools.partial(
+          target_only(config, make(config), steps, width), model.params, tokens), steps)
   reference = None
   for job, (fn, _) in jobs.items():
     out = jax.block_until_ready(fn())  # compile
-    if job[1] == "target_only_ms_per_token":
+    if job[1].startswith("target_only"):
       if reference is None:
         reference = out
       elif not bool(jnp.array_equal(reference, out)):
@@ -130,6 +141,8 @@ def measure(name: str, repeats: int, steps: int, calls: int, enc_len: int, count
   result = {path: {} for path in PATHS}
   for (path, what), values in samples.items():
     result[path][what] = _median_ms(values)
+    # The fastest repeat: on a shared machine the least disturbed one.
+    result[path][what + "_min"] = min(values) * 1e3
   if count_ops:
     for path, make in PATHS.items():
       for k in (1, 5):
@@ -139,14 +152,17 @@ def measure(name: str, repeats: int, steps: int, calls: int, enc_len: int, count
 
 
 def format_table(rows) -> str:
-  lines = ["| model | path | ops/layer k=1 | ops/layer k=5 | step k=1 (ms) | step k=5 (ms) | "
-           "target-only ms/token |", "|---|---|---|---|---|---|---|"]
+  lines = ["Times: median (fastest) of the interleaved repeats.", "",
+           "| model | path | ops/layer k=1 | ops/layer k=5 | step k=1 (ms) | step k=5 (ms) | "
+           "target-only ms/token, W=1 | W=8 |", "|---|---|---|---|---|---|---|---|"]
   for row in rows:
     for path in PATHS:
       r = row[path]
       ops = lambda k: r.get(f"ops_per_layer_k{k}", {}).get("total", "-")
-      lines.append(f"| {row['model']} | {path} | {ops(1)} | {ops(5)} | {r['step_ms_k1']:.3f} | "
-                   f"{r['step_ms_k5']:.3f} | {r['target_only_ms_per_token']:.3f} |")
+      cell = lambda key: f"{r[key]:.3f} ({r[key + '_min']:.3f})"
+      lines.append(f"| {row['model']} | {path} | {ops(1)} | {ops(5)} | {cell('step_ms_k1')} | "
+                   f"{cell('step_ms_k5')} | {cell('target_only_ms_per_token_w1')} | "
+                   f"{cell('target_only_ms_per_token_w8')} |")
   return "\n".join(lines)
 
 

@@ -23,8 +23,8 @@ def _reference_block_fn(config):
       {"params": params}, tokens, positions, cache, method=T5.decode_block))
 
 
-def _fast_block_fn(config):
-  return lambda params: t5_decode.block_fn(params, config)
+def _fast_block_fn(config, attention=None):
+  return lambda params: t5_decode.block_fn(params, config, attention)
 
 
 def _greedy_loop(config, block_fn_for, steps):
@@ -41,9 +41,11 @@ def _greedy_loop(config, block_fn_for, steps):
   return jax.jit(run)
 
 
-@pytest.mark.parametrize("variant,dtype", [("gated_untied", "float32"), ("relu_tied", "float32"),
-                                           ("gated_untied", "bfloat16")])
-def test_block_equals_reference_block(variant, dtype):
+@pytest.mark.parametrize("variant,dtype,attention", [
+    ("gated_untied", "float32", "dots"), ("gated_untied", "float32", "in_layout"),
+    ("relu_tied", "float32", "dots"), ("relu_tied", "float32", "in_layout"),
+    ("gated_untied", "bfloat16", "in_layout")])
+def test_block_equals_reference_block(variant, dtype, attention):
   """Logits and the whole new cache, rows at different positions, one at the cache's end."""
   overrides = dict(vocab_size=97, num_heads=3, head_dim=8, num_decoder_layers=3)
   if variant == "relu_tied":
@@ -56,8 +58,8 @@ def test_block_equals_reference_block(variant, dtype):
   # Called directly: Model.decode_block rejects blocks that run past the cache.
   ref_logits, ref_cache = jax.jit(lambda p, t, s, c: _reference_block_fn(model.config)(p)(t, s, c))(
       model.params, tokens, positions, cache)
-  logits, new_cache = jax.jit(lambda p, t, s, c: model.block_fn(p)(t, s, c))(
-      model.params, tokens, positions, cache)
+  logits, new_cache = jax.jit(lambda p, t, s, c: _fast_block_fn(model.config, attention)(p)(
+      t, s, c))(model.params, tokens, positions, cache)
   f32 = lambda x: np.asarray(x, np.float32)
   # bfloat16: the norm scale is folded into bf16 kernels (one more rounding).
   rtol = 1e-5 if dtype == "float32" else 3e-2
@@ -70,15 +72,17 @@ def test_block_equals_reference_block(variant, dtype):
 
 
 def test_greedy_decode_loop_equals_reference_loop():
-  """Batch 1, 64 steps: the setting where XLA CPU once miscompiled the cross-attention read."""
+  """Batch 1, 64 steps: where XLA CPU miscompiled the in-layout cross-attention read
+  (without the optimization barrier in decode_block, 'in_layout' fails here)."""
   config = sj.get_config("tiny", vocab_size=128, emb_dim=32, mlp_dim=64, num_heads=4,
                          head_dim=64, num_encoder_layers=1, num_decoder_layers=2,
                          dtype="float32")
   model = sj.load_model(config, seed=0)
   tokens = testing.random_encoder_tokens(1, 32, 128, seed=0, min_length=32)
   want = _greedy_loop(config, _reference_block_fn(config), 64)(model.params, tokens)
-  got = _greedy_loop(config, _fast_block_fn(config), 64)(model.params, tokens)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for attention in ("dots", "in_layout"):
+    got = _greedy_loop(config, _fast_block_fn(config, attention), 64)(model.params, tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=attention)
   # generate runs Model.block_fn, i.e. this path.
   out = sj.generate(model, tokens, max_decode_steps=64, eos_id=-1)
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want))
@@ -102,10 +106,14 @@ def test_prepared_kernels_fold_norm_scales_and_stack():
                              scale * np.asarray(layer["mlp"]["wi_1"]["kernel"]), rtol=1e-6)
 
 
-def test_prepare_rejects_a_tree_that_misses_layers():
+def test_bad_layouts_and_options_are_named():
   model = sj.load_model("tiny", vocab_size=50)
   with pytest.raises(ValueError, match="layers_2"):
     t5_decode.prepare_decode_params(model.params, model.config.replace(num_decoder_layers=3))
+  cache = model.init_cache(1, 4, np.ones((1, 3), np.int32))
+  with pytest.raises(ValueError, match="attention must be one of"):
+    t5_decode.block_fn(model.params, model.config, "flash")(
+        jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), cache)
 
 
 def test_softmax_matches_jax_and_survives_masked_rows():
@@ -120,7 +128,8 @@ def test_softmax_matches_jax_and_survives_masked_rows():
 # measured with jax 0.10.2 on CPU for the shipped demo target's shape (the
 # reference linen path: 50 at k=1, 52 at k=5). A change that adds operations
 # fails here; one that removes some should lower the pin.
-PINNED_OPS_PER_LAYER = {1: 39, 5: 35}
+PINNED_OPS_PER_LAYER = {("in_layout", 1): 39, ("in_layout", 5): 35,
+                        ("dots", 1): 46, ("dots", 5): 45}
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +138,14 @@ def demo_target_config():
     return demo_pair.config_from_json(json.load(f)["models"]["target"]).replace(dtype="float32")
 
 
-@pytest.mark.parametrize("k", [1, 5])
-def test_pinned_operations_per_decoder_layer(demo_target_config, k):
-  ops = hlo_ops.ops_per_layer(demo_target_config, k, _fast_block_fn)
-  assert ops["total"] <= PINNED_OPS_PER_LAYER[k], (
-      f"the compiled decode step now runs {ops['total']} operations per decoder layer at k={k} "
-      f"(pinned: {PINNED_OPS_PER_LAYER[k]}): {ops}")
+@pytest.mark.parametrize("attention,k", sorted(PINNED_OPS_PER_LAYER))
+def test_pinned_operations_per_decoder_layer(demo_target_config, attention, k):
+  ops = hlo_ops.ops_per_layer(demo_target_config, k,
+                              lambda cfg: _fast_block_fn(cfg, attention))
+  pinned = PINNED_OPS_PER_LAYER[(attention, k)]
+  assert ops["total"] <= pinned, (
+      f"the compiled decode step ({attention}) now runs {ops['total']} operations per decoder "
+      f"layer at k={k} (pinned: {pinned}): {ops}")
   # No per-layer copy of the cache, no loop or branch per layer.
   assert not {"copy", "while", "conditional"} & set(ops), ops
 

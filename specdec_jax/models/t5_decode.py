@@ -15,10 +15,13 @@ larger operations (counted per layer by `specdec_jax.hlo_ops`):
   projection's output inside operations that exist anyway;
 * `decode_block` computes the relative position bias and both masks once per
   call, not per layer;
-* attention reads the caches in their own [batch, len, heads, head_dim]
-  layout (a multiply-and-reduce fusion instead of a batched dot, which would
-  transpose the whole key and value caches at every layer of every step), and
-  its softmax takes the max and the sum of exponentials in one reduction;
+* softmax takes the max and the sum of exponentials in one reduction;
+* on accelerators (`attention='in_layout'`) attention reads the caches in
+  their own [batch, len, heads, head_dim] layout (multiply-and-reduce fusions
+  instead of batched dots, which would transpose the whole key and value
+  caches at every layer of every step). On CPU (`'dots'`), batched dots:
+  XLA CPU's dot kernels outrun its reductions there, and a CPU step is not
+  launch-bound;
 * keys and values are set in the cache in place (the cache is
   `models/t5.py`'s: `T5.init_cache` makes it, and sharding rules apply as is).
 
@@ -145,8 +148,8 @@ def softmax(scores: Array, axis: int) -> Array:
   return jnp.exp(scores - top) / total
 
 
-def _attend(query: Array, key: Array, value: Array, bias: Array,
-            query_scale: Optional[Array] = None) -> Array:
+def _attend_in_layout(query: Array, key: Array, value: Array, bias: Array,
+                      query_scale: Optional[Array] = None) -> Array:
   """Attention of a few queries over a cache, read in the cache's own layout.
 
   Args:
@@ -170,6 +173,31 @@ def _attend(query: Array, key: Array, value: Array, bias: Array,
   weights = softmax(scores + bias, axis=2)  # [batch, q, len, heads]
   out = jnp.sum(weights[..., None] * value[:, None].astype(f32), axis=2)
   return out.astype(value.dtype)
+
+
+def _attend_dots(query: Array, key: Array, value: Array, bias: Array,
+                 query_scale: Optional[Array] = None) -> Array:
+  """As `_attend_in_layout`, with batched dots (what XLA CPU runs fastest).
+
+  XLA CPU transposes the cache into the dots' (batch, heads)-major layout,
+  one copy per read, but its dot kernels beat its reductions by far more at
+  these sizes; and ops are cheap on a CPU, launches are not a cost there.
+  """
+  f32 = jnp.float32
+  scores = jnp.einsum("bqhd,bkhd->bqkh", query, key, preferred_element_type=f32)
+  if query_scale is not None:
+    scores = scores * query_scale[..., None]
+  weights = softmax(scores + bias, axis=2).astype(value.dtype)
+  out = jnp.einsum("bqkh,bkhd->bqhd", weights, value, preferred_element_type=f32)
+  return out.astype(value.dtype)
+
+
+ATTENTION = {"in_layout": _attend_in_layout, "dots": _attend_dots}
+
+
+def default_attention() -> str:
+  """'dots' on CPU, 'in_layout' on accelerators (see `decode_block`)."""
+  return "dots" if jax.default_backend() == "cpu" else "in_layout"
 
 
 def _heads(x: Array, config: T5Config) -> Array:
@@ -199,7 +227,7 @@ def position_bias(rel_embedding: Array, config: T5Config, query_positions: Array
 
 
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
-                 cache: Cache) -> Tuple[Array, Cache]:
+                 cache: Cache, attention: Optional[str] = None) -> Tuple[Array, Cache]:
   """Scores a block of tokens per row from the cache; same contract as `T5.decode_block`.
 
   Args:
@@ -208,11 +236,19 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     tokens: [batch, k] int32 decoder input tokens.
     positions: [batch] int32, the position of each row's first token.
     cache: from `T5.init_cache` (`Model.init_cache`).
+    attention: 'in_layout' (reductions over the cache as it lies: fewest
+      operations, no copy of the cache; for accelerators, where a decode
+      step is launch-bound) or 'dots' (batched dots: fastest with XLA CPU);
+      default `default_attention()`.
   Returns:
     logits [batch, k, vocab] float32 (row b, index j predicts the token at
     position positions[b] + j + 1), and the cache with the block's keys and
     values set at positions[b] + 0..k-1 (writes past the cache are dropped).
   """
+  attention = default_attention() if attention is None else attention
+  if attention not in ATTENTION:
+    raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
+  attend = ATTENTION[attention]
   batch, k = tokens.shape
   dtype = jnp.dtype(config.dtype)
   max_len = cache["layers"][0]["self_key"].shape[1]
@@ -236,22 +272,23 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     self_key = _set_block(layer_cache["self_key"], key, positions)
     self_value = _set_block(layer_cache["self_value"], value, positions)
     new_layers.append(dict(layer_cache, self_key=self_key, self_value=self_value))
-    heads = _attend(query, self_key, self_value, self_bias)
-    x = x + jnp.dot(flat(heads).reshape(batch * k, -1), p["self_out"])
+    heads = attend(query, self_key, self_value, self_bias)
+    x = x + jnp.dot(heads.reshape(batch * k, -1), p["self_out"])
 
     # Cross-attention over the cached encoder keys/values; 1/rms scales the
     # scores rather than the query.
     query = _heads(rows(jnp.dot(x, p["cross_query"])), config)
-    # The barrier keeps XLA CPU (jax 0.10.2) from miscompiling this read of
-    # the loop-invariant cross-attention cache inside a decode loop (its
-    # YNNPACK multiply-and-sum fusion gave wrong scores at batch 1;
-    # tests/test_decode_ops.py decodes in a loop against the reference). It
-    # moves no data.
-    cross_key, cross_value = jax.lax.optimization_barrier(
-        (layer_cache["cross_key"], layer_cache["cross_value"]))
-    heads = _attend(query, cross_key, cross_value, cross_bias,
-                    query_scale=rows(_inv_rms(x, config)))
-    x = x + jnp.dot(flat(heads).reshape(batch * k, -1), p["cross_out"])
+    cross_key, cross_value = layer_cache["cross_key"], layer_cache["cross_value"]
+    if attention == "in_layout":
+      # XLA CPU (jax 0.10.2) miscompiles this read of the loop-invariant
+      # cross-attention cache inside a decode loop (its YNNPACK
+      # multiply-and-sum fusion gave wrong scores at batch 1;
+      # tests/test_decode_ops.py decodes in a loop against the reference).
+      # The barrier avoids it and moves no data.
+      cross_key, cross_value = jax.lax.optimization_barrier((cross_key, cross_value))
+    heads = attend(query, cross_key, cross_value, cross_bias,
+                   query_scale=rows(_inv_rms(x, config)))
+    x = x + jnp.dot(heads.reshape(batch * k, -1), p["cross_out"])
 
     # Gated MLP: one projection for all input kernels.
     wi = jnp.einsum("ne,eim->nim", x, p["wi"], preferred_element_type=f32)
@@ -272,11 +309,12 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   return logits, dict(cache, layers=new_layers)
 
 
-def block_fn(params, config: T5Config):
+def block_fn(params, config: T5Config, attention: Optional[str] = None):
   """A block callback `(tokens, positions, cache) -> (logits, cache)` on the fused path.
 
   Prepares the fused kernels when called (once per trace of a decode loop),
-  so `Model.block_fn` needs no prepared state.
+  so `Model.block_fn` needs no prepared state. `attention`: see `decode_block`.
   """
   prepared = prepare_decode_params(params, config)
-  return lambda tokens, positions, cache: decode_block(prepared, config, tokens, positions, cache)
+  return lambda tokens, positions, cache: decode_block(prepared, config, tokens, positions, cache,
+                                                       attention)
