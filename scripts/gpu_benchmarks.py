@@ -1,0 +1,367 @@
+r"""The paper's setting on one accelerator: an XXL-shaped target with real acceptance.
+
+The target is the shipped 9.7M-parameter demo target (demo_pair/) EMBEDDED,
+function-preservingly, in the T5 1.1 XXL shape (`specdec_jax.embed`): it
+computes exactly the demo target's function (its 2048-token vocabulary) at
+the cost of an XXL decoder step. So the demo drafts' real, trained acceptance
+rate meets a real XXL-sized step. It is not a trained 11B model; every report
+says so.
+
+Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
+`gpu_benchmarks.json` and `gpu_benchmarks.md`):
+
+* `hf`: transformers (PyTorch) target-only `generate` on the same device in
+  the same dtype, the same shape, random weights (run in its own process so
+  the two frameworks do not share device memory).
+* `ours`: on the embedded XXL target, in one process:
+  - target-only `generate` ms/token (greedy, batch 1, EOS disabled), and the
+    bandwidth floor (decoder + logits weights read once per token at the
+    copy bandwidth measured here);
+  - C(k): one target call scoring k tokens / one token;
+  - c for the shipped drafts (1.1M 'small', 0.2M 'tiny'), the 'small' draft
+    embedded in the t5_1_1_small shape (a T5-small-shaped draft with the same
+    trained acceptance), and a random t5_small-shaped model;
+  - the cost-realistic pair: held-out demo inputs, greedy, batch 1,
+    target-only vs speculative `generate` with each draft: speedup (paired,
+    interleaved repeats), alpha, identical outputs.
+
+  scripts/gpu_benchmarks.sh               # on the GPU machine (<= 6 minutes)
+  scripts/gpu_benchmarks.sh --dry_run     # CPU, tiny shapes, seconds (tested)
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict
+
+from absl import app
+from absl import flags
+
+PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "report"], "What to run.")
+DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny shapes, few repeats: a CPU check of every "
+                            "code path (the numbers mean nothing).")
+OUTPUT_DIR = flags.DEFINE_string("output_dir", "gpu_results", "Where JSON and Markdown go.")
+TARGET_SHAPE = flags.DEFINE_string("target_shape", "t5_1_1_xxl", "Shape the demo target is "
+                                   "embedded in (a config name).")
+DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights and compute dtype.")
+NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per target-only decode (ours, HF).")
+ENC_LEN = flags.DEFINE_integer("encoder_length", 64, "Encoder input length for ours vs HF.")
+NUM_INPUTS = flags.DEFINE_integer("num_inputs", 8, "Held-out inputs for the pair.")
+REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats.")
+GAMMA = flags.DEFINE_integer("gamma", 0, "Drafted tokens per iteration; 0: the theory's "
+                             "optimum for each draft's measured alpha, c and C(k).")
+
+# The draft the paper pairs with T5-XXL is T5-small-shaped; the demo 'small'
+# draft (emb 128, 1+1 layers, gated) embeds in t5_1_1_small's shape.
+DRAFT_SHAPE = "t5_1_1_small"
+DRY_SHAPES = {  # emb a multiple of the demo models' (256 target, 128 draft), few layers
+    # Equal stacks: transformers 5's generate fails on T5s with uneven stacks.
+    "target": dict(emb_dim=512, num_heads=8, head_dim=64, mlp_dim=1536, num_encoder_layers=6,
+                   num_decoder_layers=6),
+    "draft": dict(emb_dim=256, num_heads=2, head_dim=64, mlp_dim=512, num_encoder_layers=1,
+                  num_decoder_layers=2),
+}
+TARGET_NOTE = ("The target is the shipped 9.7M-parameter demo target EMBEDDED function-"
+               "preservingly in the {shape} shape (specdec_jax.embed): same function and "
+               "2048-token vocabulary as the 9.7M model, the cost of a {shape}-shaped step; "
+               "not a trained 11B model.")
+
+
+def _write(name: str, result: Dict[str, Any]):
+  from specdec_jax.results import write_json_atomic
+  os.makedirs(OUTPUT_DIR.value, exist_ok=True)
+  path = os.path.join(OUTPUT_DIR.value, f"{name}.json")
+  write_json_atomic(path, result)
+  print(f"wrote {path}", flush=True)
+
+
+def _machine():
+  import jax
+  return dict(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
+              jax=jax.__version__, python=sys.version.split()[0],
+              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def _shape_config(small_config, shape: str, role: str):
+  """The large config for `role` ('target' / 'draft'): named shape, or tiny in a dry run."""
+  from specdec_jax import embed
+  if DRY_RUN.value:
+    return embed.embedded_config(small_config, small_config.replace(**DRY_SHAPES[role]),
+                                 dtype=DTYPE.value)
+  return embed.embedded_config(small_config, shape, dtype=DTYPE.value)
+
+
+def _demo_target_config():
+  from specdec_jax import demo_pair
+  with open(os.path.join(demo_pair.DEFAULT_DIR, "config.json")) as f:
+    return demo_pair.config_from_json(json.load(f)["models"]["target"])
+
+
+# ---------------------------------------------------------------------------
+# transformers on the same device.
+
+
+def hf_config(config):
+  """transformers' T5Config for a gated, untied specdec_jax T5Config (what `embed` makes).
+
+  As scripts/hf_peer.py's (which defines flags at import, so is not imported here).
+  """
+  import transformers
+  if tuple(config.mlp_activations) != ("gelu", "linear") or config.logits_via_embedding:
+    raise ValueError("gpu_benchmarks compares T5 1.1 layouts (gated GELU, untied) only")
+  return transformers.T5Config(
+      vocab_size=config.vocab_size, d_model=config.emb_dim, d_kv=config.head_dim,
+      d_ff=config.mlp_dim, num_layers=config.num_encoder_layers,
+      num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
+      relative_attention_num_buckets=config.relative_attention_num_buckets,
+      relative_attention_max_distance=config.relative_attention_max_distance,
+      layer_norm_epsilon=config.layer_norm_epsilon, feed_forward_proj="gated-gelu",
+      tie_word_embeddings=False, pad_token_id=config.pad_id, eos_token_id=config.eos_id,
+      decoder_start_token_id=config.decoder_start_id)
+
+
+def run_hf() -> Dict[str, Any]:
+  import torch
+  import transformers
+  config = _shape_config(_demo_target_config(), TARGET_SHAPE.value, "target")
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[DTYPE.value]
+  torch.manual_seed(0)
+  start = time.perf_counter()
+  previous = torch.get_default_dtype()
+  torch.set_default_dtype(dtype)
+  try:
+    with torch.device(device):  # initialise on the device: an 11B model on the host is slow
+      model = transformers.T5ForConditionalGeneration(hf_config(config)).eval()
+  finally:
+    torch.set_default_dtype(previous)
+  build_s = time.perf_counter() - start
+  enc = torch.randint(2, config.vocab_size, (1, ENC_LEN.value), device=device)
+  kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS.value, min_new_tokens=NEW_TOKENS.value,
+                num_beams=1)
+
+  def timed():
+    if device == "cuda":
+      torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+      out = model.generate(enc, **kwargs)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+  timed()
+  seconds = [timed()[0] for _ in range(REPEATS.value)]
+  ms = statistics.median(seconds) * 1e3 / NEW_TOKENS.value
+  print(f"transformers {transformers.__version__} on {device}, {DTYPE.value}: {ms:.2f} ms/token",
+        flush=True)
+  return dict(part="hf", device=device, dtype=DTYPE.value, torch=torch.__version__,
+              transformers=transformers.__version__, shape=TARGET_SHAPE.value,
+              config=str(config), build_seconds=build_s, new_tokens=NEW_TOKENS.value,
+              encoder_length=ENC_LEN.value, ms_per_token=ms,
+              ms_per_token_all=[s * 1e3 / NEW_TOKENS.value for s in seconds])
+
+
+# ---------------------------------------------------------------------------
+# Ours.
+
+
+def _copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+  """Device copy bandwidth, GB/s (read + write counted), median of a few copies."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a + 1)
+  jax.block_until_ready(copy(x))
+  seconds = []
+  for _ in range(5):
+    start = time.perf_counter()
+    jax.block_until_ready(copy(x))
+    seconds.append(time.perf_counter() - start)
+  return 2 * nbytes / statistics.median(seconds) / 1e9
+
+
+def _decoder_bytes(model) -> int:
+  """Bytes of the weights one decode step reads: decoder and logits (no encoder)."""
+  import jax
+  leaves = jax.tree_util.tree_leaves(model.params["decoder"])
+  return sum(int(x.size) * x.dtype.itemsize for x in leaves)
+
+
+def run_ours() -> Dict[str, Any]:
+  import jax
+  import numpy as np
+  import specdec_jax as sj
+  from specdec_jax import embed, profiling, testing, theory
+
+  wall = time.perf_counter()
+  log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)
+  pair = sj.load_demo_pair()
+  as_dtype = lambda m: sj.Model(m.config.replace(dtype=DTYPE.value), jax.tree_util.tree_map(
+      lambda x: x.astype(DTYPE.value), m.params))
+  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
+  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
+                                                      target_config))
+  small_large_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
+  drafts = {
+      f"demo small embedded at {DRAFT_SHAPE}": sj.Model(small_large_config, embed.embed_params(
+          pair.drafts["small"].params, pair.drafts["small"].config, small_large_config)),
+  }
+  if not DRY_RUN.value:
+    drafts["demo small (1.1M)"] = as_dtype(pair.drafts["small"])
+    drafts["demo tiny (0.2M)"] = as_dtype(pair.drafts["tiny"])
+  random_small = sj.get_config("t5_small", vocab_size=target_config.vocab_size,
+                               dtype=DTYPE.value)
+  if DRY_RUN.value:
+    random_small = random_small.replace(num_encoder_layers=1, num_decoder_layers=2)
+  cost_only = {"random t5_small shape (cost only)": sj.load_model(random_small)}
+  log(f"built target {target_config.num_params / 1e9:.2f}B params "
+      f"({'tiny dry-run' if DRY_RUN.value else TARGET_SHAPE.value} shape), drafts {list(drafts)}")
+
+  # Target-only decoding and the bandwidth floor.
+  enc = testing.random_encoder_tokens(1, ENC_LEN.value, target_config.vocab_size, seed=0,
+                                      min_length=ENC_LEN.value)
+  kwargs = dict(max_decode_steps=NEW_TOKENS.value, eos_id=-1, block_width=1)
+
+  def generate_seconds():
+    start = time.perf_counter()
+    jax.block_until_ready(sj.generate(target, enc, **kwargs).sequences)
+    return time.perf_counter() - start
+
+  generate_seconds()
+  ms_per_token = statistics.median(generate_seconds() for _ in range(REPEATS.value)) * 1e3 / (
+      NEW_TOKENS.value)
+  bandwidth = _copy_bandwidth_gbs(1 << 26 if DRY_RUN.value else 1 << 31)
+  floor_ms = _decoder_bytes(target) / (bandwidth * 1e9) * 1e3
+  log(f"target-only {ms_per_token:.3f} ms/token; floor {floor_ms:.3f} ms "
+      f"({_decoder_bytes(target) / 1e9:.2f} GB at {bandwidth:.0f} GB/s)")
+
+  # Cost curve C(k) and c.
+  ks = [1, 2] if DRY_RUN.value else [1, 2, 3, 5, 8]
+  max_len = 2 * max(ks) + 2 if DRY_RUN.value else 128
+  target_ms = profiling.time_block_calls({"target": target}, enc, max_len, ks,
+                                         REPEATS.value)["target"]
+  cost_curve = {k: target_ms[k] / target_ms[1] for k in ks}
+  draft_ms = profiling.time_block_calls({**drafts, **cost_only}, enc, max_len, [1],
+                                        REPEATS.value)
+  c = {name: ms[1] / target_ms[1] for name, ms in draft_ms.items()}
+  log(f"C(k) {cost_curve}; c {c}")
+
+  # The cost-realistic pair.
+  inputs = pair.heldout_inputs(NUM_INPUTS.value)
+  steps = min(pair.max_decode_steps, NEW_TOKENS.value) if DRY_RUN.value else pair.max_decode_steps
+  # The measured curve, interpolated where a k was not timed (flat past the last).
+  curve = list(np.interp(np.arange(1, 9), ks, [cost_curve[k] for k in ks]))
+  pairs = {}
+  for name, draft in drafts.items():
+    # alpha first, at gamma 4, to choose gamma by the theory (unless fixed).
+    probe = sj.generate(target, inputs, max_decode_steps=steps, draft=draft, gamma=4)
+    alpha = probe.stats.alpha
+    gamma = GAMMA.value or max(range(1, 8), key=lambda g: (
+        theory.predicted_speedup_with_cost_curve(alpha, g, c[name], curve), -g))
+    width = max(8, gamma + 1)
+    timing = profiling.time_generate_pairs(
+        target, inputs, REPEATS.value, dict(max_decode_steps=steps, block_width=width),
+        dict(max_decode_steps=steps, draft=draft, gamma=gamma, block_width=width))
+    ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
+    stats = [o.stats for o in timing.spec_outputs]
+    alpha = (sum(float(s.beta_sum.sum()) for s in stats) /
+             max(sum(int(s.beta_count.sum()) for s in stats), 1))
+    identical = sum(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
+                    for r, s in zip(timing.reference_outputs, timing.spec_outputs))
+    pairs[name] = dict(
+        gamma=gamma, block_width=width, alpha=alpha, c=c[name],
+        speedup=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios),
+        predicted_theorem_3_8=theory.walltime_improvement(alpha, gamma, c[name]),
+        predicted_cost_curve=theory.predicted_speedup_with_cost_curve(
+            alpha, gamma, c[name], curve + [curve[-1]] * max(0, gamma + 1 - len(curve))),
+        identical_rows=int(identical), rows=len(inputs),
+        target_ms_per_input=[s * 1e3 for s in timing.base_seconds],
+        spec_ms_per_input=[s * 1e3 for s in timing.spec_seconds])
+    log(f"pair with {name}: gamma {gamma}, alpha {alpha:.3f}, speedup "
+        f"{pairs[name]['speedup']:.2f}X, identical {identical}/{len(inputs)}")
+  return dict(
+      part="ours", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
+      target_note=TARGET_NOTE.format(
+          shape="tiny dry-run" if DRY_RUN.value else TARGET_SHAPE.value),
+      target_config=str(target_config),
+      target_params=target_config.num_params, new_tokens=NEW_TOKENS.value,
+      encoder_length=ENC_LEN.value, target_only_ms_per_token=ms_per_token,
+      copy_bandwidth_gbs=bandwidth, decoder_bytes=_decoder_bytes(target),
+      bandwidth_floor_ms=floor_ms, floor_ratio=ms_per_token / floor_ms,
+      target_block_ms={str(k): v for k, v in target_ms.items()},
+      cost_curve={str(k): v for k, v in cost_curve.items()},
+      draft_step_ms={name: ms[1] for name, ms in draft_ms.items()}, c=c,
+      pair_inputs=len(inputs), pair_new_tokens=steps, pairs=pairs,
+      seconds=time.perf_counter() - wall)
+
+
+# ---------------------------------------------------------------------------
+# Report.
+
+
+def report() -> str:
+  def load(name):
+    path = os.path.join(OUTPUT_DIR.value, f"{name}.json")
+    if not os.path.exists(path):
+      return None
+    with open(path) as f:
+      return json.load(f)
+
+  ours, hf = load("ours"), load("hf")
+  if ours is None:
+    raise FileNotFoundError(f"no ours.json in {OUTPUT_DIR.value}: run --part=ours first")
+  lines = [f"**{ours['target_note']}** Machine: {', '.join(ours['machine']['devices'])}, "
+           f"jax {ours['machine']['jax']}, {ours['dtype']}, batch 1, {ours['machine']['date']}"
+           f"{' (DRY RUN: tiny shapes on CPU, numbers meaningless)' if ours['dry_run'] else ''}.",
+           "", "| figure | value |", "|---|---|",
+           f"| our target-only `generate` ({ours['new_tokens']} tokens, {ours['encoder_length']}"
+           f"-token input) | {ours['target_only_ms_per_token']:.2f} ms/token |",
+           f"| bandwidth floor ({ours['decoder_bytes'] / 1e9:.1f} GB at "
+           f"{ours['copy_bandwidth_gbs']:.0f} GB/s) | {ours['bandwidth_floor_ms']:.2f} ms/token "
+           f"(ours = {ours['floor_ratio']:.2f}x the floor) |"]
+  if hf is not None:
+    lines.append(f"| transformers {hf['transformers']} `generate`, same shape, {hf['device']} "
+                 f"{hf['dtype']} | {hf['ms_per_token']:.2f} ms/token (ours "
+                 f"{hf['ms_per_token'] / ours['target_only_ms_per_token']:.1f}x faster) |")
+  curve = ", ".join(f"{v:.2f} (k={k})" for k, v in ours["cost_curve"].items() if k != "1")
+  lines.append(f"| C(k) = target call scoring k tokens / 1 | {curve} |")
+  for name, value in ours["c"].items():
+    lines.append(f"| c, {name} | {value:.3f} ({ours['draft_step_ms'][name]:.3f} ms/step) |")
+  lines += ["", f"Cost-realistic pair: {ours['pair_inputs']} held-out demo inputs, greedy, "
+            f"{ours['pair_new_tokens']} new tokens max, paired interleaved repeats.", "",
+            "| draft | γ | α | c | predicted (Thm 3.8) | predicted (C(k)) | speedup | identical |",
+            "|---|---|---|---|---|---|---|---|"]
+  for name, p in ours["pairs"].items():
+    lines.append(f"| {name} | {p['gamma']} | {p['alpha']:.2f} | {p['c']:.3f} | "
+                 f"{p['predicted_theorem_3_8']:.2f}X | {p['predicted_cost_curve']:.2f}X | "
+                 f"{p['speedup']:.2f}X [{p['speedup_min']:.2f}, {p['speedup_max']:.2f}] | "
+                 f"{p['identical_rows']}/{p['rows']} |")
+  text = "\n".join(lines) + "\n"
+  with open(os.path.join(OUTPUT_DIR.value, "gpu_benchmarks.md"), "w") as f:
+    f.write(text)
+  _write("gpu_benchmarks", dict(ours=ours, hf=hf))
+  return text
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if DRY_RUN.value:
+    # Every code path at tiny cost: the shapes above, two inputs, one repeat.
+    for flag, value in (("new_tokens", 8), ("encoder_length", 8), ("num_inputs", 2),
+                        ("repeats", 1), ("gamma", 4)):
+      if not flags.FLAGS[flag].present:
+        flags.FLAGS[flag].value = value
+  if PART.value == "hf":
+    _write("hf", run_hf())
+  elif PART.value == "ours":
+    _write("ours", run_ours())
+  else:
+    print(report())
+
+
+if __name__ == "__main__":
+  app.run(main)

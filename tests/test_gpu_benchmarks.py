@@ -1,0 +1,31 @@
+"""scripts/gpu_benchmarks.sh --dry_run: every code path of the GPU benchmark, on CPU at tiny shapes.
+
+(The numbers of a dry run mean nothing; the test checks that the script runs
+end to end, writes its JSON and table, and says what the target is.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_benchmarks_dry_run(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
+  result = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_benchmarks.sh"), "--dry_run"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  with open(tmp_path / "gpu_benchmarks.json") as f:
+    merged = json.load(f)
+  ours, hf = merged["ours"], merged["hf"]
+  assert ours["dry_run"] and "EMBEDDED" in ours["target_note"] and "9.7M" in ours["target_note"]
+  assert ours["target_only_ms_per_token"] > 0 and ours["bandwidth_floor_ms"] > 0
+  assert ours["cost_curve"]["1"] == 1.0 and set(ours["c"]) >= {
+      "demo small embedded at t5_1_1_small", "random t5_small shape (cost only)"}
+  (pair,) = ours["pairs"].values()
+  assert pair["identical_rows"] == pair["rows"] == 2 and 0 < pair["alpha"] <= 1
+  assert hf is not None and hf["ms_per_token"] > 0
+  table = (tmp_path / "gpu_benchmarks.md").read_text()
+  assert "EMBEDDED" in table and "| C(k)" in table and "transformers" in table
