@@ -26,6 +26,7 @@ from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
 from specdec_jax.train import TrainState, fit, make_optimizer, train_step
 # Decoder-only models (GPT-2 / Llama / Qwen2 layouts), issue 16 (in progress).
 from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only, load_hf_decoder_only
+from specdec_jax.decoder_only_demo_pair import DecoderOnlyDemoPair, load_decoder_only_demo_pair
 from specdec_jax.decoder_only_generation import decoder_only_generate
 from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
