@@ -261,7 +261,7 @@ def run_ours() -> Dict[str, Any]:
     alpha = probe.stats.alpha
     gamma = GAMMA.value or max(range(1, 8), key=lambda g: (
         theory.predicted_speedup_with_cost_curve(alpha, g, c[name], curve), -g))
-    width = max(8, gamma + 1)
+    width = gamma + 1  # the narrowest exact width (wider blocks cost more on some devices)
     timing = profiling.time_generate_pairs(
         target, inputs, REPEATS.value, dict(max_decode_steps=steps, block_width=width),
         dict(max_decode_steps=steps, draft=draft, gamma=gamma, block_width=width))
