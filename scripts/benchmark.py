@@ -46,7 +46,8 @@ import numpy as np
 from specdec_jax import decoding
 from specdec_jax import generation
 from specdec_jax import theory
-from specdec_jax.model import Model, default_dtype, load_model
+from specdec_jax.loading import load_model
+from specdec_jax.model import Model, default_dtype
 from specdec_jax.models.configs import CONFIGS
 from specdec_jax.profiling import time_block_calls
 from specdec_jax.results import write_json_atomic

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from specdec_jax import generation
-from specdec_jax.model import load_model
+from specdec_jax.loading import load_model
 from specdec_jax.models.configs import T5Config, get_config
 from specdec_jax.results import write_json_atomic
 

@@ -38,7 +38,8 @@ import numpy as np
 
 from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
+from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.loading import load_decoder_only_model
 from specdec_jax.results import write_json_atomic
 
 FLAGS = flags.FLAGS

@@ -1,7 +1,7 @@
-"""specdec_jax: exact speculative decoding for T5-style models in JAX/Flax.
+"""specdec_jax: exact speculative decoding for T5 and decoder-only models in JAX/Flax.
 
 Public API:
-  load_model, save_model, export_hf, export_t5x, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
+  load_model (every family), save_model, export_hf, export_t5x, Model, T5Config, generate, GenerateOutput, SpeculativeStats,
   temperature_sample, speculative_sample, speculative_step, adjust_probs;
   drafts (ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft), theory,
   sharding, train / distill, load_demo_pair.
@@ -14,8 +14,10 @@ from specdec_jax.distill import distill_drafts, measure_alpha
 from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample
 from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraft,
                                 PromptLookupDraft, as_draft)
-from specdec_jax.generation import GenerateOutput, SpeculativeStats, generate
-from specdec_jax.model import Model, load_model
+from specdec_jax.generation import generate
+from specdec_jax.outputs import GenerateOutput, SpeculativeStats
+from specdec_jax.loading import load_decoder_only_model, load_model
+from specdec_jax.model import Model
 from specdec_jax.models.configs import CONFIGS, T5Config, get_config
 from specdec_jax import data, distill, sharding, theory, train
 from specdec_jax.sampling import adjust_probs
@@ -28,7 +30,7 @@ from specdec_jax.train import TrainState, fit, make_optimizer, train_step
 from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only, load_hf_decoder_only
 from specdec_jax.decoder_only_demo_pair import DecoderOnlyDemoPair, load_decoder_only_demo_pair
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
+from specdec_jax.decoder_only_model import DecoderOnlyModel
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
 from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
 from specdec_jax.models.decoder_configs import (DECODER_CONFIGS, DecoderOnlyConfig,

@@ -48,7 +48,8 @@ import numpy as np
 from flax import traverse_util
 
 from specdec_jax.checkpoints import CheckpointError, _cast, _hf_weight_files, _Tensor
-from specdec_jax.decoder_only_model import DecoderOnlyModel, default_dtype
+from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.model import default_dtype
 from specdec_jax.models.decoder_configs import DecoderOnlyConfig
 from specdec_jax.models.decoder_only import DecoderOnly
 

@@ -41,7 +41,7 @@ from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
 from specdec_jax.dtypes import check_matmul_precision
 from specdec_jax.drafts import AdaptiveGammaDraft, Draft, ModelDraft, PromptLookupDraft
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
-from specdec_jax.generation import GenerateOutput, SpeculativeStats, sequence_lengths
+from specdec_jax.outputs import GenerateOutput, SpeculativeStats, sequence_lengths
 from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.decoder_configs import DecoderOnlyConfig
 

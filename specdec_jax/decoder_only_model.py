@@ -1,22 +1,21 @@
 """`DecoderOnlyModel`: a decoder-only config, its params and jit-compiled entry points.
 
 The decoder-only counterpart of `specdec_jax.model.Model` (T5). Build one with
-`load_decoder_only_model(name | DecoderOnlyConfig | Hugging Face directory)`.
+`specdec_jax.load_model` / `loading.load_decoder_only_model` (name,
+DecoderOnlyConfig or Hugging Face directory).
 """
 
 import dataclasses
 import functools
-import os
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.model import check_tokens, default_dtype
+from specdec_jax.model import check_tokens
 from specdec_jax.models import decoder_only
-from specdec_jax.models.decoder_configs import (DECODER_CONFIGS, DecoderOnlyConfig,
-                                                canonical_name, get_decoder_config)
+from specdec_jax.models.decoder_configs import DecoderOnlyConfig
 from specdec_jax.models.decoder_only import DecoderOnly
 
 Array = jax.Array
@@ -212,46 +211,3 @@ def init_decoder_only_params(config: DecoderOnlyConfig, seed: int = 0):
   params = _init_fn(config)(jax.random.PRNGKey(seed))
   dtype = jnp.dtype(config.dtype)
   return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-
-
-def load_decoder_only_model(source: Union[str, DecoderOnlyConfig, os.PathLike], *,
-                            dtype: Optional[str] = None, seed: int = 0,
-                            **config_overrides) -> DecoderOnlyModel:
-  """Builds a `DecoderOnlyModel`.
-
-  Args:
-    source: a named config (`gpt2`, `qwen2-0.5b`, `llama_tiny`, ...) or a
-      `DecoderOnlyConfig` (random init), or a Hugging Face directory of a
-      LlamaForCausalLM / Qwen2ForCausalLM / GPT2LMHeadModel (see
-      `checkpoints_decoder_only`), or a hub id (`Qwen/Qwen2-0.5B`), fetched
-      with `huggingface_hub` when installed and reachable. A local path or
-      named config wins over a hub id of the same spelling.
-    dtype: 'float32' / 'bfloat16' / 'float16'; default float32 on CPU,
-      bfloat16 elsewhere.
-    seed: init seed for random weights.
-    **config_overrides: DecoderOnlyConfig fields to change (random init only).
-  """
-  if isinstance(source, DecoderOnlyConfig):
-    config = source.replace(**config_overrides) if config_overrides else source
-    if dtype is not None:
-      config = config.replace(dtype=dtype)
-    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
-  source = os.fspath(source) if isinstance(source, os.PathLike) else source
-  if not isinstance(source, str):
-    raise TypeError(f"load_decoder_only_model takes a config name, DecoderOnlyConfig or path, "
-                    f"got {type(source)}")
-  if not os.path.exists(source) and canonical_name(source) in DECODER_CONFIGS:
-    config = get_decoder_config(source, **config_overrides)
-    config = config.replace(dtype=dtype or default_dtype())
-    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
-  from specdec_jax import checkpoints  # Heavy imports only when loading files.
-  if not os.path.exists(source):
-    if not checkpoints._looks_like_hub_id(source):
-      raise ValueError(f"{source!r} is neither a decoder-only config name nor an existing "
-                       f"directory. Known configs: {', '.join(sorted(DECODER_CONFIGS))}")
-    source = checkpoints._download_from_hub(source)  # A clear error when offline.
-  if config_overrides:
-    raise ValueError(f"config overrides {sorted(config_overrides)} apply to random init only, "
-                     f"not to a checkpoint (its config.json defines the shapes)")
-  from specdec_jax import checkpoints_decoder_only
-  return checkpoints_decoder_only.load_hf_decoder_only(source, dtype=dtype)

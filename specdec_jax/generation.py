@@ -1,4 +1,9 @@
-"""`generate`: the user-facing entry point over both decode loops."""
+"""`generate`: the user-facing entry point over both decode loops, for every model family.
+
+T5 models (`Model`) decode here; decoder-only models (`DecoderOnlyModel`)
+are handed to `decoder_only_generation.decoder_only_generate`, which runs the
+same loops with prompt-shifted positions.
+"""
 
 import contextlib
 import dataclasses
@@ -10,94 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import decoding
+from specdec_jax import decoder_only_generation
 from specdec_jax import sampling
 from specdec_jax import sharding
 from specdec_jax.drafts import Draft, as_draft
 from specdec_jax.dtypes import check_matmul_precision
+from specdec_jax.decoder_only_model import DecoderOnlyModel
 from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.t5 import T5
+from specdec_jax.outputs import GenerateOutput, SpeculativeStats, sequence_lengths
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeStats:
-  """Acceptance statistics of one speculative `generate` call.
-
-  Per-row arrays ([batch]) count over the iterations in which the row was
-  still decoding:
-    iterations: target calls; drafted: tokens proposed; accepted: drafts that
-    reached the output (so emitted tokens = accepted + iterations);
-    accepted_raw: drafts the rejection rule accepted (>= accepted when EOS or
-    the length limit cut an iteration short);
-    position_accepted / position_drafted: [batch, gamma] per-position counts;
-    beta_sum / beta_count: sums of sum_x min(p, q) over positions whose prefix
-    was all accepted drafts (Corollary 3.6).
-  """
-  gamma: int
-  iterations: np.ndarray
-  drafted: np.ndarray
-  accepted: np.ndarray
-  accepted_raw: np.ndarray
-  position_accepted: np.ndarray
-  position_drafted: np.ndarray
-  beta_sum: np.ndarray
-  beta_count: np.ndarray
-  emitted: np.ndarray
-
-  @property
-  def acceptance_rate(self) -> float:
-    """Accepted drafts / drafted tokens (the rule's decisions), all rows."""
-    return float(self.accepted_raw.sum() / max(self.drafted.sum(), 1))
-
-  @property
-  def row_acceptance_rate(self) -> np.ndarray:
-    return self.accepted_raw / np.maximum(self.drafted, 1)
-
-  @property
-  def alpha(self) -> float:
-    """Estimate of alpha = E[sum_x min(p, q)] (Corollary 3.6), all rows."""
-    return float(self.beta_sum.sum() / max(self.beta_count.sum(), 1))
-
-  @property
-  def row_alpha(self) -> np.ndarray:
-    return self.beta_sum / np.maximum(self.beta_count, 1)
-
-  @property
-  def mean_tokens_per_iteration(self) -> float:
-    return float(self.emitted.sum() / max(self.iterations.sum(), 1))
-
-  @property
-  def row_tokens_per_iteration(self) -> np.ndarray:
-    return self.emitted / np.maximum(self.iterations, 1)
-
-  @property
-  def per_position_acceptance(self) -> np.ndarray:
-    """[gamma]: fraction of drafts at position i that were accepted (vLLM-style)."""
-    return self.position_accepted.sum(0) / np.maximum(self.position_drafted.sum(0), 1)
-
-  def summary(self) -> Dict[str, Any]:
-    return dict(gamma=self.gamma, iterations=int(self.iterations.sum()),
-                drafted=int(self.drafted.sum()), accepted=int(self.accepted.sum()),
-                emitted=int(self.emitted.sum()), acceptance_rate=self.acceptance_rate,
-                alpha=self.alpha, mean_tokens_per_iteration=self.mean_tokens_per_iteration,
-                per_position_acceptance=self.per_position_acceptance.tolist())
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOutput:
-  """sequences [batch, max_decode_steps] int32 (no BOS, 0 after EOS);
-  lengths [batch] int32 (tokens up to and including EOS); stats (speculative only)."""
-  sequences: Array
-  lengths: Array
-  stats: Optional[SpeculativeStats] = None
-
-
-def sequence_lengths(sequences: Array, eos_id: int) -> Array:
-  """Tokens up to and including the first EOS (the full length when none)."""
-  is_eos = sequences == eos_id
-  return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
-                   sequences.shape[1]).astype(jnp.int32)
 
 
 _COMPILED: Dict[Any, Any] = {}
@@ -162,7 +90,8 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
   return jax.jit(run, in_shardings=shardings.in_shardings, out_shardings=shardings.out_shardings)
 
 
-def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature: float = 0.0,
+def generate(model: Model, encoder_tokens, prompt_lengths=None, *, max_decode_steps: int,
+             temperature: float = 0.0,
              topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
              rng: Optional[Array] = None, draft=None, gamma: int = 4,
              block_width: Optional[int] = None, matmul_precision: Optional[str] = None,
@@ -172,8 +101,12 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
   """Decodes `encoder_tokens` with `model`, speculatively when `draft` is given.
 
   Args:
-    model: the target `Model`.
-    encoder_tokens: [batch, enc_len] int32, 0-padded on the right.
+    model: the target: a T5 `Model`, or a `DecoderOnlyModel` (then the call
+      is `decoder_only_generation.decoder_only_generate`'s: the drafts must be
+      decoder-only too, or n-gram / prompt-lookup drafts).
+    encoder_tokens: T5: [batch, enc_len] int32, 0-padded on the right.
+      Decoder-only: the prompts [batch, P], right-padded.
+    prompt_lengths: decoder-only only: [batch] prompt lengths (None: all P).
     max_decode_steps: tokens to generate per row (>= 1).
     temperature / topk / topp: sampling (temperature 0 = greedy); the draft is
       adjusted the same way, so outputs are distributed exactly as without it.
@@ -203,18 +136,34 @@ def generate(model: Model, encoder_tokens, *, max_decode_steps: int, temperature
   Returns:
     GenerateOutput; `stats` is set when a draft was used.
   """
-  tokens = check_tokens(encoder_tokens)
   if batch_invariant:
+    tokens = check_tokens(encoder_tokens, "prompts" if isinstance(model, DecoderOnlyModel)
+                          else "encoder_tokens")
     if partitioner is not None or draft_partitioner is not None:
       raise ValueError("batch_invariant decodes rows one at a time; it does not take a "
                        "partitioner (shard the batch, or drop batch_invariant)")
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    rows = [generate(model, tokens[i:i + 1], max_decode_steps=max_decode_steps,
+    lengths = None if prompt_lengths is None else np.asarray(prompt_lengths)
+    rows = [generate(model, tokens[i:i + 1], None if lengths is None else lengths[i:i + 1],
+                     max_decode_steps=max_decode_steps,
                      temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
                      rng=jax.random.fold_in(rng, i), draft=draft, gamma=gamma,
                      block_width=block_width, matmul_precision=matmul_precision)
             for i in range(tokens.shape[0])]
     return _concatenate_rows(rows)
+  if isinstance(model, DecoderOnlyModel):
+    return decoder_only_generation.decoder_only_generate(
+        model, encoder_tokens, prompt_lengths, max_decode_steps=max_decode_steps,
+        temperature=temperature, topk=topk, topp=topp, eos_id=eos_id, rng=rng, draft=draft,
+        gamma=gamma, block_width=block_width, matmul_precision=matmul_precision,
+        partitioner=partitioner, draft_partitioner=draft_partitioner)
+  if not isinstance(model, Model):
+    raise TypeError(f"generate takes a specdec_jax Model (T5) or DecoderOnlyModel, got "
+                    f"{type(model).__name__}")
+  if prompt_lengths is not None:
+    raise ValueError("prompt_lengths is for decoder-only models; a T5 model reads "
+                     "0-padded encoder_tokens")
+  tokens = check_tokens(encoder_tokens)
   if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
     raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
   sampling.validate_sampling(temperature, topk, topp, model.config.vocab_size)

@@ -1,16 +1,18 @@
-"""`Model`: a T5 config, its params and jit-compiled entry points; `load_model`."""
+"""`Model`: a T5 config, its params and jit-compiled entry points.
+
+Build one with `specdec_jax.load_model` (loading.py: named configs, configs,
+checkpoints of every family).
+"""
 
 import dataclasses
 import functools
-import os
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.dtypes import optional_dtype
-from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+from specdec_jax.models.configs import T5Config
 from specdec_jax.models import t5_decode
 from specdec_jax.models.t5 import T5
 
@@ -144,38 +146,3 @@ def init_params(config: T5Config, seed: int = 0):
 def default_dtype() -> str:
   """float32 on CPU (bf16 is ~4x slower there), bfloat16 on TPU/GPU."""
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def load_model(name_or_path_or_config: Union[str, T5Config, os.PathLike], *,
-               dtype: Optional[str] = None, seed: int = 0, **config_overrides) -> Model:
-  """Builds a `Model`.
-
-  Args:
-    name_or_path_or_config: a named config (`t5_1_1_small`, `tiny`, ...) or a
-      `T5Config` (random init), or a checkpoint path (Hugging Face directory,
-      T5X or Orbax checkpoint; see `specdec_jax.checkpoints`).
-    dtype: 'float32' / 'bfloat16' / 'float16', spelled as a string ('bf16')
-      or a dtype (jnp.bfloat16, np.float32); default: float32 on CPU, bfloat16 elsewhere
-      for random init, the same for checkpoints.
-    seed: init seed for random weights.
-    **config_overrides: T5Config fields to change (random init only).
-  """
-  source = name_or_path_or_config
-  dtype = optional_dtype(dtype)
-  if isinstance(source, T5Config):
-    config = source.replace(**config_overrides) if config_overrides else source
-    if dtype is not None:
-      config = config.replace(dtype=dtype)
-    return Model(config, init_params(config, seed))
-  source = os.fspath(source) if isinstance(source, os.PathLike) else source
-  if not isinstance(source, str):
-    raise TypeError(f"load_model takes a config name, T5Config or path, got {type(source)}")
-  if source in CONFIGS:
-    config = get_config(source, **config_overrides)
-    config = config.replace(dtype=dtype or default_dtype())
-    return Model(config, init_params(config, seed))
-  if not os.path.exists(source) and "/" not in source and os.sep not in source:
-    raise ValueError(f"Unknown model config {source!r} (and no such checkpoint path). "
-                     f"Known configs: {', '.join(sorted(CONFIGS))}")
-  from specdec_jax import checkpoints  # Heavy imports only when loading files.
-  return checkpoints.load_checkpoint_model(source, dtype=dtype, **config_overrides)

@@ -194,7 +194,7 @@ def _as_draft(draft: Union[None, Draft, T5Config, Model, str, os.PathLike],
   if isinstance(draft, Model):
     return ModelDraft(draft)
   if isinstance(draft, (str, os.PathLike)):
-    from specdec_jax.model import load_model
+    from specdec_jax.loading import load_model
     return ModelDraft(load_model(draft, dtype=dtype))
   raise TypeError(f"draft must be a Draft, Model, T5Config or checkpoint path, "
                   f"got {type(draft).__name__}")

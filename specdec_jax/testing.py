@@ -8,7 +8,8 @@ has an acceptance rate strictly inside (0, 1).
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.model import Model, load_model
+from specdec_jax.loading import load_model
+from specdec_jax.model import Model
 
 
 def perturbed_model(model: Model, noise: float, seed: int = 1) -> Model:

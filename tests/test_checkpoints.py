@@ -17,7 +17,7 @@ import pytest
 from flax import serialization, traverse_util
 
 from specdec_jax import checkpoints
-from specdec_jax import model as model_lib
+from specdec_jax import loading
 from specdec_jax.models.configs import get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,14 +25,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny():
-  return model_lib.load_model("tiny", vocab_size=64, dtype="float32", seed=3)
+  return loading.load_model("tiny", vocab_size=64, dtype="float32", seed=3)
 
 
 @pytest.fixture(scope="module")
 def tiny_relu():
   config = get_config("tiny", vocab_size=64, mlp_activations=("relu",), logits_via_embedding=True,
                       num_encoder_layers=3, num_decoder_layers=2, num_heads=3, head_dim=8)
-  return model_lib.load_model(config, dtype="float32", seed=4)
+  return loading.load_model(config, dtype="float32", seed=4)
 
 
 def _flat(params):
@@ -111,7 +111,7 @@ def test_t5x_round_trip_identical(tmp_path, tiny):
   # The msgpack file itself and a TensorStore URL name the same checkpoint.
   by_file = checkpoints.load_checkpoint_model(directory / "checkpoint", dtype="float32")
   _assert_same_params(by_file.params, tiny.params)
-  by_url = model_lib.load_model(f"file://{directory}", dtype="float32")
+  by_url = loading.load_model(f"file://{directory}", dtype="float32")
   _assert_same_params(by_url.params, tiny.params)
 
 
@@ -156,10 +156,10 @@ def test_t5x_overrides_and_conflicting_override(tmp_path, tiny):
 def test_orbax_round_trip_through_load_model(tmp_path, tiny):
   path = tmp_path / "ours"
   checkpoints.save_model(tiny, path)
-  loaded = model_lib.load_model(str(path), dtype="float32")
+  loaded = loading.load_model(str(path), dtype="float32")
   assert loaded.config == tiny.config
   _assert_same_params(loaded.params, tiny.params)
-  as_bf16 = model_lib.load_model(str(path), dtype="bfloat16")
+  as_bf16 = loading.load_model(str(path), dtype="bfloat16")
   _assert_same_params(as_bf16.params, jax.tree_util.tree_map(
       lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), tiny.params))
   with pytest.raises(FileExistsError):
@@ -187,7 +187,7 @@ def test_convert_script_t5x_to_orbax(tmp_path, tiny):
       capture_output=True, text=True, timeout=300,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == 0, result.stderr[-2000:]
-  loaded = model_lib.load_model(str(output), dtype="float32")
+  loaded = loading.load_model(str(output), dtype="float32")
   _assert_same_params(loaded.params, tiny.params)
 
 
@@ -302,4 +302,4 @@ def test_missing_path_and_unreachable_hub_id(tmp_path, monkeypatch):
 
   monkeypatch.setattr(hub, "snapshot_download", offline)
   with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
-    model_lib.load_model("google/flan-t5-small-does-not-exist-here")
+    loading.load_model("google/flan-t5-small-does-not-exist-here")

@@ -13,7 +13,8 @@ from flax.traverse_util import flatten_dict
 from specdec_jax.checkpoints import CheckpointError
 from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
+from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.loading import load_decoder_only_model
 from specdec_jax.models.decoder_configs import DECODER_CONFIGS, get_decoder_config
 
 VOCAB = 97
@@ -524,7 +525,7 @@ def test_drafts_of_the_wrong_family_are_clear_errors():
   from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
   with pytest.raises(ValueError, match="decoder-only draft cannot serve a T5Config target"):
     sj.generate(t5, prompts, max_decode_steps=3, draft=DecoderOnlyModelDraft(target))
-  with pytest.raises(TypeError, match="got DecoderOnlyModel"):
+  with pytest.raises(TypeError, match="decoder-only draft .* cannot draft for a T5 target"):
     sj.generate(t5, prompts, max_decode_steps=3, draft=target)
 
 

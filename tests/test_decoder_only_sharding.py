@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from specdec_jax import decoder_only_sharding as dos
 from specdec_jax import sharding
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel, load_decoder_only_model
+from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.loading import load_decoder_only_model
 from specdec_jax.models.decoder_configs import DECODER_CONFIGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from scipy import stats as scipy_stats
 from specdec_jax import generate
 from specdec_jax.drafts import (AdaptiveGammaDraft, ModelDraft, NgramDraft, PromptLookupDraft,
                                 heuristic_draft_length)
-from specdec_jax.model import load_model
+from specdec_jax.loading import load_model
 from specdec_jax.sampling import adjust_probs
 from specdec_jax.testing import random_encoder_tokens, tiny_pair
 

@@ -18,7 +18,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from specdec_jax import checkpoints  # pylint: disable=g-import-not-at-top
 from specdec_jax import generation
-from specdec_jax import model as model_lib
+from specdec_jax import loading
 from specdec_jax import testing
 
 VOCAB = 128
@@ -139,7 +139,7 @@ def test_original_t5_relu_tied_rescaled(tmp_path):
   hf.save_pretrained(tmp_path)
   reference = _load_reference(tmp_path)
   assert reference.config.scale_decoder_outputs
-  ours = model_lib.load_model(str(tmp_path), dtype="float32")  # Through the public entry.
+  ours = loading.load_model(str(tmp_path), dtype="float32")  # Through the public entry.
   assert ours.config.mlp_activations == ("relu",)
   assert ours.config.logits_via_embedding
   _assert_logits_parity(ours, reference)
@@ -192,6 +192,6 @@ def test_export_hf_loads_in_transformers(tmp_path):
   # transformers the same logits (T5X init, tied + untied heads).
   for name, overrides in (("untied", {}),
                           ("tied", dict(mlp_activations=("relu",), logits_via_embedding=True))):
-    ours = model_lib.load_model("tiny", vocab_size=VOCAB, dtype="float32", seed=5, **overrides)
+    ours = loading.load_model("tiny", vocab_size=VOCAB, dtype="float32", seed=5, **overrides)
     checkpoints.export_hf(ours, tmp_path / name)
     _assert_logits_parity(ours, _load_reference(tmp_path / name))

@@ -67,13 +67,13 @@ def test_bad_arguments(pair):
 def test_export_t5x_round_trip(tmp_path, pair):
   """Our T5X writer's layout reads back exactly (T5X's own restore: test_t5x_integration.py)."""
   from flax import serialization, traverse_util
-  from specdec_jax import checkpoints, model as model_lib
+  from specdec_jax import checkpoints, loading
   target, _ = pair
   directory = checkpoints.export_t5x(target, tmp_path / "checkpoint_3", step=3)
   with open(f"{directory}/checkpoint", "rb") as f:
     contents = serialization.msgpack_restore(f.read())
   assert contents["version"] == 3 and int(contents["optimizer"]["state"]["step"]) == 3
-  loaded = model_lib.load_model(directory, dtype="float32")
+  loaded = loading.load_model(directory, dtype="float32")
   assert loaded.config == target.config
   want = traverse_util.flatten_dict(target.params)
   got = traverse_util.flatten_dict(loaded.params)

@@ -17,6 +17,11 @@ def as_draft(draft) -> Draft:
   from specdec_jax.model import Model
   if isinstance(draft, Model):
     return ModelDraft(draft)
+  from specdec_jax.decoder_only_model import DecoderOnlyModel
+  if isinstance(draft, DecoderOnlyModel):
+    raise TypeError(f"a decoder-only draft ({draft.config.family}) cannot draft for a T5 "
+                    "target: model drafts must be of the target's family (n-gram drafts work "
+                    "for both)")
   raise TypeError(f"draft must be a specdec_jax Model or Draft, got {type(draft).__name__}")
 
 

@@ -1,0 +1,94 @@
+"""What `generate` returns, for every model family: `GenerateOutput` and `SpeculativeStats`.
+
+Shared by the T5 and decoder-only entry points (generation.py,
+decoder_only_generation.py), so neither imports the other for its types.
+"""
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStats:
+  """Acceptance statistics of one speculative `generate` call.
+
+  Per-row arrays ([batch]) count over the iterations in which the row was
+  still decoding:
+    iterations: target calls; drafted: tokens proposed; accepted: drafts that
+    reached the output (so emitted tokens = accepted + iterations);
+    accepted_raw: drafts the rejection rule accepted (>= accepted when EOS or
+    the length limit cut an iteration short);
+    position_accepted / position_drafted: [batch, gamma] per-position counts;
+    beta_sum / beta_count: sums of sum_x min(p, q) over positions whose prefix
+    was all accepted drafts (Corollary 3.6).
+  """
+  gamma: int
+  iterations: np.ndarray
+  drafted: np.ndarray
+  accepted: np.ndarray
+  accepted_raw: np.ndarray
+  position_accepted: np.ndarray
+  position_drafted: np.ndarray
+  beta_sum: np.ndarray
+  beta_count: np.ndarray
+  emitted: np.ndarray
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted drafts / drafted tokens (the rule's decisions), all rows."""
+    return float(self.accepted_raw.sum() / max(self.drafted.sum(), 1))
+
+  @property
+  def row_acceptance_rate(self) -> np.ndarray:
+    return self.accepted_raw / np.maximum(self.drafted, 1)
+
+  @property
+  def alpha(self) -> float:
+    """Estimate of alpha = E[sum_x min(p, q)] (Corollary 3.6), all rows."""
+    return float(self.beta_sum.sum() / max(self.beta_count.sum(), 1))
+
+  @property
+  def row_alpha(self) -> np.ndarray:
+    return self.beta_sum / np.maximum(self.beta_count, 1)
+
+  @property
+  def mean_tokens_per_iteration(self) -> float:
+    return float(self.emitted.sum() / max(self.iterations.sum(), 1))
+
+  @property
+  def row_tokens_per_iteration(self) -> np.ndarray:
+    return self.emitted / np.maximum(self.iterations, 1)
+
+  @property
+  def per_position_acceptance(self) -> np.ndarray:
+    """[gamma]: fraction of drafts at position i that were accepted (vLLM-style)."""
+    return self.position_accepted.sum(0) / np.maximum(self.position_drafted.sum(0), 1)
+
+  def summary(self) -> Dict[str, Any]:
+    return dict(gamma=self.gamma, iterations=int(self.iterations.sum()),
+                drafted=int(self.drafted.sum()), accepted=int(self.accepted.sum()),
+                emitted=int(self.emitted.sum()), acceptance_rate=self.acceptance_rate,
+                alpha=self.alpha, mean_tokens_per_iteration=self.mean_tokens_per_iteration,
+                per_position_acceptance=self.per_position_acceptance.tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """sequences [batch, max_decode_steps] int32 (no BOS, 0 after EOS);
+  lengths [batch] int32 (tokens up to and including EOS); stats (speculative only)."""
+  sequences: Array
+  lengths: Array
+  stats: Optional[SpeculativeStats] = None
+
+
+def sequence_lengths(sequences: Array, eos_id: int) -> Array:
+  """Tokens up to and including the first EOS (the full length when none)."""
+  is_eos = sequences == eos_id
+  return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
+                   sequences.shape[1]).astype(jnp.int32)
