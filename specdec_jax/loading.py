@@ -14,7 +14,7 @@ This module sits above both families' networks and loaders
 
 import json
 import os
-from typing import Union
+from typing import Optional, Union
 
 from specdec_jax import checkpoints
 from specdec_jax import checkpoints_decoder_only
@@ -40,6 +40,16 @@ def _is_decoder_only_directory(path: str) -> bool:
           (not architectures and hf.get("model_type") in checkpoints_decoder_only.MODEL_TYPES))
 
 
+def _random(config, dtype: Optional[str], seed: int, overrides) -> AnyModel:
+  """A randomly initialised model of `config` (either family), overrides and dtype applied."""
+  config = config.replace(**overrides) if overrides else config
+  if dtype is not None:
+    config = config.replace(dtype=dtype)
+  if isinstance(config, DecoderOnlyConfig):
+    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
+  return Model(config, init_params(config, seed))
+
+
 def load_model(source: Union[str, os.PathLike, T5Config, DecoderOnlyConfig], *,
                dtype=None, seed: int = 0, **config_overrides) -> AnyModel:
   """Builds a T5 `Model` or a `DecoderOnlyModel`.
@@ -60,18 +70,14 @@ def load_model(source: Union[str, os.PathLike, T5Config, DecoderOnlyConfig], *,
   if isinstance(source, DecoderOnlyConfig):
     return load_decoder_only_model(source, dtype=dtype, seed=seed, **config_overrides)
   if isinstance(source, T5Config):
-    config = source.replace(**config_overrides) if config_overrides else source
-    if dtype is not None:
-      config = config.replace(dtype=dtype)
-    return Model(config, init_params(config, seed))
+    return _random(source, dtype, seed, config_overrides)
   source = os.fspath(source) if isinstance(source, os.PathLike) else source
   if not isinstance(source, str):
     raise TypeError(f"load_model takes a config name, a T5Config / DecoderOnlyConfig or a path, "
                     f"got {type(source).__name__}")
   if not os.path.exists(source):
     if source in CONFIGS:
-      config = get_config(source, **config_overrides).replace(dtype=dtype or default_dtype())
-      return Model(config, init_params(config, seed))
+      return _random(get_config(source), dtype or default_dtype(), seed, config_overrides)
     if canonical_name(source) in DECODER_CONFIGS:
       return load_decoder_only_model(source, dtype=dtype, seed=seed, **config_overrides)
     if "/" not in source and os.sep not in source:
@@ -104,18 +110,14 @@ def load_decoder_only_model(source: Union[str, DecoderOnlyConfig, os.PathLike], 
   """
   dtype = optional_dtype(dtype)
   if isinstance(source, DecoderOnlyConfig):
-    config = source.replace(**config_overrides) if config_overrides else source
-    if dtype is not None:
-      config = config.replace(dtype=dtype)
-    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
+    return _random(source, dtype, seed, config_overrides)
   source = os.fspath(source) if isinstance(source, os.PathLike) else source
   if not isinstance(source, str):
     raise TypeError(f"load_decoder_only_model takes a config name, DecoderOnlyConfig or path, "
                     f"got {type(source)}")
   if not os.path.exists(source) and canonical_name(source) in DECODER_CONFIGS:
-    config = get_decoder_config(source, **config_overrides)
-    config = config.replace(dtype=dtype or default_dtype())
-    return DecoderOnlyModel(config, init_decoder_only_params(config, seed))
+    return _random(get_decoder_config(source), dtype or default_dtype(), seed,
+                   config_overrides)
   if not os.path.exists(source):
     if not checkpoints._looks_like_hub_id(source):
       raise ValueError(f"{source!r} is neither a decoder-only config name nor an existing "
