@@ -8,7 +8,16 @@ speedup (median of paired, interleaved repeats after a compile warm-up)
 against the fastest exact target-only decoding, and checks that greedy outputs
 are identical to target-only decoding at the speculative loop's block width.
 
-  python -m experiments.demo [--num_inputs=6] [--gamma=4] [--draft=small]
+On a CPU, verification is far from free and its cost moves between machines
+of one class, so before timing the demo measures, where it runs, the cost
+curve C(k) (one target call scoring k tokens / one token) and c (a draft step
+/ a target step), estimates alpha on the inputs, and (unless --gamma is
+given) picks gamma with the theory's optimum for that curve
+(`theory.predicted_speedup_with_cost_curve`). It prints the measured C(k) and
+c and the predicted speedups (Theorem 3.8, which assumes free verification as
+on an accelerator, and with the measured curve) beside the measured speedup.
+
+  python -m experiments.demo [--num_inputs=6] [--gamma=0] [--draft=small]
 """
 
 import statistics
@@ -20,12 +29,31 @@ import numpy as np
 
 import specdec_jax as sj
 from specdec_jax import profiling
+from specdec_jax import theory
 
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 6, "Held-out inputs to complete.")
-GAMMA = flags.DEFINE_integer("gamma", 4, "Tokens drafted per iteration.")
+GAMMA = flags.DEFINE_integer("gamma", 0, "Tokens drafted per iteration; 0: the theory's "
+                             "optimum for the cost curve measured on this machine.")
+MAX_GAMMA = 5  # the cost curve is measured for k = 1 .. MAX_GAMMA + 1
 DRAFT = flags.DEFINE_enum("draft", "small", ["small", "tiny"], "Which distilled draft.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per input.")
 SHOWN = flags.DEFINE_integer("shown", 2, "Completions printed as text.")
+
+
+def measure_costs(target, draft, inputs, max_len: int, repeats: int = 5):
+  """(cost curve [C(1) = 1, .., C(MAX_GAMMA + 1)], c, target step ms), measured here."""
+  ks = list(range(1, MAX_GAMMA + 2))
+  target_ms = profiling.time_block_calls({"target": target}, inputs[:1], max_len, ks,
+                                         repeats)["target"]
+  draft_ms = profiling.time_block_calls({"draft": draft}, inputs[:1], max_len, [1],
+                                        repeats)["draft"]
+  return [target_ms[k] / target_ms[1] for k in ks], draft_ms[1] / target_ms[1], target_ms[1]
+
+
+def choose_gamma(alpha: float, c: float, curve) -> int:
+  """The gamma in 1..MAX_GAMMA maximising the cost-curve prediction (smallest on ties)."""
+  return max(range(1, MAX_GAMMA + 1), key=lambda g: (
+      theory.predicted_speedup_with_cost_curve(alpha, g, c, curve), -g))
 
 
 def main(argv):
@@ -34,16 +62,27 @@ def main(argv):
   draft = pair.drafts[DRAFT.value]
   steps = pair.max_decode_steps
   inputs = pair.heldout_inputs(NUM_INPUTS.value)
+
+  # What verification and drafting cost on this machine, and alpha on these inputs.
+  curve, c, step_ms = measure_costs(pair.target, draft, inputs, 2 * steps)
+  probe = sj.generate(pair.target, inputs, max_decode_steps=steps, draft=draft, gamma=4,
+                      block_width=5)
+  probe_alpha = probe.stats.alpha
+  gamma = GAMMA.value or choose_gamma(probe_alpha, c, curve)
+  print(f"Measured here: target step {step_ms:.2f} ms; cost curve C(k) = "
+        + ", ".join(f"{v:.2f} (k={k})" for k, v in enumerate(curve, start=1) if k > 1)
+        + f"; c = {c:.3f}; alpha on these inputs {probe_alpha:.2f}.")
+  print(f"gamma = {gamma}" + (" (given)" if GAMMA.value else
+                              " (the theory's optimum for this cost curve)"))
   print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{DRAFT.value}' "
         f"{draft.config.num_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
-        f"{GAMMA.value}, greedy, batch 1, {steps} new tokens.")
+        f"{gamma}, greedy, batch 1, {steps} new tokens.")
 
   base_kwargs = dict(max_decode_steps=steps)
   # The narrowest exact width for this gamma: on a CPU every extra token in a
   # block costs time, so the demo verifies gamma + 1 tokens, not the default 8,
   # and checks identity against target-only decoding at that same width.
-  spec_kwargs = dict(max_decode_steps=steps, draft=draft, gamma=GAMMA.value,
-                     block_width=GAMMA.value + 1)
+  spec_kwargs = dict(max_decode_steps=steps, draft=draft, gamma=gamma, block_width=gamma + 1)
   timing = profiling.time_generate_pairs(pair.target, inputs, REPEATS.value, base_kwargs,
                                          spec_kwargs)
   ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
@@ -73,6 +112,12 @@ def main(argv):
   print(f"speedup vs the fastest exact target-only decoding (median over inputs of median "
         f"paired times): {statistics.median(ratios):.2f}X  [min {min(ratios):.2f}, "
         f"max {max(ratios):.2f}]")
+  if len(curve) > gamma:
+    print(f"speedup side by side (alpha {beta:.2f}, gamma {gamma}, c {c:.3f}, C({gamma + 1}) "
+          f"{curve[gamma]:.2f}): predicted {theory.walltime_improvement(beta, gamma, c):.2f}X "
+          f"by Theorem 3.8 (free verification: an accelerator's regime), "
+          f"{theory.predicted_speedup_with_cost_curve(beta, gamma, c, curve):.2f}X with this "
+          f"machine's cost curve; measured {statistics.median(ratios):.2f}X")
   print(f"identical outputs (vs target-only decoding at block width "
         f"{timing.reference_width}, the speculative loop's width): "
         f"{'yes' if identical else 'NO'}")

@@ -54,8 +54,11 @@ from specdec_jax.results import write_json_atomic
 from specdec_jax.testing import perturbed_model, random_encoder_tokens
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "t5_1_1_small", "Target: a config name or a checkpoint path.")
-flags.DEFINE_list("draft", ["tiny_draft"], "Drafts: config names or checkpoint paths.")
+flags.DEFINE_string("target", "t5_1_1_small", "Target: a config name, a checkpoint path, or "
+                    "a demo model: demo, or demo@SHAPE = the 9.7M demo target embedded in a "
+                    "config's shape, e.g. demo@t5_1_1_xxl (see load_demo).")
+flags.DEFINE_list("draft", ["tiny_draft"], "Drafts: config names, checkpoint paths, or demo "
+                  "models (demo:small, demo:tiny, demo:small@t5_1_1_small).")
 flags.DEFINE_list("draft_noise", [], "For each value s, also a draft that is a copy of the "
                   "target with every weight w -> w * (1 + s * N(0, 1)): alpha inside (0, 1).")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes.")
@@ -296,9 +299,37 @@ def _describe(model: Model) -> str:
 # Loading and the driver.
 
 
+DEMO_NOTE = ("'demo...' models are the shipped demo pair's (demo_pair/); 'demo@SHAPE' is the "
+             "9.7M demo target EMBEDDED function-preservingly in SHAPE (specdec_jax.embed): the "
+             "demo target's function and 2048-token vocabulary at SHAPE's cost, not a trained "
+             "model of that size.")
+
+
+def load_demo(name: str, dtype: str) -> Model:
+  """'demo' (the 9.7M target), 'demo:small' / 'demo:tiny' (its drafts), each optionally
+  '@SHAPE': embedded in a named config's shape (e.g. 'demo@t5_1_1_xxl', issue 15)."""
+  from specdec_jax import embed
+  from specdec_jax.demo_pair import load_demo_pair
+  base, _, shape = name.partition("@")
+  role = base.partition(":")[2] or "target"
+  pair = load_demo_pair()
+  models = dict(pair.drafts, target=pair.target)
+  if not (base == "demo" or base.startswith("demo:")) or role not in models:
+    raise ValueError(f"unknown demo model {name!r}: use demo, demo:small or demo:tiny, "
+                     f"optionally @SHAPE (a config name)")
+  model = models[role]
+  if shape:
+    return embed.embed_model(model, shape, dtype=dtype)
+  return Model(model.config.replace(dtype=dtype),
+               jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
+
+
 def load(name_or_path: str, vocab_size: int, seed: int, dtype: str = "") -> Model:
-  """A named config with random weights (vocabulary overridable) or a checkpoint."""
+  """A named config with random weights (vocabulary overridable), a demo model
+  (`load_demo`), or a checkpoint."""
   dtype = dtype or default_dtype()
+  if name_or_path.startswith("demo") and not os.path.exists(name_or_path):
+    return load_demo(name_or_path, dtype)
   if name_or_path in CONFIGS:
     overrides = dict(vocab_size=vocab_size) if vocab_size else {}
     return load_model(name_or_path, dtype=dtype, seed=seed, **overrides)
@@ -361,6 +392,7 @@ def run(target_name: str, drafts: Sequence[str], noises: Sequence[float],
                                     stop_at_eos, cost_calls, block_width))
   return dict(machine=machine_info(), method=METHOD,
               settings=dict(target=target_name, target_config=_describe(target),
+                            target_note=DEMO_NOTE if target_name.startswith("demo") else None,
                             drafts=list(draft_models), batch_sizes=list(batch_sizes),
                             gammas=list(gammas), temperatures=list(temperatures),
                             max_decode_steps=max_decode_steps, encoder_length=encoder_length,
@@ -381,6 +413,8 @@ def main(argv):
   print(f"target {result['settings']['target']} ({result['settings']['target_config']}), "
         f"{FLAGS.max_decode_steps} new tokens, machine {result['machine']['cpu']} "
         f"x{result['machine']['nproc']}")
+  if "@" in FLAGS.target and FLAGS.target.startswith("demo"):
+    print(f"NOTE: {DEMO_NOTE}")
   print(format_table(result["rows"]))
   if any(r["recompiled"] for r in result["rows"]):
     print("WARNING: the timed repeats compiled new programs (see compile_count_*)")
