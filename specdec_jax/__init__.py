@@ -11,6 +11,7 @@ from specdec_jax.checkpoints import (CheckpointError, export_hf, export_t5x, loa
                                      save_model)
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
 from specdec_jax.distill import distill_drafts, measure_alpha
+from specdec_jax.embed import EmbeddingError, embed_model
 from specdec_jax.decoding import DecodingState, speculative_sample, temperature_sample
 from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraft,
                                 PromptLookupDraft, as_draft)
