@@ -85,7 +85,8 @@ def test_every_target_call_has_width_w(monkeypatch):
   target = sj.load_model("tiny", vocab_size=48, emb_dim=40, num_encoder_layers=1,
                          num_decoder_layers=1, dtype="float32", seed=9)
   # A draft of another shape, so its own calls (widths 1 and 2) are told apart.
-  draft = sj.load_model(target.config.replace(num_decoder_layers=1), seed=10)
+  draft = sj.load_model(target.config.replace(mlp_dim=64), seed=10)
+  assert draft.config != target.config
   inputs = testing.random_encoder_tokens(2, 5, 48, seed=1)
   widths = lambda: {w for config, w in seen if config == target.config}
   default = decoding.DEFAULT_BLOCK_WIDTH
