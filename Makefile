@@ -32,7 +32,7 @@ demo: $(VENV)/.core
 	$(PY) -m experiments.demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 tests
 
 $(VENV_T5X)/.t5x: setup.py
 	$(PYTHON) -m venv $(VENV_T5X)
