@@ -49,7 +49,7 @@ from specdec_jax import tasks
 from specdec_jax import theory
 from specdec_jax.profiling import block_step_seconds
 from specdec_jax.drafts import Draft, ModelDraft
-from specdec_jax.generation import SpeculativeStats, sequence_lengths
+from specdec_jax.outputs import SpeculativeStats, sequence_lengths
 from specdec_jax.loading import load_model
 from specdec_jax.model import Model
 from specdec_jax.models.configs import T5Config

@@ -38,10 +38,10 @@ from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
                                             check_prompt_lengths, decode_cache_length,
                                             first_inputs, mark_prompt_padding,
                                             prefilled_cache, shift_block_fn)
-from specdec_jax.dtypes import check_matmul_precision
+from specdec_jax.dtypes import check_matmul_precision, matmul_precision_scope
 from specdec_jax.drafts import AdaptiveGammaDraft, Draft, ModelDraft, PromptLookupDraft
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
-from specdec_jax.outputs import GenerateOutput, SpeculativeStats, sequence_lengths
+from specdec_jax.outputs import GenerateOutput, make_output
 from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.decoder_configs import DecoderOnlyConfig
 
@@ -82,19 +82,14 @@ def _build(config: DecoderOnlyConfig, draft: Optional[Draft], max_decode_steps: 
 
     target_fn = shift_block_fn(target_block, prompt_lengths)
     inputs = first_inputs(prompts, prompt_lengths, max_decode_steps)
+    settings = dict(temperature=temperature, topk=topk, topp=topp, block_width=block_width)
     if draft is None:
-      decodes, _ = decoding.temperature_sample(
-          inputs, cache, decoding.block_to_state_fn(target_fn, block_width), eos_id,
-          decode_rng=rng,
-          temperature=temperature, topk=topk, topp=topp)
-      return decodes[:, 0], None
+      return decoding.decode(inputs, cache, target_fn, eos_id, rng, **settings)
     draft_state = draft.init_state(draft_params, mark_prompt_padding(prompts, prompt_lengths),
                                    max_decode_steps)
     propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
-    return decoding.speculative_sample(
-        inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
-        temperature=temperature, topk=topk, topp=topp, propose_fn=propose,
-        block_width=block_width)
+    return decoding.decode(inputs, cache, target_fn, eos_id, rng, propose_fn=propose,
+                           draft_state=draft_state, gamma=gamma, **settings)
 
   return jax.jit(run)
 
@@ -231,13 +226,6 @@ def decoder_only_generate(model: DecoderOnlyModel, prompts, prompt_lengths=None,
     if key not in _COMPILED:
       _COMPILED[key] = _build(cfg, draft_obj, *statics, partitioner=partitioner)
     fn = _COMPILED[key]
-  # The precision is read when the program is traced (on its first call).
-  with (contextlib.nullcontext() if precision is None else
-        jax.default_matmul_precision(precision)):
+  with matmul_precision_scope(precision):
     sequences, stats = fn(params, draft_params, tokens, lengths, rng)
-  out_lengths = sequence_lengths(sequences, eos_id)
-  if stats is None:
-    return GenerateOutput(sequences, out_lengths)
-  stats = {k: np.asarray(v) for k, v in stats.items()}
-  return GenerateOutput(sequences, out_lengths, SpeculativeStats(
-      gamma=int(gamma), emitted=np.asarray(out_lengths), **stats))
+  return make_output(sequences, stats, eos_id, gamma)

@@ -466,3 +466,33 @@ def speculative_sample(inputs: Array,
                           init_stats(batch, gamma))
   final = jax.lax.while_loop(cond, body, init)
   return final.sequences[:, 1:], final.stats
+
+
+def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rng: Array, *,
+           temperature: float, topk: int, topp: float, block_width: Optional[int],
+           propose_fn: Optional[ProposeFn] = None, draft_state: Any = None, gamma: int = 0
+           ) -> Tuple[Array, Optional[Dict[str, Array]]]:
+  """Target-only decoding, or speculative decoding when `propose_fn` is given.
+
+  The one place both model families (generation.py, decoder_only_generation.py)
+  choose between the loops, so target-only and speculative decoding always see
+  the same target callback and block width.
+
+  Args:
+    inputs: [batch, length] int32; inputs[:, 0] is each row's first input.
+    cache / tokens_to_logits: the target's cache and block callback.
+    propose_fn / draft_state / gamma: the draft's proposer and state.
+  Returns:
+    decodes [batch, length] int32 and the speculative counters (None without
+    a draft).
+  """
+  if propose_fn is None:
+    decodes, _ = temperature_sample(
+        inputs, cache, block_to_state_fn(tokens_to_logits, block_width), eos_id,
+        decode_rng=rng, temperature=temperature, topk=topk, topp=topp)
+    return decodes[:, 0], None
+  return speculative_sample(
+      inputs, cache, tokens_to_logits, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
+      temperature=temperature, topk=topk, topp=topp, propose_fn=propose_fn,
+      block_width=block_width)
+

@@ -6,6 +6,7 @@ and stores the canonical name ('float32', 'bfloat16' or 'float16'), so configs
 stay hashable and compare equal however the dtype was spelled.
 """
 
+import contextlib
 from typing import Any, Optional
 
 import numpy as np
@@ -57,3 +58,16 @@ def check_matmul_precision(precision: Optional[str]) -> Optional[str]:
     raise ValueError(f"matmul_precision {precision!r}: use one of {', '.join(MATMUL_PRECISIONS)} "
                      "('highest' = full float32 on GPUs/TPUs)")
   return precision.lower()
+
+
+def matmul_precision_scope(precision: Optional[str]):
+  """`jax.default_matmul_precision(precision)`, or nothing for None.
+
+  Wraps a compiled program's *call*: the precision is read when the program is
+  traced, on its first call.
+  """
+  if precision is None:
+    return contextlib.nullcontext()
+  import jax  # Keeps this module importable without initialising jax.
+  return jax.default_matmul_precision(precision)
+

@@ -19,11 +19,11 @@ from specdec_jax import decoder_only_generation
 from specdec_jax import sampling
 from specdec_jax import sharding
 from specdec_jax.drafts import Draft, as_draft
-from specdec_jax.dtypes import check_matmul_precision
+from specdec_jax.dtypes import check_matmul_precision, matmul_precision_scope
 from specdec_jax.decoder_only_model import DecoderOnlyModel
 from specdec_jax.model import Model, check_tokens
 from specdec_jax.models.t5 import T5
-from specdec_jax.outputs import GenerateOutput, SpeculativeStats, sequence_lengths
+from specdec_jax.outputs import GenerateOutput, SpeculativeStats, make_output
 
 Array = jax.Array
 
@@ -64,12 +64,9 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
       return logits, constrain_target(cache)
 
     inputs = jnp.zeros((batch, max_decode_steps), jnp.int32)
+    settings = dict(temperature=temperature, topk=topk, topp=topp, block_width=block_width)
     if draft is None:
-      decodes, _ = decoding.temperature_sample(
-          inputs, cache, decoding.block_to_state_fn(target_fn, block_width), eos_id,
-          decode_rng=rng,
-          temperature=temperature, topk=topk, topp=topp)
-      return decodes[:, 0], None
+      return decoding.decode(inputs, cache, target_fn, eos_id, rng, **settings)
     with draft_axes():
       draft_state = constrain_draft(draft.init_state(draft_params, encoder_tokens,
                                                      max_decode_steps))
@@ -80,10 +77,8 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
         *proposal, state = draft_propose(rng, state, sequences, lengths)
       return (*proposal, constrain_draft(state))
 
-    return decoding.speculative_sample(
-        inputs, cache, target_fn, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
-        temperature=temperature, topk=topk, topp=topp, propose_fn=propose,
-        block_width=block_width)
+    return decoding.decode(inputs, cache, target_fn, eos_id, rng, propose_fn=propose,
+                           draft_state=draft_state, gamma=gamma, **settings)
 
   if shardings is None:
     return jax.jit(run)
@@ -200,16 +195,9 @@ def generate(model: Model, encoder_tokens, prompt_lengths=None, *, max_decode_st
       _COMPILED[key] = _build(model.config, draft_obj, int(max_decode_steps), *statics,
                               shardings=shardings)
     fn = _COMPILED[key]
-  # The precision is read when the program is traced (on its first call).
-  with (contextlib.nullcontext() if precision is None else
-        jax.default_matmul_precision(precision)):
+  with matmul_precision_scope(precision):
     sequences, stats = fn(params, draft_params, tokens, rng)
-  lengths = sequence_lengths(sequences, eos_id)
-  if stats is None:
-    return GenerateOutput(sequences, lengths)
-  stats = {k: np.asarray(v) for k, v in stats.items()}
-  return GenerateOutput(sequences, lengths, SpeculativeStats(
-      gamma=int(gamma), emitted=np.asarray(lengths), **stats))
+  return make_output(sequences, stats, eos_id, gamma)
 
 
 def _concatenate_rows(rows) -> GenerateOutput:

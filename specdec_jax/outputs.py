@@ -92,3 +92,15 @@ def sequence_lengths(sequences: Array, eos_id: int) -> Array:
   is_eos = sequences == eos_id
   return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
                    sequences.shape[1]).astype(jnp.int32)
+
+
+def make_output(sequences: Array, stats: Optional[Dict[str, Array]], eos_id: int,
+                gamma: int) -> GenerateOutput:
+  """A GenerateOutput from a decode program's (sequences [batch, len], counters or None)."""
+  lengths = sequence_lengths(sequences, eos_id)
+  if stats is None:
+    return GenerateOutput(sequences, lengths)
+  stats = {k: np.asarray(v) for k, v in stats.items()}
+  return GenerateOutput(sequences, lengths, SpeculativeStats(
+      gamma=int(gamma), emitted=np.asarray(lengths), **stats))
+
