@@ -108,10 +108,14 @@ def test_mini_table2_smoke(tmp_path):
   import json
   import subprocess
   import sys
+  # max_gamma 1 with sweeps of {1}: the theory's and the cost curve's gamma are
+  # then 1 too, so each draft times one gamma (one speculative compile, not up
+  # to three) through the same code paths: cost curve, the probe at gamma 4,
+  # the gamma choice, the timed sweep and the identity check.
   result = subprocess.run(
       [sys.executable, "-m", "experiments.mini_table2", f"--output_dir={tmp_path}",
-       "--num_inputs=1", "--repeats=1", "--gammas=2", "--ngram_gammas=1",
-       "--drafts=small,bigram", "--temperatures=0", "--max_gamma=3"],
+       "--num_inputs=1", "--repeats=1", "--gammas=1", "--ngram_gammas=1",
+       "--drafts=small,bigram", "--temperatures=0", "--max_gamma=1"],
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
       text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == 0, result.stderr[-2000:]
@@ -121,4 +125,5 @@ def test_mini_table2_smoke(tmp_path):
   for row in table["rows"]:
     assert 0.0 < row["alpha"] < 1.0
     assert row["identical_outputs"] is True
+    assert row["gamma_theory"] == row["gamma_cost_curve"] == 1 and list(row["sweep"]) == ["1"]
   assert (tmp_path / "results.md").exists()
