@@ -12,6 +12,7 @@ import pytest
 from experiments import reproduce_table2
 from experiments import run as run_lib
 from experiments.paper_tables import TABLE2
+from specdec_jax import decoding
 
 ROOT = run_lib.REPO_ROOT
 # One layer per stack and short sequences keep each compile to seconds.
@@ -119,10 +120,37 @@ def test_sign_test_p_values():
   assert run_lib.sign_test_p_value([]) == 1.0
 
 
+def test_table2_row_configs(input_file):
+  """Each row's config file, as run_rows binds it, sets the row's gamma, temperature,
+  task and draft, and the default block width fits its verification blocks (the
+  check run_experiment makes before loading anything). No model is built."""
+  for row in TABLE2:
+    run_lib.parse_gin([reproduce_table2.row_gin_file(row)],
+                      reproduce_table2.row_bindings(row, stand_in=True, input_file=input_file))
+    try:
+      exp = run_lib.Experiment()
+    finally:
+      gin.clear_config()
+    assert (exp.gamma, exp.temperature, exp.task.name, exp.draft.name) == (
+        row.gamma, row.temperature, row.task, row.draft), row.name
+    assert exp.draft.perturb_target == reproduce_table2.STAND_IN_NOISE[row.draft], row.name
+    assert decoding.resolve_block_width(exp.block_width, exp.gamma) >= exp.gamma + 1
+    assert exp.max_decode_steps >= exp.gamma + 1, row.name
+
+
 def test_reproduce_table2_runs_all_rows_and_resumes(tmp_path, input_file, monkeypatch):
+  """run_rows runs every row, an interrupted run resumes where it stopped, and the
+  table compares every row with the paper's.
+
+  Every row runs end to end on the stand-ins, with its own config file, task,
+  draft and temperature, but at one gamma (3): the compiled decoders depend
+  only on (gamma, temperature), so 2 compiled sets serve all 12 rows instead
+  of 6 (the rows' own gammas: test_table2_row_configs).
+  """
   out = str(tmp_path / "table2")
   kwargs = dict(num_examples=2, stand_in=True, input_file=input_file,
-                extra=SMALL[:2] + ["MAX_DECODE_STEPS = 10", "Experiment.timing_repeats = 2"])
+                extra=SMALL[:2] + ["MAX_DECODE_STEPS = 10", "Experiment.timing_repeats = 2",
+                                   "GAMMA = 3"])
   real_run = run_lib.run_experiment
   calls = []
 
@@ -149,7 +177,7 @@ def test_reproduce_table2_runs_all_rows_and_resumes(tmp_path, input_file, monkey
   assert set(results) == {r.name for r in TABLE2}
   for row in TABLE2:
     result = results[row.name]
-    assert result["gamma"] == row.gamma and result["temperature"] == row.temperature
+    assert result["gamma"] == 3 and result["temperature"] == row.temperature
     assert result["task"] == row.task and result["draft"] == row.draft
     if row.temperature == 0:
       assert result["identical_outputs"] is True
