@@ -35,7 +35,11 @@ def test_demo_pair_bf16_speculative_equals_target_only_with_defaults():
   steps = pair.max_decode_steps
   # Default arguments only: no block_width anywhere.
   expected = np.asarray(sj.generate(target, inputs, max_decode_steps=steps).sequences)
-  for gamma in (1, 4, 7):
+  # gamma 1 and 7 (the most and the least block padding) here, 4 through the
+  # T5X model below: one compile each. Scoring one width per call is what makes
+  # rows 10 and 27 of these inputs agree (target-only at width 1 against
+  # verification at gamma + 1 differs there on a CPU, for gamma 1 and 7 alike).
+  for gamma in (1, 7):
     out = sj.generate(target, inputs, max_decode_steps=steps, draft=draft, gamma=gamma)
     np.testing.assert_array_equal(np.asarray(out.sequences), expected, err_msg=f"gamma={gamma}")
     assert 0.2 < out.stats.acceptance_rate < 1.0, out.stats.summary()
