@@ -71,12 +71,17 @@ def params_logical_axes(params) -> Any:
       lambda path, x: param_logical_axes(sharding._path_names(path), np.ndim(x)), params)
 
 
+# Unlike T5's head-major cache (sharding.CACHE_KV_AXES), the decoder-only
+# cache is laid out as the projections produce it (models/decoder_only.py).
+CACHE_KV_AXES = ("batch", "length", "heads", "kv")
+
+
 def cache_logical_axes(cache) -> Any:
   """Logical axes of a decoder-only cache: K/V [batch, length, heads, kv] per layer."""
   if not (isinstance(cache, dict) and set(cache) == {"layers"}):
     raise ValueError(f"expected a decoder-only cache {{'layers': [...]}}, got "
                      f"{sorted(cache) if isinstance(cache, dict) else type(cache).__name__}")
-  return dict(layers=[{name: sharding.CACHE_KV_AXES for name in layer}
+  return dict(layers=[{name: CACHE_KV_AXES for name in layer}
                       for layer in cache["layers"]])
 
 

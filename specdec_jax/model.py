@@ -104,7 +104,7 @@ class Model:
     """
     tokens = check_tokens(tokens, "tokens")
     positions = jnp.asarray(positions, jnp.int32)
-    max_len = cache["layers"][0]["self_key"].shape[1]
+    max_len = cache["layers"][0]["self_key"].shape[2]
     if positions.shape != (tokens.shape[0],):
       raise ValueError(f"positions must be [batch] = ({tokens.shape[0]},), got {positions.shape}")
     if tokens.shape[1] > max_len:

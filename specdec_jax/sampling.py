@@ -9,11 +9,52 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
 # T5X takes argmax below this temperature.
 MIN_TEMPERATURE = 1e-4
+
+# Values per block in `argmax`'s first pass.
+_ARGMAX_BLOCK = 128
+
+
+def argmax(x: Array) -> Array:
+  """`jnp.argmax(x, axis=-1)` as int32, in two passes on CPU: [..., n] -> [...].
+
+  The same answer, always: the first index of the maximum, and a NaN counts
+  as the maximum (the first NaN wins). XLA CPU runs `jnp.argmax` as a
+  two-operand reduction that it does not vectorise: about 145 us for one row
+  of a 32k-token vocabulary, as long as a small model's logits projection.
+  Here a first pass of plain (vectorised) reductions takes each block of 128
+  values' maximum and whether it holds a NaN; the block holding the answer
+  is the first with a NaN if there is one, else the first whose maximum is
+  the row's; `jnp.argmax` inside that block finds the index. NaNs are looked
+  for explicitly because XLA CPU's vectorised max reduction does not always
+  propagate them. Padding is the lowest value of the dtype, at the end, so it
+  never comes before an equal real value. Off CPU this is `jnp.argmax`.
+  """
+  n = x.shape[-1]
+  if jax.default_backend() != "cpu" or n <= 2 * _ARGMAX_BLOCK:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+  floating = jnp.issubdtype(x.dtype, jnp.floating)
+  pad = -n % _ARGMAX_BLOCK
+  if pad:
+    lowest = (-jnp.inf if floating else False if x.dtype == jnp.bool_ else
+              np.iinfo(x.dtype).min)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=lowest)
+  blocks = x.reshape(x.shape[:-1] + (-1, _ARGMAX_BLOCK))  # [..., n / 128, 128]
+  if floating:
+    nan = jnp.isnan(blocks)
+    block_max = jnp.max(jnp.where(nan, -jnp.inf, blocks), axis=-1)
+    block_nan = jnp.any(nan, axis=-1)
+    block = jnp.where(jnp.any(block_nan, axis=-1), jnp.argmax(block_nan, axis=-1),
+                      jnp.argmax(block_max, axis=-1))
+  else:
+    block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+  inside = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+  return (block * _ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +104,7 @@ def adjust_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
   if temperature < MIN_TEMPERATURE:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    return jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
   logits = logits / temperature
   if topk > 0 and topk < vocab:
     _, top_ids = jax.lax.top_k(logits, topk)
@@ -93,7 +134,7 @@ def sample(rng: Array, probs: Array, greedy: bool = False) -> Array:
   CPU with 32k-token vocabularies).
   """
   if greedy:
-    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    return argmax(probs)
   return jax.random.categorical(rng, safe_log(probs), axis=-1).astype(jnp.int32)
 
 

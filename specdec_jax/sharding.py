@@ -67,7 +67,9 @@ DRAFT_RULES = (("batch", "data"),)
 LogicalAxes = Tuple[Optional[str], ...]
 Rules = Tuple[Tuple[str, Optional[Union[str, Tuple[str, ...]]]], ...]
 
-CACHE_KV_AXES = ("batch", "length", "heads", "kv")
+# T5 caches are head-major (models/t5.py); decoder-only caches keep the
+# projection's [batch, length, heads, kv] (decoder_only_sharding.py).
+CACHE_KV_AXES = ("batch", "heads", "length", "kv")
 ENCODER_MASK_AXES = ("batch", "length")
 
 
@@ -136,7 +138,7 @@ def is_t5_cache(tree) -> bool:
 
 
 def cache_logical_axes(cache) -> Any:
-  """Logical axes of a T5 cache: K/V [batch, length, heads, head_dim], mask [batch, length]."""
+  """Logical axes of a T5 cache: K/V [batch, heads, length, head_dim], mask [batch, length]."""
   if not is_t5_cache(cache):
     raise ValueError("expected a T5 cache {'layers': [...], 'encoder_mask': ...}, got "
                      f"{type(cache).__name__} with keys {sorted(cache) if isinstance(cache, dict) else '-'}")

@@ -399,6 +399,6 @@ def test_model_draft_cache_holds_every_accepted_position(greedy_setup):
       for name in ("self_key", "self_value"):
         for b in range(batch):
           seen = lengths[b] - 1
-          np.testing.assert_allclose(layer[name][b, :seen], ref_layer[name][b, :seen],
+          np.testing.assert_allclose(layer[name][b, :, :seen], ref_layer[name][b, :, :seen],
                                      atol=1e-5, err_msg=f"step {step} row {b} {name}")
   assert len(drafted_lengths) >= 3, drafted_lengths

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specdec_jax import sampling
 from specdec_jax.sampling import adjust_probs
 
 
@@ -70,3 +71,24 @@ def test_bad_settings():
     adjust_probs(logits, temperature=1.0, topk=51)
   with pytest.raises(ValueError, match="topp"):
     adjust_probs(logits, temperature=1.0, topp=1.5)
+
+
+@pytest.mark.parametrize("n", [300, 2048, 2050, 32128])
+def test_argmax_equals_jnp_argmax_with_ties_nans_and_padding(n):
+  """sampling.argmax is jnp.argmax exactly: first maximum, first NaN, any length."""
+  rng = np.random.default_rng(n)
+  rows = rng.standard_normal((8, n)).astype(np.float32)
+  rows[1] = np.round(rows[1])                      # many ties for the maximum
+  rows[2, [n // 3, n - 1]] = np.nan                # the first NaN wins
+  rows[3, -1] = np.nan                             # a NaN in the last (padded) block
+  rows[4] = -np.inf                                # all equal: index 0
+  rows[5, [7, n - 2]] = np.inf                     # ties at +inf
+  rows[6, [5, n // 2]] = [np.inf, np.nan]          # NaN beats an earlier +inf
+  rows[7, :] = 0.0; rows[7, -1] = 1.0              # the maximum in the padding's block
+  cases = [rows, rows.astype(jnp.bfloat16), (rows[[0, 1, 7]] * 4).astype(np.int32),
+           rows[None, :3]]                         # more leading dims
+  for x in cases:
+    got = jax.jit(sampling.argmax)(x)
+    assert got.dtype == jnp.int32 and got.shape == x.shape[:-1]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)),
+                                  err_msg=str(x.dtype))

@@ -60,8 +60,9 @@ def test_rules_to_partition_specs():
   mesh = {"data": 2, "model": 4}
   rules = sharding.DEFAULT_RULES
   assert sharding.logical_to_spec(("embed", "joined_kv"), (32, 64), rules, mesh) == P(None, "model")
-  assert sharding.logical_to_spec(sharding.CACHE_KV_AXES, (8, 12, 8, 8), rules, mesh) == \
-      P("data", None, "model")
+  # The T5 cache is head-major: [batch, heads, length, kv].
+  assert sharding.logical_to_spec(sharding.CACHE_KV_AXES, (8, 8, 12, 8), rules, mesh) == \
+      P("data", "model")
   # A mesh axis is used once per array: the second 'heads' falls through to
   # the next rule naming it (none here), so it is replicated.
   assert sharding.logical_to_spec(("heads", "heads"), (8, 8), rules, mesh) == P("model")
@@ -196,13 +197,13 @@ def test_multidevice_params_and_cache_are_sharded(sharded_models, sharded_caches
   assert {s.data.shape for s in draft_query.addressable_shards} == {(32, 64)}
 
   key = cache["layers"][0]["self_key"]
-  assert key.sharding.spec == P("data", None, "model")
-  assert {s.data.shape for s in key.addressable_shards} == {(BATCH // data, STEPS, 8 // model, 8)}
+  assert key.sharding.spec == P("data", "model")
+  assert {s.data.shape for s in key.addressable_shards} == {(BATCH // data, 8 // model, STEPS, 8)}
   cross = cache["layers"][0]["cross_value"]
   assert {s.data.shape for s in cross.addressable_shards} == {
-      (BATCH // data, ENC_LEN, 8 // model, 8)}
+      (BATCH // data, 8 // model, ENC_LEN, 8)}
   assert {s.data.shape for s in draft_cache["layers"][0]["self_key"].addressable_shards} == {
-      (BATCH // data, STEPS, 8, 8)}
+      (BATCH // data, 8, STEPS, 8)}
 
 
 @multidevice

@@ -13,9 +13,12 @@ so T5X checkpoints load without renaming. Unlike T5X's example network:
   position back.
 
 Cache layout (a dict, one entry per decoder layer):
-  cache['layers'][i]['self_key'], ['self_value']:   [batch, max_len, heads, head_dim]
-  cache['layers'][i]['cross_key'], ['cross_value']: [batch, enc_len, heads, head_dim]
+  cache['layers'][i]['self_key'], ['self_value']:   [batch, heads, max_len, head_dim]
+  cache['layers'][i]['cross_key'], ['cross_value']: [batch, heads, enc_len, head_dim]
   cache['encoder_mask']:                            [batch, enc_len] bool
+Keys and values are head-major, the layout of attention's batched products
+(batch and heads lead, head_dim is contracted): reading the cache then needs
+no transposed copy of it per layer and step (issue 15).
 """
 
 from typing import Any, Dict, Optional, Tuple
@@ -135,14 +138,15 @@ def _attend(query: Array, key: Array, value: Array, bias: Array) -> Array:
   T5 folds 1/sqrt(head_dim) into the query initialisation, so none is applied.
 
   Args:
-    query: [batch, q, heads, head_dim]; key, value: [batch, k, heads, head_dim].
+    query: [batch, q, heads, head_dim]; key, value: [batch, heads, k, head_dim]
+      (head-major, as `project_key_value` returns them and the cache holds them).
     bias: broadcastable to [batch, heads, q, k], float32 (mask folded in).
   Returns:
     [batch, q, heads, head_dim] in the query's dtype.
   """
-  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  scores = jnp.einsum("bqhd,bhkd->bhqk", query, key, preferred_element_type=jnp.float32)
   weights = jax.nn.softmax(scores + bias, axis=-1).astype(value.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+  return jnp.einsum("bhqk,bhkd->bqhd", weights, value)
 
 
 class Attention(nn.Module):
@@ -167,7 +171,8 @@ class Attention(nn.Module):
     return self._split(self.query(x))
 
   def project_key_value(self, x: Array) -> Tuple[Array, Array]:
-    return self._split(self.key(x)), self._split(self.value(x))
+    """x [batch, len, emb] -> key, value [batch, heads, len, head_dim] (head-major)."""
+    return _head_major(self._split(self.key(x))), _head_major(self._split(self.value(x)))
 
   def project_out(self, heads: Array) -> Array:
     return self.out(heads.reshape(heads.shape[:-2] + (-1,)))
@@ -175,6 +180,11 @@ class Attention(nn.Module):
   def __call__(self, x_q: Array, x_kv: Array, bias: Array) -> Array:
     key, value = self.project_key_value(x_kv)
     return self.project_out(_attend(self.project_query(x_q), key, value, bias))
+
+
+def _head_major(x: Array) -> Array:
+  """[batch, len, heads, head_dim] -> [batch, heads, len, head_dim], named for GSPMD."""
+  return _axes(jnp.swapaxes(x, 1, 2), ("batch", "heads", "length", "kv"))
 
 
 class Mlp(nn.Module):
@@ -257,8 +267,8 @@ class DecoderLayer(nn.Module):
     key, value = self.self_attention.project_key_value(h)
     new_cache = None
     if layer_cache is not None:
-      key = _set_block(layer_cache["self_key"], key, positions)
-      value = _set_block(layer_cache["self_value"], value, positions)
+      key = _set_block(layer_cache["self_key"], jnp.swapaxes(key, 1, 2), positions)
+      value = _set_block(layer_cache["self_value"], jnp.swapaxes(value, 1, 2), positions)
       new_cache = dict(layer_cache, self_key=key, self_value=value)
     query = self.self_attention.project_query(h)
     x = x + self.self_attention.project_out(_attend(query, key, value, self_bias))
@@ -271,14 +281,18 @@ class DecoderLayer(nn.Module):
 
 
 def _set_block(cache: Array, block: Array, positions: Array) -> Array:
-  """Sets block [batch, q, ...] into cache [batch, len, ...] at positions [batch].
+  """Sets block [batch, q, heads, head_dim] into cache [batch, heads, len, head_dim].
 
-  Writes past the end of the cache are dropped: they belong to tokens beyond
-  the decode length, whose logits are never used.
+  Row b's q entries go to positions[b] + 0..q-1 ([batch] int32). Writes past
+  the end of the cache are dropped: they belong to tokens beyond the decode
+  length, whose logits are never used.
   """
   batch, q = block.shape[:2]
   index = positions[:, None] + jnp.arange(q)[None, :]
-  return cache.at[jnp.arange(batch)[:, None], index].set(block.astype(cache.dtype), mode="drop")
+  # Indices on dims 0 and 2 with a slice between: the indexed dims lead, so
+  # the update is [batch, q, heads, head_dim], the block as it is.
+  return cache.at[jnp.arange(batch)[:, None], :, index].set(block.astype(cache.dtype),
+                                                            mode="drop")
 
 
 class Decoder(nn.Module):
@@ -307,7 +321,7 @@ class Decoder(nn.Module):
       query_positions: [batch|1, q] absolute positions of those tokens.
       key_positions: [batch|1, k] positions of the keys attended to (the q
         tokens themselves, or the whole cache).
-      cross_kv: per layer (key, value), each [batch, enc_len, heads, head_dim].
+      cross_kv: per layer (key, value), each [batch, heads, enc_len, head_dim].
       encoder_mask: [batch, enc_len] bool.
       cache / positions: see DecoderLayer.
       self_mask / cross_mask: optional [batch, q, k] / [batch, q, enc_len] bool
@@ -369,7 +383,7 @@ class T5(nn.Module):
     cfg = self.config
     batch = encoder_tokens.shape[0]
     encoded = self.encode(encoder_tokens)
-    shape = (batch, max_decode_len, cfg.num_heads, cfg.head_dim)
+    shape = (batch, cfg.num_heads, max_decode_len, cfg.head_dim)
     layers = []
     for cross_key, cross_value in self.decoder.cross_key_values(encoded):
       layers.append(dict(self_key=jnp.zeros(shape, _dtype(cfg)),
@@ -390,7 +404,7 @@ class T5(nn.Module):
       values set.
     """
     k = tokens.shape[1]
-    max_len = cache["layers"][0]["self_key"].shape[1]
+    max_len = cache["layers"][0]["self_key"].shape[2]
     query_positions = positions[:, None] + jnp.arange(k)[None, :]
     key_positions = jnp.arange(max_len)[None]
     cross_kv = [(layer["cross_key"], layer["cross_value"]) for layer in cache["layers"]]

@@ -16,14 +16,14 @@ larger operations (counted per layer by `specdec_jax.hlo_ops`):
 * `decode_block` computes the relative position bias and both masks once per
   call, not per layer;
 * softmax takes the max and the sum of exponentials in one reduction;
-* on accelerators (`attention='in_layout'`) attention reads the caches in
-  their own [batch, len, heads, head_dim] layout (multiply-and-reduce fusions
-  instead of batched dots, which would transpose the whole key and value
-  caches at every layer of every step). On CPU (`'dots'`), batched dots:
-  XLA CPU's dot kernels outrun its reductions there, and a CPU step is not
-  launch-bound;
-* keys and values are set in the cache in place (the cache is
-  `models/t5.py`'s: `T5.init_cache` makes it, and sharding rules apply as is).
+* attention reads the head-major cache ([batch, heads, len, head_dim], see
+  `models/t5.py`) as it lies: no per-layer copy of it. On accelerators
+  (`attention='in_layout'`) scores and outputs are multiply-and-sum fusions
+  into which the softmax fuses (fewest operations); on CPU (`'dots'`),
+  batched dots, which XLA CPU runs far faster than its reductions;
+* keys and values are set in the cache in place on accelerators, by one
+  select pass on CPU (`_blend_block`); the cache is `models/t5.py`'s
+  (`T5.init_cache` makes it, and sharding rules apply as is).
 
 Numerics: RMS norm and softmax in float32, matrix products in `config.dtype`
 as in `T5.decode_block`; the order of float operations differs, and with
@@ -150,28 +150,30 @@ def softmax(scores: Array, axis: int) -> Array:
 
 def _attend_in_layout(query: Array, key: Array, value: Array, bias: Array,
                       query_scale: Optional[Array] = None) -> Array:
-  """Attention of a few queries over a cache, read in the cache's own layout.
+  """Attention of a few queries over a cache, as multiply-and-sum fusions.
 
   Args:
-    query: [batch, q, heads, head_dim]; key, value: [batch, len, heads, head_dim].
-    bias: float32, broadcastable to [batch, q, len, heads] (mask folded in).
-    query_scale: optional [batch, q, 1] float32 multiplying the queries
+    query: [batch, q, heads, head_dim]; key, value: [batch, heads, len,
+      head_dim] (the cache's head-major layout).
+    bias: float32, broadcastable to [batch, q, heads, len] (mask folded in).
+    query_scale: optional [batch, q] float32 multiplying the queries
       (applied to the scores, where it costs no extra operation).
   Returns:
     [batch, q, heads, head_dim] in value's dtype.
 
-  Scores and outputs are multiply-and-sum fusions over the cache as it lies;
-  a batched dot would first transpose the whole cache so that (batch, heads)
-  lead, at every layer of every step. Products are summed in float32, as the
-  reference's dots accumulate. No 1/sqrt(head_dim): T5 folds it into the
-  query weights.
+  Scores and outputs are each one multiply-and-sum fusion that reads the
+  cache as it lies and keeps the queries' token-major order, so nothing is
+  transposed, and the softmax fuses into them: the fewest operations, for
+  accelerators, where a small decode step is launch-bound. Products are
+  summed in float32, as the reference's dots accumulate. No 1/sqrt(head_dim):
+  T5 folds it into the query weights.
   """
   f32 = jnp.float32
-  scores = jnp.sum(query[:, :, None].astype(f32) * key[:, None].astype(f32), axis=-1)
+  scores = jnp.sum(query[:, :, :, None].astype(f32) * key[:, None].astype(f32), axis=-1)
   if query_scale is not None:
-    scores = scores * query_scale[..., None]
-  weights = softmax(scores + bias, axis=2)  # [batch, q, len, heads]
-  out = jnp.sum(weights[..., None] * value[:, None].astype(f32), axis=2)
+    scores = scores * query_scale[:, :, None, None]
+  weights = softmax(scores + bias, axis=-1)  # [batch, q, heads, len]
+  out = jnp.sum(weights[..., None] * value[:, None].astype(f32), axis=3)
   return out.astype(value.dtype)
 
 
@@ -179,16 +181,22 @@ def _attend_dots(query: Array, key: Array, value: Array, bias: Array,
                  query_scale: Optional[Array] = None) -> Array:
   """As `_attend_in_layout`, with batched dots (what XLA CPU runs fastest).
 
-  XLA CPU transposes the cache into the dots' (batch, heads)-major layout,
-  one copy per read, but its dot kernels beat its reductions by far more at
-  these sizes; and ops are cheap on a CPU, launches are not a cost there.
+  The cache is each dot's first operand, as it lies: scores are key [batch,
+  heads, len, head_dim] times the queries (head_dim contracted), outputs are
+  value [batch, heads, len, head_dim] times the weights (len contracted).
+  XLA CPU's batched dot copies a second operand that is not contracted on its
+  major dimension, so with the cache second it would copy (transpose) the
+  whole key cache per layer and step; with the cache first only the few
+  queries and weights are laid out. Its dot kernels beat its reductions by
+  far at these sizes.
   """
   f32 = jnp.float32
-  scores = jnp.einsum("bqhd,bkhd->bqkh", query, key, preferred_element_type=f32)
+  scores = jnp.einsum("bhkd,bqhd->bhkq", key, query, preferred_element_type=f32)
+  bias = jnp.moveaxis(bias, 1, 3)  # [batch, heads, len, q]
   if query_scale is not None:
-    scores = scores * query_scale[..., None]
-  weights = softmax(scores + bias, axis=2).astype(value.dtype)
-  out = jnp.einsum("bqkh,bkhd->bqhd", weights, value, preferred_element_type=f32)
+    scores = scores * query_scale[:, None, None, :]
+  weights = softmax(scores + bias, axis=2).astype(value.dtype)  # [batch, heads, len, q]
+  out = jnp.einsum("bhkd,bhkq->bqhd", value, weights, preferred_element_type=f32)
   return out.astype(value.dtype)
 
 
@@ -215,15 +223,35 @@ def position_bias(rel_embedding: Array, config: T5Config, query_positions: Array
     query_positions: [batch, q] int32.
     max_len: cache positions.
   Returns:
-    [batch, q, max_len, heads] float32; keys after a query get -1e10.
+    [batch, q, heads, max_len] float32; keys after a query get -1e10.
   """
   key_positions = jnp.arange(max_len)[None, None, :]
   relative = key_positions - query_positions[:, :, None]
   buckets = relative_position_bucket(relative, False, config.relative_attention_num_buckets,
                                      config.relative_attention_max_distance)
-  bias = jnp.take(rel_embedding.T, buckets, axis=0)  # [batch, q, max_len, heads]
+  bias = jnp.moveaxis(jnp.take(rel_embedding, buckets, axis=1), 0, 2)  # [batch, q, heads, len]
   causal = key_positions <= query_positions[:, :, None]
-  return bias + jnp.where(causal, 0.0, _MASK_VALUE)[..., None]
+  return bias + jnp.where(causal, 0.0, _MASK_VALUE)[:, :, None]
+
+
+def _blend_block(cache: Array, block: Array, positions: Array) -> Array:
+  """`models.t5._set_block` as one select over the cache (the 'dots' path).
+
+  Sets block [batch, k, heads, head_dim] into cache [batch, heads, len,
+  head_dim] at positions [batch] + 0..k-1; writes past the end are dropped.
+  With `_set_block`'s scatter, XLA CPU fuses the resulting
+  dynamic-update-slice twice (into the carried cache and into the attention
+  dot that reads it) and then copies each cache four times per layer and
+  step to keep both in place. One select pass is a single fusion that both
+  read. Accelerators ('in_layout') keep the in-place scatter: there a pass
+  over the cache would cost bandwidth that grows with batch and length.
+  """
+  length = cache.shape[2]
+  offset = jnp.arange(length)[None, :] - positions[:, None]  # [batch, len]
+  inside = (offset >= 0) & (offset < block.shape[1])
+  rows = jnp.take_along_axis(block, jnp.clip(offset, 0, block.shape[1] - 1)[:, :, None, None],
+                             axis=1)  # [batch, len, heads, head_dim]
+  return jnp.where(inside[:, None, :, None], jnp.swapaxes(rows, 1, 2).astype(cache.dtype), cache)
 
 
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
@@ -249,12 +277,13 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   if attention not in ATTENTION:
     raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
   attend = ATTENTION[attention]
+  set_block = _blend_block if attention == "dots" else _set_block
   batch, k = tokens.shape
   dtype = jnp.dtype(config.dtype)
-  max_len = cache["layers"][0]["self_key"].shape[1]
+  max_len = cache["layers"][0]["self_key"].shape[2]
   query_positions = positions[:, None] + jnp.arange(k)[None, :]
   self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len)
-  cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, :, None]
+  cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, None, :]  # [b, 1, 1, len]
   activations = [_ACTIVATIONS[a] for a in config.mlp_activations]
 
   # The residual stream is [batch * k, emb]: 2-D operands for the projections.
@@ -269,8 +298,8 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     qkv = jnp.einsum("ne,ets->nts", x, p["qkv"], preferred_element_type=f32)
     qkv = (qkv * _inv_rms(x, config)[..., None]).astype(dtype)
     query, key, value = (_heads(rows(qkv[:, i]), config) for i in range(3))
-    self_key = _set_block(layer_cache["self_key"], key, positions)
-    self_value = _set_block(layer_cache["self_value"], value, positions)
+    self_key = set_block(layer_cache["self_key"], key, positions)
+    self_value = set_block(layer_cache["self_value"], value, positions)
     new_layers.append(dict(layer_cache, self_key=self_key, self_value=self_value))
     heads = attend(query, self_key, self_value, self_bias)
     x = x + jnp.dot(heads.reshape(batch * k, -1), p["self_out"])
@@ -287,7 +316,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       # The barrier avoids it and moves no data.
       cross_key, cross_value = jax.lax.optimization_barrier((cross_key, cross_value))
     heads = attend(query, cross_key, cross_value, cross_bias,
-                   query_scale=rows(_inv_rms(x, config)))
+                   query_scale=_inv_rms(x, config).reshape(batch, k))
     x = x + jnp.dot(heads.reshape(batch * k, -1), p["cross_out"])
 
     # Gated MLP: one projection for all input kernels.

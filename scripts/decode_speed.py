@@ -1,0 +1,126 @@
+r"""Whole-call decode speed through the public API, for comparing checkouts.
+
+Times `specdec_jax.generate` (greedy, batch 1, EOS off) on the demo target and
+on random-weight named shapes: target-only at block width 1 and at the default
+width, and speculative with the demo `small` draft (demo target only). Only the
+public API that every checkout since issue 13 has is used, so the same file
+times an older checkout when that checkout comes first on PYTHONPATH:
+
+  git worktree add /tmp/base <commit>
+  for i in 1 2 3; do
+    PYTHONPATH=/tmp/base JAX_PLATFORMS=cpu python scripts/decode_speed.py \
+      --label=base --output_json=/tmp/speed/base_$i.json
+    JAX_PLATFORMS=cpu python scripts/decode_speed.py --label=new \
+      --output_json=/tmp/speed/new_$i.json
+  done
+  python scripts/decode_speed.py --summarize=/tmp/speed
+
+Alternating processes spreads the machine's drift over both checkouts; the
+summary takes, per measurement, the median over runs of each run's fastest
+repeat (the least disturbed one on a shared machine).
+"""
+
+import glob
+import json
+import os
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specdec_jax as sj
+from specdec_jax import demo_pair
+from specdec_jax.results import write_json_atomic
+
+MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
+                           "demo_target (the shipped 9.7M target) or config names (random weights).")
+STEPS = flags.DEFINE_integer("steps", 64, "Tokens per decode.")
+REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement.")
+GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length for the speculative row.")
+LABEL = flags.DEFINE_string("label", "", "Name of the checkout being timed.")
+OUTPUT = flags.DEFINE_string("output_json", "", "Write this run's results here.")
+SUMMARIZE = flags.DEFINE_string("summarize", "", "Summarize the JSON files in this directory "
+                                "instead of timing.")
+
+
+def _timed(fn, repeats: int):
+  jax.block_until_ready(fn())  # Compile.
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    samples.append(time.perf_counter() - start)
+  return samples
+
+
+def measure(name: str, steps: int, repeats: int, gamma: int):
+  """{measurement: [seconds per token, per repeat]} for one model."""
+  if name == "demo_target":
+    pair = demo_pair.load_demo_pair()
+    target, draft = pair.target, pair.drafts["small"]
+    tokens = jnp.asarray(pair.heldout_inputs(1))
+  else:
+    target, draft = sj.load_model(sj.get_config(name, dtype="float32"), seed=0), None
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, target.config.vocab_size,
+                                                           (1, 32)), jnp.int32)
+  runs = {"target_only_w1": dict(block_width=1),
+          "target_only_default_width": dict()}
+  if draft is not None:
+    runs[f"speculative_gamma{gamma}"] = dict(draft=draft, gamma=gamma)
+  out = {}
+  for what, kwargs in runs.items():
+    call = lambda: sj.generate(target, tokens, max_decode_steps=steps, eos_id=-1,
+                               **kwargs).sequences
+    out[what] = [s / steps for s in _timed(call, repeats)]
+  return out
+
+
+def summarize(directory: str) -> str:
+  """Markdown table: ms/token, median over runs of each run's fastest repeat."""
+  by_label = {}
+  for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+    with open(path) as f:
+      run = json.load(f)
+    for model, rows in run["models"].items():
+      for what, seconds in rows.items():
+        by_label.setdefault(run["label"], {}).setdefault((model, what), []).append(min(seconds))
+  labels = sorted(by_label)
+  keys = sorted({key for rows in by_label.values() for key in rows})
+  lines = ["| model | decode | " + " | ".join(f"{l} ms/token" for l in labels) +
+           (" | ratio |" if len(labels) == 2 else " |"),
+           "|---|---|" + "---|" * (len(labels) + (len(labels) == 2))]
+  for key in keys:
+    cells = [statistics.median(by_label[l][key]) * 1e3 if key in by_label[l] else None
+             for l in labels]
+    row = f"| {key[0]} | {key[1]} | " + " | ".join(
+        "-" if c is None else f"{c:.3f}" for c in cells) + " |"
+    if len(labels) == 2 and None not in cells:
+      row += f" {cells[1] / cells[0]:.2f} |"
+    lines.append(row)
+  runs = {l: len(next(iter(by_label[l].values()))) for l in labels}
+  return "\n".join(lines) + f"\n\nruns per checkout: {runs}; ratio = {labels[-1]} / {labels[0]}"
+
+
+def main(argv):
+  del argv
+  if SUMMARIZE.value:
+    print(summarize(SUMMARIZE.value))
+    return
+  models = {name: measure(name, STEPS.value, REPEATS.value, GAMMA.value) for name in MODELS.value}
+  result = dict(label=LABEL.value or "unnamed", specdec_jax=os.path.dirname(sj.__file__),
+                steps=STEPS.value, batch=1, load_average=os.getloadavg(),
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), models=models)
+  for name, rows in models.items():
+    for what, seconds in rows.items():
+      print(f"{result['label']} {name} {what}: {min(seconds) * 1e3:.3f} ms/token (fastest), "
+            f"{statistics.median(seconds) * 1e3:.3f} (median)")
+  if OUTPUT.value:
+    write_json_atomic(OUTPUT.value, result)
+
+
+if __name__ == "__main__":
+  app.run(main)
