@@ -2,9 +2,10 @@ r"""Whole-call decode speed through the public API, for comparing checkouts.
 
 Times `specdec_jax.generate` (greedy, batch 1, EOS off) on the demo target and
 on random-weight named shapes: target-only at block width 1 and at the default
-width, and speculative with the demo `small` draft (demo target only). Only the
-public API that every checkout since issue 13 has is used, so the same file
-times an older checkout when that checkout comes first on PYTHONPATH:
+width, and speculative with the demo `small` draft (demo target only). Only
+public API is used, so the same file times an older checkout when that
+checkout comes first on PYTHONPATH (a checkout from before issue 13 has no
+`block_width`: its target-only decoding is width 1, and it has no other):
 
   git worktree add /tmp/base <commit>
   for i in 1 2 3; do
@@ -21,6 +22,7 @@ repeat (the least disturbed one on a shared machine).
 """
 
 import glob
+import inspect
 import json
 import os
 import statistics
@@ -67,10 +69,16 @@ def measure(name: str, steps: int, repeats: int, gamma: int):
     target, draft = sj.load_model(sj.get_config(name, dtype="float32"), seed=0), None
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, target.config.vocab_size,
                                                            (1, 32)), jnp.int32)
-  runs = {"target_only_w1": dict(block_width=1),
-          "target_only_default_width": dict()}
-  if draft is not None:
-    runs[f"speculative_gamma{gamma}"] = dict(draft=draft, gamma=gamma)
+  spec = dict(draft=draft, gamma=gamma)
+  if "block_width" in inspect.signature(sj.generate).parameters:
+    runs = {"target_only_w1": dict(block_width=1), "target_only_default_width": dict()}
+    if draft is not None:
+      runs[f"speculative_gamma{gamma}_width{gamma + 1}"] = dict(spec, block_width=gamma + 1)
+      runs[f"speculative_gamma{gamma}_default_width"] = spec
+  else:  # Before issue 13: target calls scored 1 token, or gamma + 1 when verifying.
+    runs = {"target_only_w1": dict()}
+    if draft is not None:
+      runs[f"speculative_gamma{gamma}_width{gamma + 1}"] = spec
   out = {}
   for what, kwargs in runs.items():
     call = lambda: sj.generate(target, tokens, max_decode_steps=steps, eos_id=-1,
