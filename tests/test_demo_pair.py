@@ -61,9 +61,12 @@ def test_tokenizer_round_trips_heldout_text(pair):
     assert row["target"].startswith(pair.tokenizer.decode(row["target_ids"]))
 
 
+# The two tests below share the small draft's compiled gamma-4 program (same
+# 16 inputs, same worker), so the second one only runs it.
 @needs_pair
+@pytest.mark.xdist_group("demo_pair_gamma4")
 def test_greedy_speculative_equals_target_only(pair):
-  inputs = pair.heldout_inputs(8)
+  inputs = pair.heldout_inputs(16)
   base = generate(pair.target, inputs, max_decode_steps=pair.max_decode_steps)
   for name, draft in list(pair.drafts.items()) + list(pair.ngrams.items()):
     spec = generate(pair.target, inputs, max_decode_steps=pair.max_decode_steps, draft=draft,
@@ -76,6 +79,7 @@ def test_greedy_speculative_equals_target_only(pair):
 
 
 @needs_pair
+@pytest.mark.xdist_group("demo_pair_gamma4")
 def test_small_draft_reaches_target_alpha(pair):
   """Issue 9's goal: the ~10x draft has alpha >= 0.6 at temperature 0 on held-out inputs."""
   out = generate(pair.target, pair.heldout_inputs(16), max_decode_steps=pair.max_decode_steps,
