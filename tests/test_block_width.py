@@ -37,8 +37,8 @@ def test_demo_pair_bf16_speculative_equals_target_only_with_defaults():
   expected = np.asarray(sj.generate(target, inputs, max_decode_steps=steps).sequences)
   # gamma 1 and 7 (the most and the least block padding) here, 4 through the
   # T5X model below: one compile each. Scoring one width per call is what makes
-  # rows 10 and 27 of these inputs agree (target-only at width 1 against
-  # verification at gamma + 1 differs there on a CPU, for gamma 1 and 7 alike).
+  # every row agree (measured on a 2-core CPU: target-only at width 1 against
+  # verification at gamma + 1 differs on rows 10 and 27, for gamma 1 and 7 alike).
   for gamma in (1, 7):
     out = sj.generate(target, inputs, max_decode_steps=steps, draft=draft, gamma=gamma)
     np.testing.assert_array_equal(np.asarray(out.sequences), expected, err_msg=f"gamma={gamma}")
