@@ -14,7 +14,7 @@ checkout comes first on PYTHONPATH (a checkout from before issue 13 has no
     JAX_PLATFORMS=cpu python scripts/decode_speed.py --label=new \
       --output_json=/tmp/speed/new_$i.json
   done
-  python scripts/decode_speed.py --summarize=/tmp/speed
+  python scripts/decode_speed.py --summarize=/tmp/speed --reference=base
 
 Alternating processes spreads the machine's drift over both checkouts; the
 summary takes, per measurement, the median over runs of each run's fastest
@@ -47,6 +47,7 @@ LABEL = flags.DEFINE_string("label", "", "Name of the checkout being timed.")
 OUTPUT = flags.DEFINE_string("output_json", "", "Write this run's results here.")
 SUMMARIZE = flags.DEFINE_string("summarize", "", "Summarize the JSON files in this directory "
                                 "instead of timing.")
+REFERENCE = flags.DEFINE_string("reference", "", "With --summarize: the label to compare to.")
 
 
 def _timed(fn, repeats: int):
@@ -87,8 +88,12 @@ def measure(name: str, steps: int, repeats: int, gamma: int):
   return out
 
 
-def summarize(directory: str) -> str:
-  """Markdown table: ms/token, median over runs of each run's fastest repeat."""
+def summarize(directory: str, reference: str = "") -> str:
+  """Markdown table: ms/token, median over runs of each run's fastest repeat.
+
+  With `reference` (a label), each other checkout also gets its time as a
+  fraction of the reference's (below 1: faster).
+  """
   by_label = {}
   for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
     with open(path) as f:
@@ -96,27 +101,27 @@ def summarize(directory: str) -> str:
     for model, rows in run["models"].items():
       for what, seconds in rows.items():
         by_label.setdefault(run["label"], {}).setdefault((model, what), []).append(min(seconds))
-  labels = sorted(by_label)
-  keys = sorted({key for rows in by_label.values() for key in rows})
+  if reference and reference not in by_label:
+    raise ValueError(f"no runs labelled {reference!r} in {directory}: {sorted(by_label)}")
+  labels = sorted(by_label, key=lambda l: (l != reference, l))
+  others = [l for l in labels if reference and l != reference]
   lines = ["| model | decode | " + " | ".join(f"{l} ms/token" for l in labels) +
-           (" | ratio |" if len(labels) == 2 else " |"),
-           "|---|---|" + "---|" * (len(labels) + (len(labels) == 2))]
-  for key in keys:
-    cells = [statistics.median(by_label[l][key]) * 1e3 if key in by_label[l] else None
-             for l in labels]
-    row = f"| {key[0]} | {key[1]} | " + " | ".join(
-        "-" if c is None else f"{c:.3f}" for c in cells) + " |"
-    if len(labels) == 2 and None not in cells:
-      row += f" {cells[1] / cells[0]:.2f} |"
-    lines.append(row)
+           "".join(f" | {l} / {reference}" for l in others) + " |",
+           "|---|---|" + "---|" * (len(labels) + len(others))]
+  for key in sorted({key for rows in by_label.values() for key in rows}):
+    ms = {l: statistics.median(by_label[l][key]) * 1e3 for l in labels if key in by_label[l]}
+    cells = [f"{ms[l]:.3f}" if l in ms else "-" for l in labels]
+    cells += [f"{ms[l] / ms[reference]:.2f}" if l in ms and reference in ms else "-"
+              for l in others]
+    lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
   runs = {l: len(next(iter(by_label[l].values()))) for l in labels}
-  return "\n".join(lines) + f"\n\nruns per checkout: {runs}; ratio = {labels[-1]} / {labels[0]}"
+  return "\n".join(lines) + f"\n\nruns per checkout: {runs}"
 
 
 def main(argv):
   del argv
   if SUMMARIZE.value:
-    print(summarize(SUMMARIZE.value))
+    print(summarize(SUMMARIZE.value, REFERENCE.value))
     return
   models = {name: measure(name, STEPS.value, REPEATS.value, GAMMA.value) for name in MODELS.value}
   result = dict(label=LABEL.value or "unnamed", specdec_jax=os.path.dirname(sj.__file__),
