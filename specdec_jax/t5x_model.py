@@ -467,9 +467,13 @@ class SpeculativeEncoderDecoderModel(_BASE):
       raise ValueError("speculative_sample draws one decode per input (num_decodes=1)")
     target_params, draft_params = self._split_params(params, flax_mutables)
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    key = (self.target_config, None if self.draft is None else self.draft.static_key(),
-           self._decode_fn.__name__, self.gamma, self.block_width, self.temperature, self.topk,
-           self.topp, int(num_decodes), max_decode_steps)
+    # Target-only decoding ignores the draft and gamma: leaving them out of the
+    # key lets models that differ only there share one compiled decoder (a
+    # launcher sweeping gamma compiles its target-only baseline once).
+    draft_key = ((None if self.draft is None else self.draft.static_key(), self.gamma)
+                 if self.is_speculative else (None, None))
+    key = (self.target_config, *draft_key, self._decode_fn.__name__, self.block_width,
+           self.temperature, self.topk, self.topp, int(num_decodes), max_decode_steps)
     if key not in _COMPILED:
       _COMPILED[key] = jax.jit(functools.partial(
           self._decode, num_decodes=int(num_decodes), max_decode_steps=max_decode_steps))
