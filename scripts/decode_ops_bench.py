@@ -1,8 +1,11 @@
-r"""Before/after of the fused decode step: operations per decoder layer and step times.
+r"""The fused decode step against the reference: operations per decoder layer and step times.
 
-"Before" is the linen reference `T5.decode_block` (the T5X-shaped network, one
-operation per kernel); "after" is `models/t5_decode.py`, which `Model.block_fn`
-runs. Both are timed in the same process, interleaved repeat by repeat:
+"Reference" is the linen `T5.decode_block` (the T5X-shaped network, one
+operation per kernel: the path before issue 15, though it now reads the
+head-major cache too; the code from before is timed against this one by
+`scripts/decode_speed.py`); "fused" is `models/t5_decode.py`, which
+`Model.block_fn` runs. Both are timed in the same process, interleaved repeat
+by repeat:
 
 * ops/layer: `hlo_ops.ops_per_layer` (compiled step inside a decode loop,
   programs with 2 and 3 decoder layers differenced);
@@ -45,7 +48,7 @@ OUTPUT = flags.DEFINE_string("output_json", "", "Write the results here.")
 
 
 def linen_block_fn(config):
-  """params -> the reference `T5.decode_block` callback (the path before issue 15)."""
+  """params -> the reference `T5.decode_block` callback (what decoding ran before issue 15)."""
   return lambda params: (lambda tokens, positions, cache: T5(config).apply(
       {"params": params}, tokens, positions, cache, method=T5.decode_block))
 
@@ -55,10 +58,10 @@ def fast_block_fn(config, attention=None):
   return lambda params: t5_decode.block_fn(params, config, attention)
 
 
-PATHS = {"before (linen T5.decode_block)": linen_block_fn,
-         "after (t5_decode, attention='dots': CPU default)":
+PATHS = {"reference (linen T5.decode_block)": linen_block_fn,
+         "fused (t5_decode, attention='dots': CPU default)":
              functools.partial(fast_block_fn, attention="dots"),
-         "after (t5_decode, attention='in_layout': accelerator default)":
+         "fused (t5_decode, attention='in_layout': accelerator default)":
              functools.partial(fast_block_fn, attention="in_layout")}
 
 

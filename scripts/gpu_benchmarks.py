@@ -18,6 +18,8 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
     bandwidth floor (decoder + logits weights read once per token at the
     copy bandwidth measured here);
   - C(k): one target call scoring k tokens / one token;
+  - both attention formulations of the decode step ('in_layout', 'dots'):
+    operations per decoder layer as this device compiles them, step times;
   - c for the shipped drafts (1.1M 'small', 0.2M 'tiny'), the 'small' draft
     embedded in the t5_1_1_small shape (a T5-small-shaped draft with the same
     trained acceptance), and a random t5_small-shaped model;
@@ -194,7 +196,8 @@ def run_ours() -> Dict[str, Any]:
   import jax
   import numpy as np
   import specdec_jax as sj
-  from specdec_jax import embed, profiling, testing, theory
+  from specdec_jax import embed, hlo_ops, profiling, testing, theory
+  from specdec_jax.models import t5_decode
 
   wall = time.perf_counter()
   log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)
@@ -249,6 +252,24 @@ def run_ours() -> Dict[str, Any]:
   c = {name: ms[1] / target_ms[1] for name, ms in draft_ms.items()}
   log(f"C(k) {cost_curve}; c {c}")
 
+  # Both attention formulations of the decode step on this device (the
+  # head-major cache lets batched dots read it without a copy, so 'dots' may
+  # now suit accelerators too): operations per decoder layer as compiled here,
+  # and step times of the target and the T5-small-shaped draft.
+  formulation_ks = [1] if DRY_RUN.value else [1, 5]
+  formulations = {}
+  for attention in ("in_layout", "dots"):
+    block_fn_for = lambda cfg: (lambda p: t5_decode.block_fn(p, cfg, attention))
+    ops = {k: hlo_ops.ops_per_layer(target_config, k, block_fn_for)["total"]
+           for k in formulation_ks}
+    models = {"target": target} if DRY_RUN.value else {"target": target, **cost_only}
+    step_ms = profiling.time_block_calls(models, enc, max_len, formulation_ks, REPEATS.value,
+                                         attention=attention)
+    formulations[attention] = dict(
+        ops_per_layer={str(k): v for k, v in ops.items()},
+        step_ms={name: {str(k): v for k, v in ms.items()} for name, ms in step_ms.items()})
+  log(f"formulations {formulations}")
+
   # The cost-realistic pair.
   inputs = pair.heldout_inputs(NUM_INPUTS.value)
   steps = min(pair.max_decode_steps, NEW_TOKENS.value) if DRY_RUN.value else pair.max_decode_steps
@@ -297,6 +318,7 @@ def run_ours() -> Dict[str, Any]:
       target_block_ms={str(k): v for k, v in target_ms.items()},
       cost_curve={str(k): v for k, v in cost_curve.items()},
       draft_step_ms={name: ms[1] for name, ms in draft_ms.items()}, c=c,
+      default_attention=t5_decode.default_attention(), formulations=formulations,
       pair_inputs=len(inputs), pair_new_tokens=steps, pairs=pairs,
       seconds=time.perf_counter() - wall)
 
@@ -335,6 +357,14 @@ def report() -> str:
   lines.append(f"| C(k) = target call scoring k tokens / 1 | {curve} |")
   for name, value in ours["c"].items():
     lines.append(f"| c, {name} | {value:.3f} ({ours['draft_step_ms'][name]:.3f} ms/step) |")
+  lines += ["", f"Attention formulations of the decode step (default here: "
+            f"{ours['default_attention']}): operations per decoder layer as compiled on this "
+            "device, and step ms.", "", "| formulation | ops/layer | step ms |", "|---|---|---|"]
+  for attention, f in ours["formulations"].items():
+    ops = ", ".join(f"{v} (k={k})" for k, v in f["ops_per_layer"].items())
+    steps = "; ".join(f"{name}: " + ", ".join(f"{v:.3f} (k={k})" for k, v in ms.items())
+                      for name, ms in f["step_ms"].items())
+    lines.append(f"| {attention} | {ops} | {steps} |")
   lines += ["", f"Cost-realistic pair: {ours['pair_inputs']} held-out demo inputs, greedy, "
             f"{ours['pair_new_tokens']} new tokens max, paired interleaved repeats.", "",
             "| draft | γ | α | c | predicted (Thm 3.8) | predicted (C(k)) | speedup | identical |",

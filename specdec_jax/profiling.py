@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from specdec_jax.models import t5_decode
 
 
 @functools.lru_cache(maxsize=None)
-def _repeated_block_calls(config, k: int, calls: int):
+def _repeated_block_calls(config, k: int, calls: int, attention: Optional[str] = None):
   """jit: `calls` decode_block calls of k tokens in a fori_loop carrying the cache.
 
   The loop carries the cache as the decoders do, so keys/values are written in
@@ -35,7 +35,7 @@ def _repeated_block_calls(config, k: int, calls: int):
 
   def run(prepared, cache, positions):
     block_fn = lambda tokens, positions, cache: t5_decode.decode_block(
-        prepared, config, tokens, positions, cache)
+        prepared, config, tokens, positions, cache, attention)
 
     def body(i, carry):
       cache, total = carry
@@ -51,7 +51,8 @@ def _repeated_block_calls(config, k: int, calls: int):
 
 
 def time_block_calls(models: Dict[str, Model], encoder_tokens, max_len: int, ks: Sequence[int],
-                     repeats: int, calls: int = 8) -> Dict[str, Dict[int, float]]:
+                     repeats: int, calls: int = 8,
+                     attention: Optional[str] = None) -> Dict[str, Dict[int, float]]:
   """Median ms of one `decode_block` call of k tokens, for each model and k.
 
   Args:
@@ -60,6 +61,8 @@ def time_block_calls(models: Dict[str, Model], encoder_tokens, max_len: int, ks:
     ks: block sizes.
     repeats: timed samples per (model, k), interleaved so drift hits all alike.
     calls: calls per sample, in one compiled loop (amortises dispatch).
+    attention: `t5_decode.decode_block`'s formulation (default: the
+      backend's, what the decode loops run).
   Returns:
     {model name: {k: ms}}.
   """
@@ -70,7 +73,8 @@ def time_block_calls(models: Dict[str, Model], encoder_tokens, max_len: int, ks:
   jobs = [(name, k) for name in models for k in ks]
   prepared = {name: jax.jit(t5_decode.prepare_decode_params, static_argnums=1)(
       m.params, m.config) for name, m in models.items()}
-  run = {(name, k): functools.partial(_repeated_block_calls(models[name].config, k, calls),
+  run = {(name, k): functools.partial(_repeated_block_calls(models[name].config, k, calls,
+                                                            attention),
                                       prepared[name], caches[name], positions[k])
          for name, k in jobs}
   for job in jobs:

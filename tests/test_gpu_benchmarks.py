@@ -27,5 +27,11 @@ def test_gpu_benchmarks_dry_run(tmp_path):
   (pair,) = ours["pairs"].values()
   assert pair["identical_rows"] == pair["rows"] == 2 and 0 < pair["alpha"] <= 1
   assert hf is not None and hf["ms_per_token"] > 0
+  # Both attention formulations counted and timed (here bf16 on CPU: the pinned
+  # float32 counts are tests/test_decode_ops.py's).
+  assert set(ours["formulations"]) == {"in_layout", "dots"} and ours["default_attention"] == "dots"
+  for f in ours["formulations"].values():
+    assert f["ops_per_layer"]["1"] > 0 and f["step_ms"]["target"]["1"] > 0
   table = (tmp_path / "gpu_benchmarks.md").read_text()
   assert "EMBEDDED" in table and "| C(k)" in table and "transformers" in table
+  assert "| in_layout |" in table and "| dots |" in table

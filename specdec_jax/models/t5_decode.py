@@ -306,7 +306,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   max_len = cache["layers"][0]["self_key"].shape[2]
   query_positions = positions[:, None] + jnp.arange(k)[None, :]
   self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len)
-  cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, None, :]  # [b, 1, 1, len]
+  cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, None, :]  # [b,1,1,len]
   activations = [_ACTIVATIONS[a] for a in config.mlp_activations]
 
   # The residual stream is [batch * k, emb]: 2-D operands for the projections.
