@@ -27,7 +27,7 @@ from specdec_jax.sharding import (Partitioner, load_sharded_model, make_partitio
 from specdec_jax.speculative import batched_speculative_step, speculative_step
 from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
 from specdec_jax.train import TrainState, fit, make_optimizer, train_step
-# Decoder-only models (GPT-2 / Llama / Qwen2 layouts), issue 16 (in progress).
+# Decoder-only models (GPT-2 / Llama / Qwen2 layouts).
 from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only, load_hf_decoder_only
 from specdec_jax.decoder_only_demo_pair import DecoderOnlyDemoPair, load_decoder_only_demo_pair
 from specdec_jax.decoder_only_generation import decoder_only_generate
