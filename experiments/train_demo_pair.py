@@ -19,7 +19,6 @@ Usage:
 """
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -29,7 +28,6 @@ from typing import Dict, Tuple
 from absl import app, flags, logging
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import gin_flags

@@ -15,7 +15,6 @@ Callbacks:
   one to the other, so both loops run the same network code.
 """
 
-import functools
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax

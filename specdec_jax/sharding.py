@@ -419,7 +419,6 @@ def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
   Named configs / `T5Config`s are initialised inside a jit with sharded
   outputs; checkpoints are loaded then placed leaf by leaf (`shard_params`).
   """
-  from specdec_jax.loading import load_model
   from specdec_jax.model import Model, default_dtype
   from specdec_jax.models.configs import CONFIGS, get_config
   source = name_or_path_or_config

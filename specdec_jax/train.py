@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from specdec_jax.models.configs import T5Config

@@ -11,7 +11,7 @@ argument), so a new set of weights never triggers a recompile.
 """
 
 import abc
-from typing import Any, Hashable, Tuple
+from typing import Any, Hashable
 
 import jax
 

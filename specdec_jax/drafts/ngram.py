@@ -22,7 +22,7 @@ continuations (always when K >= V) the counts are complete.
 
 import io
 import os
-from typing import Any, Hashable, Iterable, Optional
+from typing import Any, Hashable, Iterable
 
 import jax
 import jax.numpy as jnp
