@@ -19,6 +19,14 @@ needs_pair = pytest.mark.skipif(
     not SHIPPED, reason="demo_pair/ weights not trained yet (python -m experiments.train_demo_pair)")
 
 
+# The entry-point subprocesses compile with XLA CPU's cheap settings (as
+# tests/test_sharding.py's subprocess): these flags set LLVM's optimisation
+# level only, not XLA's HLO passes, and the in-process tests here check the
+# same identities at the default settings.
+CHEAP_COMPILE_ENV = dict(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
+
+
 @pytest.fixture(scope="module")
 def pair():
   return load_demo_pair()
@@ -94,7 +102,7 @@ def test_make_demo_entry_point_runs(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.demo", "--num_inputs=2", "--repeats=1"],
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-      text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+      text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
   assert result.returncode == 0, result.stderr[-2000:]
   # Identity is checked against target-only decoding at the speculative
   # loop's block width; the speedup against the fastest target-only width.
@@ -121,7 +129,7 @@ def test_mini_table2_smoke(tmp_path):
        "--num_inputs=1", "--repeats=1", "--gammas=1", "--ngram_gammas=1",
        "--drafts=small,bigram", "--temperatures=0", "--max_gamma=1"],
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-      text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+      text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
   assert result.returncode == 0, result.stderr[-2000:]
   with open(tmp_path / "results.json") as f:
     table = json.load(f)

@@ -31,7 +31,11 @@ def input_file(tmp_path):
 
 
 def _launch(args, tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # Cheaper CPU compiles (as tests/test_sharding.py's subprocess): LLVM's
+  # optimisation level only, not XLA's HLO passes.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_backend_optimization_level=0 "
+                       "--xla_llvm_disable_expensive_passes=true")
   return subprocess.run([sys.executable, "-m", "experiments.run"] + args, cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
