@@ -16,7 +16,11 @@ categories is >= 1614 (residual from p), >= 19516 (accept with r < q / p) and
 >= 515 (bonus token from q instead of p) across the four settings, where
 power 0.99 at the 1e-4 level needs 75-178 (26-291 degrees of freedom): the
 power against each is 1 - 1e-6 or more. More generally, any wrong rule with
-chi-square effect sum((p_wrong - p)^2 / p) >= 0.018 is caught with power >= 0.99.
+chi-square effect sum((p_wrong - p)^2 / p) >= 0.018 is caught with power >= 0.99
+(0.0066 at the former 30,000). Small errors in the target's own sampling
+distribution (temperature 1.1 for 1: effect 0.011) are the autoregressive
+test's to catch: it keeps 30,000 samples (power 1.0 there, 0.62 at 10,000),
+and the speculative loop scores the target through the same adjust_probs.
 """
 
 import collections
