@@ -106,22 +106,10 @@ def _demo_target_config():
 
 
 def hf_config(config):
-  """transformers' T5Config for a gated, untied specdec_jax T5Config (what `embed` makes).
-
-  As scripts/hf_peer.py's (which defines flags at import, so is not imported here).
-  """
+  """transformers' T5Config for a specdec_jax T5Config (`checkpoints.t5config_to_hf_config`)."""
   import transformers
-  if tuple(config.mlp_activations) != ("gelu", "linear") or config.logits_via_embedding:
-    raise ValueError("gpu_benchmarks compares T5 1.1 layouts (gated GELU, untied) only")
-  return transformers.T5Config(
-      vocab_size=config.vocab_size, d_model=config.emb_dim, d_kv=config.head_dim,
-      d_ff=config.mlp_dim, num_layers=config.num_encoder_layers,
-      num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
-      relative_attention_num_buckets=config.relative_attention_num_buckets,
-      relative_attention_max_distance=config.relative_attention_max_distance,
-      layer_norm_epsilon=config.layer_norm_epsilon, feed_forward_proj="gated-gelu",
-      tie_word_embeddings=False, pad_token_id=config.pad_id, eos_token_id=config.eos_id,
-      decoder_start_token_id=config.decoder_start_id)
+  from specdec_jax.checkpoints import t5config_to_hf_config
+  return transformers.T5Config(**t5config_to_hf_config(config))
 
 
 def run_hf() -> Dict[str, Any]:

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from specdec_jax import generation
+from specdec_jax.checkpoints import t5config_to_hf_config
 from specdec_jax.loading import load_model
 from specdec_jax.models.configs import T5Config, get_config
 from specdec_jax.results import write_json_atomic
@@ -54,21 +55,9 @@ NO_EOS = -1  # Never emitted: our decoders then run all new_tokens steps.
 
 
 def hf_config(config: T5Config):
-  """The transformers `T5Config` for a specdec_jax `T5Config`."""
+  """The transformers `T5Config` for a specdec_jax `T5Config` (the one export_hf writes)."""
   import transformers
-  gated = tuple(config.mlp_activations) == ("gelu", "linear")
-  if not gated and tuple(config.mlp_activations) != ("relu",):
-    raise ValueError(f"no transformers equivalent for activations {config.mlp_activations}")
-  return transformers.T5Config(
-      vocab_size=config.vocab_size, d_model=config.emb_dim, d_kv=config.head_dim,
-      d_ff=config.mlp_dim, num_layers=config.num_encoder_layers,
-      num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
-      relative_attention_num_buckets=config.relative_attention_num_buckets,
-      relative_attention_max_distance=config.relative_attention_max_distance,
-      layer_norm_epsilon=config.layer_norm_epsilon,
-      feed_forward_proj="gated-gelu" if gated else "relu",
-      tie_word_embeddings=config.logits_via_embedding, pad_token_id=config.pad_id,
-      eos_token_id=config.eos_id, decoder_start_token_id=config.decoder_start_id)
+  return transformers.T5Config(**t5config_to_hf_config(config))
 
 
 def build_hf_pair(target_config: T5Config, draft_config, noise: float, seed: int):
