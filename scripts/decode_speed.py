@@ -43,6 +43,7 @@ MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
 STEPS = flags.DEFINE_integer("steps", 64, "Tokens per decode.")
 REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement.")
 GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length for the speculative row.")
+DTYPE = flags.DEFINE_string("dtype", "float32", "Weights and compute dtype of every model.")
 LABEL = flags.DEFINE_string("label", "", "Name of the checkout being timed.")
 OUTPUT = flags.DEFINE_string("output_json", "", "Write this run's results here.")
 SUMMARIZE = flags.DEFINE_string("summarize", "", "Summarize the JSON files in this directory "
@@ -60,14 +61,20 @@ def _timed(fn, repeats: int):
   return samples
 
 
-def measure(name: str, steps: int, repeats: int, gamma: int):
+def _cast(model, dtype: str):
+  """The model with its config and params in `dtype` (any checkout's public `Model`)."""
+  return sj.Model(model.config.replace(dtype=dtype),
+                  jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), model.params))
+
+
+def measure(name: str, steps: int, repeats: int, gamma: int, dtype: str = "float32"):
   """{measurement: [seconds per token, per repeat]} for one model."""
   if name == "demo_target":
     pair = demo_pair.load_demo_pair()
-    target, draft = pair.target, pair.drafts["small"]
+    target, draft = _cast(pair.target, dtype), _cast(pair.drafts["small"], dtype)
     tokens = jnp.asarray(pair.heldout_inputs(1))
   else:
-    target, draft = sj.load_model(sj.get_config(name, dtype="float32"), seed=0), None
+    target, draft = sj.load_model(sj.get_config(name, dtype=dtype), seed=0), None
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, target.config.vocab_size,
                                                            (1, 32)), jnp.int32)
   spec = dict(draft=draft, gamma=gamma)
@@ -123,9 +130,10 @@ def main(argv):
   if SUMMARIZE.value:
     print(summarize(SUMMARIZE.value, REFERENCE.value))
     return
-  models = {name: measure(name, STEPS.value, REPEATS.value, GAMMA.value) for name in MODELS.value}
+  models = {name: measure(name, STEPS.value, REPEATS.value, GAMMA.value, DTYPE.value)
+            for name in MODELS.value}
   result = dict(label=LABEL.value or "unnamed", specdec_jax=os.path.dirname(sj.__file__),
-                steps=STEPS.value, batch=1, load_average=os.getloadavg(),
+                steps=STEPS.value, batch=1, dtype=DTYPE.value, load_average=os.getloadavg(),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), models=models)
   for name, rows in models.items():
     for what, seconds in rows.items():
