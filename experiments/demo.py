@@ -28,8 +28,8 @@ from absl import flags
 import numpy as np
 
 import specdec_jax as sj
-from specdec_jax import profiling
-from specdec_jax import theory
+from specdec_jax.tools import profiling
+from specdec_jax.core import theory
 
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 6, "Held-out inputs to complete.")
 GAMMA = flags.DEFINE_integer("gamma", 0, "Tokens drafted per iteration; 0: the theory's "

@@ -34,9 +34,9 @@ import numpy as np
 from experiments.paper_tables import TABLE2
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
 from experiments.run import OUTPUT_DIR
-from specdec_jax.profiling import block_step_seconds, time_generate_pairs
-from specdec_jax import results as results_lib
-from specdec_jax import theory
+from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs
+from specdec_jax.core import results as results_lib
+from specdec_jax.core import theory
 from specdec_jax.demo_pair import load_demo_pair
 
 FLAGS = flags.FLAGS

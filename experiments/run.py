@@ -41,20 +41,20 @@ import tqdm
 
 from experiments.gin_flags import (GIN_BINDINGS, GIN_FILES, GIN_SEARCH_PATHS, parse_gin,
                                    rewrite_gin_args)
-from specdec_jax import decoding
-from specdec_jax import results as results_lib
-from specdec_jax import sampling
+from specdec_jax.core import decoding
+from specdec_jax.core import results as results_lib
+from specdec_jax.core import sampling
 from specdec_jax import sharding
 from specdec_jax import tasks
-from specdec_jax import theory
-from specdec_jax.profiling import block_step_seconds
+from specdec_jax.core import theory
+from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.drafts import Draft, ModelDraft
-from specdec_jax.outputs import SpeculativeStats, sequence_lengths
+from specdec_jax.core.outputs import SpeculativeStats, sequence_lengths
 from specdec_jax.loading import load_model
-from specdec_jax.model import Model
-from specdec_jax.models.configs import T5Config
-from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
-from specdec_jax.testing import perturbed_model
+from specdec_jax.families.t5.model import Model
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
+from specdec_jax.tools.testing import perturbed_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,9 +29,10 @@ import jax
 import numpy as np
 
 from experiments import gin_flags
-from specdec_jax import data, train
-from specdec_jax.model import init_params
-from specdec_jax.models.configs import get_config
+from specdec_jax import data
+from specdec_jax.train import trainer as train
+from specdec_jax.families.t5.model import init_params
+from specdec_jax.families.t5.config import get_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and outputs.", required=True)
@@ -68,7 +69,7 @@ def train_experiment(workdir: str, *, train_file: str = gin.REQUIRED,
                      warmup_steps: int = 100, num_steps: int = 1000, batch_size: int = 32,
                      num_microbatches: int = 1, checkpoint_every: int = 200,
                      eval_every: int = 200, seed: int = 0):
-  """Trains `model` (a config name from specdec_jax.models.configs, with overrides)."""
+  """Trains `model` (a config name from specdec_jax.families.t5.config, with overrides)."""
   tok = get_tokenizer(tokenizer, train_file, workdir)
   config = get_config(model, **dict(config_overrides or {}))
   if tok is not None:

@@ -46,10 +46,10 @@ import numpy as np
 from flax import traverse_util
 
 from specdec_jax import data
-from specdec_jax import train
-from specdec_jax import train_decoder_only
-from specdec_jax.decoder_only_model import DecoderOnlyModel, init_decoder_only_params
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
+from specdec_jax.train import trainer as train
+from specdec_jax.train import decoder_only as train_decoder_only
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel, init_decoder_only_params
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "decoder_only_pair_run", "Run directory (data, checkpoints).")
@@ -346,7 +346,7 @@ def stage_alpha(s: PairSettings, workdir: str):
 
 
 def stage_export(s: PairSettings, workdir: str, out_dir: str):
-  from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
+  from specdec_jax.families.decoder_only.checkpoints import export_hf_decoder_only
   d = _load_data(workdir)
   models = _final_models(s, workdir)
   os.makedirs(out_dir, exist_ok=True)

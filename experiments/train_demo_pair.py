@@ -32,9 +32,9 @@ import numpy as np
 
 from experiments import gin_flags
 from specdec_jax import data
-from specdec_jax import train
-from specdec_jax.model import Model, init_params
-from specdec_jax.models.configs import T5Config
+from specdec_jax.train import trainer as train
+from specdec_jax.families.t5.model import Model, init_params
+from specdec_jax.families.t5.config import T5Config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "demo_pair_run", "Run directory (data, checkpoints, logs).")
@@ -216,7 +216,7 @@ def _restore_pretrained(s: DemoPairSettings, workdir: str):
 
 
 def stage_distill(s: DemoPairSettings, workdir: str):
-  from specdec_jax import distill
+  from specdec_jax.train import distill
   _, train_data, heldout = _load_data(workdir)
   models = _restore_pretrained(s, workdir)
   target = models["target"]
@@ -256,7 +256,7 @@ def _current_drafts(s: DemoPairSettings, workdir: str) -> Dict[str, Model]:
 def stage_ngram(s: DemoPairSettings, workdir: str):
   """Unigram and bigram drafts counted on the training set's reference targets; their
   alpha against the target on held-out inputs."""
-  from specdec_jax import distill
+  from specdec_jax.train import distill
   from specdec_jax.drafts.ngram import NgramDraft
   _, train_data, heldout = _load_data(workdir)
   target = _restore_pretrained(s, workdir)["target"]
@@ -316,7 +316,7 @@ def stage_card(out_dir: str):
 
 
 def theory_on_curve(alpha, gamma, c, block_cost) -> float:
-  from specdec_jax import theory
+  from specdec_jax.core import theory
   if gamma + 1 > len(block_cost):
     return float("nan")
   return theory.predicted_speedup_with_cost_curve(alpha, gamma, c, block_cost)
@@ -329,7 +329,7 @@ def model_card(info) -> str:
   lines = [
       "# Demo pair: code-completion T5 target and drafts", "",
       "Trained by `python -m experiments.train_demo_pair` (this repository's own training code:",
-      "`specdec_jax.train`, `specdec_jax.distill`) on one shared 2-core CPU. Loaded by",
+      "`specdec_jax.train.trainer`, `specdec_jax.train.distill`) on one shared 2-core CPU. Loaded by",
       "`specdec_jax.demo_pair.load_demo_pair()` (bf16 on disk, float32 in memory).", "",
       "## Data", "",
       f"- Corpus: {prov['corpus']}, CPython {prov['python_version']} "

@@ -43,15 +43,15 @@ from absl import logging
 import jax
 import numpy as np
 
-from specdec_jax import decoding
+from specdec_jax.core import decoding
 from specdec_jax import generation
-from specdec_jax import theory
+from specdec_jax.core import theory
 from specdec_jax.loading import load_model
-from specdec_jax.model import Model, default_dtype
-from specdec_jax.models.configs import CONFIGS
-from specdec_jax.profiling import time_block_calls
-from specdec_jax.results import write_json_atomic
-from specdec_jax.testing import perturbed_model, random_encoder_tokens
+from specdec_jax.families.t5.model import Model, default_dtype
+from specdec_jax.families.t5.config import CONFIGS
+from specdec_jax.tools.profiling import time_block_calls
+from specdec_jax.core.results import write_json_atomic
+from specdec_jax.tools.testing import perturbed_model, random_encoder_tokens
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "t5_1_1_small", "Target: a config name, a checkpoint path, or "
@@ -300,7 +300,7 @@ def _describe(model: Model) -> str:
 
 
 DEMO_NOTE = ("'demo...' models are the shipped demo pair's (demo_pair/); 'demo@SHAPE' is the "
-             "9.7M demo target EMBEDDED function-preservingly in SHAPE (specdec_jax.embed): the "
+             "9.7M demo target EMBEDDED function-preservingly in SHAPE (specdec_jax.families.t5.embed): the "
              "demo target's function and 2048-token vocabulary at SHAPE's cost, not a trained "
              "model of that size.")
 
@@ -308,7 +308,7 @@ DEMO_NOTE = ("'demo...' models are the shipped demo pair's (demo_pair/); 'demo@S
 def load_demo(name: str, dtype: str) -> Model:
   """'demo' (the 9.7M target), 'demo:small' / 'demo:tiny' (its drafts), each optionally
   '@SHAPE': embedded in a named config's shape (e.g. 'demo@t5_1_1_xxl', issue 15)."""
-  from specdec_jax import embed
+  from specdec_jax.families.t5 import embed
   from specdec_jax.demo_pair import load_demo_pair
   base, _, shape = name.partition("@")
   role = base.partition(":")[2] or "target"

@@ -8,8 +8,8 @@ target-only `generate` at block_width 1 and 8 (batch 1, 40 tokens, median of
   python scripts/block_width_cost.py
 """
 import statistics, time, jax, specdec_jax as sj
-from specdec_jax import profiling
-from specdec_jax.model import Model
+from specdec_jax.tools import profiling
+from specdec_jax.families.t5.model import Model
 pair = sj.load_demo_pair(); x = pair.heldout_inputs(1)
 cast = lambda m, d: Model(m.config.replace(dtype=d), jax.tree_util.tree_map(lambda a: a.astype(d), m.params))
 for dtype in ("float32", "bfloat16"):

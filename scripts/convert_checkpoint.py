@@ -19,7 +19,7 @@ in `--dtype`.
 from absl import app
 from absl import flags
 
-from specdec_jax import checkpoints
+from specdec_jax.families.t5 import checkpoints
 
 _INPUT = flags.DEFINE_string("input", None, "HF directory / hub id, T5X checkpoint_N directory "
                              "or TensorStore URL, or an Orbax checkpoint.", required=True)

@@ -3,7 +3,7 @@ r"""The fused decode step against the reference: operations per decoder layer an
 "Reference" is the linen `T5.decode_block` (the T5X-shaped network, one
 operation per kernel: the path before issue 15, though it now reads the
 head-major cache too; the code from before is timed against this one by
-`scripts/decode_speed.py`); "fused" is `models/t5_decode.py`, which
+`scripts/decode_speed.py`); "fused" is `families/t5/decode.py`, which
 `Model.block_fn` runs. Both are timed in the same process, interleaved repeat
 by repeat:
 
@@ -30,10 +30,13 @@ import jax
 import jax.numpy as jnp
 
 import specdec_jax as sj
-from specdec_jax import decoding, demo_pair, hlo_ops, testing
-from specdec_jax.models import t5_decode
-from specdec_jax.models.t5 import T5
-from specdec_jax.results import write_json_atomic
+from specdec_jax import demo_pair
+from specdec_jax.core import decoding
+from specdec_jax.tools import hlo_ops
+from specdec_jax.tools import testing
+from specdec_jax.families.t5 import decode as t5_decode
+from specdec_jax.families.t5.network import T5
+from specdec_jax.core.results import write_json_atomic
 
 MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
                            "demo_target (the shipped 9.7M target's shape) or config names.")

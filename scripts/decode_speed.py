@@ -36,7 +36,7 @@ import numpy as np
 
 import specdec_jax as sj
 from specdec_jax import demo_pair
-from specdec_jax.results import write_json_atomic
+from specdec_jax.core.results import write_json_atomic
 
 MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
                            "demo_target (the shipped 9.7M target) or config names (random weights).")

@@ -1,7 +1,7 @@
 r"""The paper's setting on one accelerator: an XXL-shaped target with real acceptance.
 
 The target is the shipped 9.7M-parameter demo target (demo_pair/) EMBEDDED,
-function-preservingly, in the T5 1.1 XXL shape (`specdec_jax.embed`): it
+function-preservingly, in the T5 1.1 XXL shape (`specdec_jax.families.t5.embed`): it
 computes exactly the demo target's function (its 2048-token vocabulary) at
 the cost of an XXL decoder step. So the demo drafts' real, trained acceptance
 rate meets a real XXL-sized step. It is not a trained 11B model; every report
@@ -66,13 +66,13 @@ DRY_SHAPES = {  # emb a multiple of the demo models' (256 target, 128 draft), fe
                   num_decoder_layers=2),
 }
 TARGET_NOTE = ("The target is the shipped 9.7M-parameter demo target EMBEDDED function-"
-               "preservingly in the {shape} shape (specdec_jax.embed): same function and "
+               "preservingly in the {shape} shape (specdec_jax.families.t5.embed): same function and "
                "2048-token vocabulary as the 9.7M model, the cost of a {shape}-shaped step; "
                "not a trained 11B model.")
 
 
 def _write(name: str, result: Dict[str, Any]):
-  from specdec_jax.results import write_json_atomic
+  from specdec_jax.core.results import write_json_atomic
   os.makedirs(OUTPUT_DIR.value, exist_ok=True)
   path = os.path.join(OUTPUT_DIR.value, f"{name}.json")
   write_json_atomic(path, result)
@@ -88,7 +88,7 @@ def _machine():
 
 def _shape_config(small_config, shape: str, role: str):
   """The large config for `role` ('target' / 'draft'): named shape, or tiny in a dry run."""
-  from specdec_jax import embed
+  from specdec_jax.families.t5 import embed
   if DRY_RUN.value:
     return embed.embedded_config(small_config, small_config.replace(**DRY_SHAPES[role]),
                                  dtype=DTYPE.value)
@@ -108,7 +108,7 @@ def _demo_target_config():
 def hf_config(config):
   """transformers' T5Config for a specdec_jax T5Config (`checkpoints.t5config_to_hf_config`)."""
   import transformers
-  from specdec_jax.checkpoints import t5config_to_hf_config
+  from specdec_jax.families.t5.checkpoints import t5config_to_hf_config
   return transformers.T5Config(**t5config_to_hf_config(config))
 
 
@@ -184,8 +184,12 @@ def run_ours() -> Dict[str, Any]:
   import jax
   import numpy as np
   import specdec_jax as sj
-  from specdec_jax import embed, hlo_ops, profiling, testing, theory
-  from specdec_jax.models import t5_decode
+  from specdec_jax.families.t5 import embed
+  from specdec_jax.tools import hlo_ops
+  from specdec_jax.tools import profiling
+  from specdec_jax.tools import testing
+  from specdec_jax.core import theory
+  from specdec_jax.families.t5 import decode as t5_decode
 
   wall = time.perf_counter()
   log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)

@@ -32,10 +32,10 @@ import jax
 import numpy as np
 
 from specdec_jax import generation
-from specdec_jax.checkpoints import t5config_to_hf_config
+from specdec_jax.families.t5.checkpoints import t5config_to_hf_config
 from specdec_jax.loading import load_model
-from specdec_jax.models.configs import T5Config, get_config
-from specdec_jax.results import write_json_atomic
+from specdec_jax.families.t5.config import T5Config, get_config
+from specdec_jax.core.results import write_json_atomic
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "t5_1_1_small", "Target shape (a specdec_jax config name).")

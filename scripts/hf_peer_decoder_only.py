@@ -36,11 +36,11 @@ from absl import flags
 import jax
 import numpy as np
 
-from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
+from specdec_jax.families.decoder_only.checkpoints import export_hf_decoder_only
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.loading import load_decoder_only_model
-from specdec_jax.results import write_json_atomic
+from specdec_jax.core.results import write_json_atomic
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gpt2", "Target shape (a decoder-only config name).")

@@ -40,7 +40,7 @@ def _status_kib(field: str) -> int:
 def _child(directory: str, dtype: str) -> None:
   import time
   import jax
-  from specdec_jax import checkpoints
+  from specdec_jax.families.t5 import checkpoints
   before = _status_kib("VmRSS")
   start = time.time()
   model = checkpoints.load_checkpoint_model(directory, dtype=dtype)
@@ -56,7 +56,7 @@ def _child(directory: str, dtype: str) -> None:
 
 def _write_random_hf(directory: str, config, file_dtype, shard_bytes: int) -> int:
   """Streams a random HF checkpoint of `config`; returns its size in bytes."""
-  from specdec_jax import checkpoints
+  from specdec_jax.families.t5 import checkpoints
   os.makedirs(directory, exist_ok=True)
   dtype = np.dtype(file_dtype)
   layout = checkpoints.hf_tensor_layout(config)
@@ -94,7 +94,7 @@ def main(argv):
     _child(_CHILD.value, _LOAD_DTYPE.value)
     return
   import ml_dtypes
-  from specdec_jax.models.configs import get_config
+  from specdec_jax.families.t5.config import get_config
   config = get_config(_CONFIG.value)
   file_dtype = ml_dtypes.bfloat16 if _FILE_DTYPE.value == "bfloat16" else np.float32
   directory = os.path.join(_WORKDIR.value, f"{_CONFIG.value}_{_FILE_DTYPE.value}")

@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from specdec_jax import data
-from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "demo_pair_decoder_only")
@@ -66,7 +66,7 @@ def load_decoder_only_demo_pair(path: Optional[str] = None,
   Raises:
     FileNotFoundError: no pair at `path`, naming the command that makes one.
   """
-  from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
+  from specdec_jax.families.decoder_only.checkpoints import load_hf_decoder_only
   from specdec_jax.drafts.ngram import NgramDraft
   path = path or DEFAULT_DIR
   info_path = os.path.join(path, "info.json")

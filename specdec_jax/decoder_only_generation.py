@@ -1,6 +1,6 @@
 """`decoder_only_generate`: decoder-only models through the shared decode loops.
 
-The loops in `specdec_jax.decoding` know nothing of prompts: they take block
+The loops in `specdec_jax.core.decoding` know nothing of prompts: they take block
 callbacks `(tokens [batch, k], positions [batch], cache)` in *loop*
 positions, where loop position 0 holds each row's first decoder input
 (`inputs[:, 0]`). A decoder-only model continues a prompt, so here
@@ -30,20 +30,20 @@ from typing import Any, Dict, Optional
 import jax
 import numpy as np
 
-from specdec_jax import decoder_only_sharding
-from specdec_jax import decoding
-from specdec_jax import sampling
+from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
+from specdec_jax.core import decoding
+from specdec_jax.core import sampling
 from specdec_jax import sharding
-from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
+from specdec_jax.families.decoder_only.model import (DecoderOnlyModel, absolute_block_fn,
                                             check_prompt_lengths, decode_cache_length,
                                             first_inputs, mark_prompt_padding,
                                             prefilled_cache, shift_block_fn)
-from specdec_jax.dtypes import check_matmul_precision, matmul_precision_scope
+from specdec_jax.core.dtypes import check_matmul_precision, matmul_precision_scope
 from specdec_jax.drafts import AdaptiveGammaDraft, Draft, ModelDraft, PromptLookupDraft
 from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
-from specdec_jax.outputs import GenerateOutput, make_output
-from specdec_jax.model import Model, check_tokens
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
+from specdec_jax.core.outputs import GenerateOutput, make_output
+from specdec_jax.families.t5.model import Model, check_tokens
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 Array = jax.Array
 

@@ -23,8 +23,8 @@ import numpy as np
 from flax import traverse_util
 
 from specdec_jax import data
-from specdec_jax.model import Model
-from specdec_jax.models.configs import T5Config
+from specdec_jax.families.t5.model import Model
+from specdec_jax.families.t5.config import T5Config
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "demo_pair")
@@ -45,7 +45,7 @@ def save_weights_bf16(path: str, params) -> int:
 
 def load_weights_bf16(path: str, config: T5Config):
   """Reads `save_weights_bf16` output as a float32 param tree, checking it fits `config`."""
-  from specdec_jax.model import init_params  # Only for the expected shapes.
+  from specdec_jax.families.t5.model import init_params  # Only for the expected shapes.
   import jax
   expected = traverse_util.flatten_dict(
       jax.eval_shape(lambda: init_params(config.replace(dtype="float32"), 0)), sep="/")

@@ -14,16 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import decoding
+from specdec_jax.core import decoding
 from specdec_jax import decoder_only_generation
-from specdec_jax import sampling
+from specdec_jax.core import sampling
 from specdec_jax import sharding
 from specdec_jax.drafts import Draft, as_draft
-from specdec_jax.dtypes import check_matmul_precision, matmul_precision_scope
-from specdec_jax.decoder_only_model import DecoderOnlyModel
-from specdec_jax.model import Model, check_tokens
-from specdec_jax.models.t5 import T5
-from specdec_jax.outputs import GenerateOutput, SpeculativeStats, make_output
+from specdec_jax.core.dtypes import check_matmul_precision, matmul_precision_scope
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
+from specdec_jax.families.t5.model import Model, check_tokens
+from specdec_jax.families.t5.network import T5
+from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats, make_output
 
 Array = jax.Array
 

@@ -16,13 +16,13 @@ import json
 import os
 from typing import Optional, Union
 
-from specdec_jax import checkpoints
-from specdec_jax import checkpoints_decoder_only
-from specdec_jax.decoder_only_model import DecoderOnlyModel, init_decoder_only_params
-from specdec_jax.dtypes import optional_dtype
-from specdec_jax.model import Model, default_dtype, init_params
-from specdec_jax.models.configs import CONFIGS, T5Config, get_config
-from specdec_jax.models.decoder_configs import (DECODER_CONFIGS, DecoderOnlyConfig,
+from specdec_jax.families.t5 import checkpoints
+from specdec_jax.families.decoder_only import checkpoints as checkpoints_decoder_only
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel, init_decoder_only_params
+from specdec_jax.core.dtypes import optional_dtype
+from specdec_jax.families.t5.model import Model, default_dtype, init_params
+from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
+from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                 canonical_name, get_decoder_config)
 
 AnyModel = Union[Model, DecoderOnlyModel]

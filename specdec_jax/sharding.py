@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from specdec_jax.dtypes import canonical_dtype, optional_dtype
-from specdec_jax.models.configs import T5Config
-from specdec_jax.models.t5 import T5
+from specdec_jax.core.dtypes import canonical_dtype, optional_dtype
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5.network import T5
 
 MESH_AXES = ("data", "model")
 
@@ -67,7 +67,7 @@ DRAFT_RULES = (("batch", "data"),)
 LogicalAxes = Tuple[Optional[str], ...]
 Rules = Tuple[Tuple[str, Optional[Union[str, Tuple[str, ...]]]], ...]
 
-# T5 caches are head-major (models/t5.py); decoder-only caches keep the
+# T5 caches are head-major (families/t5/network.py); decoder-only caches keep the
 # projection's [batch, length, heads, kv] (decoder_only_sharding.py).
 CACHE_KV_AXES = ("batch", "heads", "length", "kv")
 ENCODER_MASK_AXES = ("batch", "length")
@@ -342,7 +342,7 @@ class Partitioner:
   @contextlib.contextmanager
   def activation_axes(self):
     """While tracing under jit: binds these rules and this mesh so the
-    activations models/t5.py names (`batch`, `length`, `embed`, `heads`,
+    activations families/t5/network.py names (`batch`, `length`, `embed`, `heads`,
     `kv`, `mlp`) are constrained to them. The jitted computation must run
     on this mesh (mesh-sharded inputs or explicit in_shardings), as in
     `generate` and `init_sharded_cache`."""
@@ -419,8 +419,8 @@ def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
   Named configs / `T5Config`s are initialised inside a jit with sharded
   outputs; checkpoints are loaded then placed leaf by leaf (`shard_params`).
   """
-  from specdec_jax.model import Model, default_dtype
-  from specdec_jax.models.configs import CONFIGS, get_config
+  from specdec_jax.families.t5.model import Model, default_dtype
+  from specdec_jax.families.t5.config import CONFIGS, get_config
   source = name_or_path_or_config
   dtype = optional_dtype(dtype)
   if isinstance(source, T5Config) or (isinstance(source, str) and source in CONFIGS):
@@ -429,7 +429,7 @@ def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
     if dtype is not None or not isinstance(source, T5Config):
       config = config.replace(dtype=dtype or default_dtype())
     return Model(config, init_sharded_params(config, partitioner, seed))
-  from specdec_jax import checkpoints
+  from specdec_jax.families.t5 import checkpoints
 
   def place(key, array):
     # Each device receives only its slice of the host tensor.
@@ -444,7 +444,7 @@ def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
 
 def shard_model(model, partitioner: Partitioner):
   """The same `Model` with its params placed by `partitioner`."""
-  from specdec_jax.model import Model
+  from specdec_jax.families.t5.model import Model
   return Model(model.config, partitioner.shard_params(model.params))
 
 

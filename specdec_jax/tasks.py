@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import gin
 import numpy as np
 
-from specdec_jax.models.configs import T5Config
+from specdec_jax.families.t5.config import T5Config
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 

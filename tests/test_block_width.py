@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax import decoding, dtypes, generation, t5x_model, testing
+from specdec_jax import generation
+from specdec_jax.core import decoding
+from specdec_jax.core import dtypes
+from specdec_jax.t5x import model as t5x_model
+from specdec_jax.tools import testing
 from specdec_jax.demo_pair import DEFAULT_DIR
-from specdec_jax.model import Model
-from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
+from specdec_jax.families.t5.model import Model
+from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
 
 SHIPPED = os.path.exists(os.path.join(DEFAULT_DIR, "config.json"))
 

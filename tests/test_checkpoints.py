@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import serialization, traverse_util
 
-from specdec_jax import checkpoints
+from specdec_jax.families.t5 import checkpoints
 from specdec_jax import loading
-from specdec_jax.models.configs import get_config
+from specdec_jax.families.t5.config import get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,8 +10,8 @@ import pytest
 
 from experiments import run as run_lib
 from experiments.paper_tables import TABLE2
-from specdec_jax.models.configs import CONFIGS, T5Config
-from specdec_jax.models.t5 import T5
+from specdec_jax.families.t5.config import CONFIGS, T5Config
+from specdec_jax.families.t5.network import T5
 
 ROOT = run_lib.REPO_ROOT
 # Directories other engineers own, with configurables from their modules.

@@ -1,4 +1,4 @@
-"""The fused decode step (models/t5_decode.py): same function as the reference, fewer operations.
+"""The fused decode step (families/t5/decode.py): same function as the reference, fewer operations.
 
 `tests/test_model.py` checks cached blocks (now this path) against the
 uncached forward pass; here: against the reference `T5.decode_block`, inside
@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax import decoding, demo_pair, hlo_ops, testing
-from specdec_jax.models import t5_decode
-from specdec_jax.models.t5 import T5
+from specdec_jax import demo_pair
+from specdec_jax.core import decoding
+from specdec_jax.tools import hlo_ops
+from specdec_jax.tools import testing
+from specdec_jax.families.t5 import decode as t5_decode
+from specdec_jax.families.t5.network import T5
 
 
 def _reference_block_fn(config):

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from specdec_jax.checkpoints import CheckpointError
-from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
+from specdec_jax.families.t5.checkpoints import CheckpointError
+from specdec_jax.families.decoder_only.checkpoints import load_hf_decoder_only
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.loading import load_decoder_only_model
-from specdec_jax.models.decoder_configs import DECODER_CONFIGS, get_decoder_config
+from specdec_jax.families.decoder_only.config import DECODER_CONFIGS, get_decoder_config
 
 VOCAB = 97
 EOS = 2
@@ -274,7 +274,7 @@ def test_temperature_sample_path_equals_stepwise_argmax_with_eos():
 # Configs and bad input.
 
 def _tree_shapes(config):
-  from specdec_jax.models.decoder_only import DecoderOnly
+  from specdec_jax.families.decoder_only.network import DecoderOnly
   dummy = jnp.ones((1, 1), jnp.int32)
   shapes = jax.eval_shape(lambda: DecoderOnly(config).init(jax.random.PRNGKey(0), dummy))
   return {k: v.shape for k, v in flatten_dict(shapes["params"], sep="/").items()}
@@ -421,7 +421,7 @@ def _exact_continuations(model, prompt, steps, eos_id, **sampling_kw):
   """P(new tokens) by enumerating every continuation of `prompt` of length `steps`."""
   import collections
   import itertools
-  from specdec_jax import sampling
+  from specdec_jax.core import sampling
   vocab = model.config.vocab_size
   seqs = np.array(list(itertools.product(range(vocab), repeat=steps)), np.int32)
   full = np.concatenate([np.repeat(prompt[None], len(seqs), axis=0), seqs], axis=1)
@@ -530,7 +530,7 @@ def test_drafts_of_the_wrong_family_are_clear_errors():
 
 
 def test_decoder_only_prompt_lookup_proposes_from_prompt_and_output():
-  from specdec_jax.decoder_only_model import mark_prompt_padding
+  from specdec_jax.families.decoder_only.model import mark_prompt_padding
   from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
   draft = DecoderOnlyPromptLookupDraft(VOCAB, max_ngram=3)
   prompts = jnp.array([[5, 6, 7, 8, 5, 6], [9, 4, 0, 0, 0, 0], [11, 12, 13, 0, 0, 0]])
@@ -580,7 +580,7 @@ _HUB_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(_HUB_CONFIGS))
 def test_hub_config_json_parses_to_the_named_config(name):
   import dataclasses
-  from specdec_jax.checkpoints_decoder_only import hf_config_to_decoder_config
+  from specdec_jax.families.decoder_only.checkpoints import hf_config_to_decoder_config
   parsed = hf_config_to_decoder_config(_HUB_CONFIGS[name])
   named = get_decoder_config(name, dtype="float32")
   # pad_id only fills prompt padding; Qwen2's context length and BOS are not
@@ -596,7 +596,7 @@ def test_export_hf_round_trip(name, tmp_path):
   """Our model -> HF directory: transformers reproduces our logits; we reload it exactly."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
+  from specdec_jax.families.decoder_only.checkpoints import export_hf_decoder_only
   model = _sharp_tiny(name, seed=3, scale=4.0)
   if name == "llama_tiny":  # Cover Llama 3.1 rotary scaling in the exported config too.
     model = DecoderOnlyModel(model.config.replace(rope_scaling="llama3", rope_factor=4.0,
@@ -633,11 +633,11 @@ def test_hub_ids_download_or_fail_clearly(monkeypatch, hf_pairs):
 
 
 # ---------------------------------------------------------------------------
-# Training and distillation losses with specdec_jax.train.
+# Training and distillation losses with specdec_jax.train.trainer.
 
 def test_causal_lm_loss_and_training_steps():
-  from specdec_jax import train
-  from specdec_jax import train_decoder_only as tdo
+  from specdec_jax.train import trainer as train
+  from specdec_jax.train import decoder_only as tdo
   model = load_decoder_only_model("llama_tiny_draft", seed=0)
   rng = np.random.RandomState(0)
   sequences = rng.randint(3, VOCAB, (4, 12)).astype(np.int32)
@@ -663,8 +663,8 @@ def test_causal_lm_loss_and_training_steps():
 
 
 def test_causal_distillation_raises_agreement():
-  from specdec_jax import train
-  from specdec_jax import train_decoder_only as tdo
+  from specdec_jax.train import trainer as train
+  from specdec_jax.train import decoder_only as tdo
   target = _sharp_tiny("llama_tiny", seed=1, scale=4.0)
   draft = load_decoder_only_model("llama_tiny_draft", seed=2)
   out = decoder_only_generate(target, _random_prompts([4] * 8, seed=3), max_decode_steps=12,
@@ -687,7 +687,7 @@ def test_causal_distillation_raises_agreement():
 
 
 def test_distill_decoder_only_drafts_raises_alpha():
-  from specdec_jax import train_decoder_only as tdo
+  from specdec_jax.train import decoder_only as tdo
   target = _sharp_tiny("llama_tiny", seed=1, scale=4.0)
   draft = load_decoder_only_model("llama_tiny_draft", seed=2)
   rng = np.random.RandomState(5)
@@ -722,7 +722,7 @@ def test_bfloat16_greedy_speculative_equals_target_only():
 
 def test_lm_windows_cut_a_tokenized_corpus():
   from specdec_jax import data
-  from specdec_jax import train_decoder_only as tdo
+  from specdec_jax.train import decoder_only as tdo
   texts = ["def f(x):\n    return x + 1\n" * 20, "import os\nprint(os.sep)\n" * 20]
   tokenizer = data.Tokenizer(data.train_tokenizer(
       (line for t in texts for line in t.splitlines(keepends=True)), 300))

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from specdec_jax import decoder_only_sharding as dos
+from specdec_jax.families.decoder_only import sharding as dos
 from specdec_jax import sharding
 from specdec_jax.decoder_only_generation import decoder_only_generate
-from specdec_jax.decoder_only_model import DecoderOnlyModel
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.loading import load_decoder_only_model
-from specdec_jax.models.decoder_configs import DECODER_CONFIGS
+from specdec_jax.families.decoder_only.config import DECODER_CONFIGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI = jax.device_count() >= 8
@@ -126,7 +126,7 @@ def test_multidevice_sharded_decoding_equals_unsharded():
 
 @multidevice
 def test_multidevice_hf_directory_loads_straight_into_shards(tmp_path):
-  from specdec_jax.checkpoints_decoder_only import export_hf_decoder_only
+  from specdec_jax.families.decoder_only.checkpoints import export_hf_decoder_only
   model = load_decoder_only_model("qwen2_tiny", vocab_size=96, seed=4, dtype="float32")
   export_hf_decoder_only(model, tmp_path)
   target_part, _ = sharding.make_partitioners("2,4")

@@ -11,8 +11,8 @@ from specdec_jax import data
 from specdec_jax.demo_pair import DEFAULT_DIR, load_demo_pair, load_weights_bf16, \
     save_weights_bf16
 from specdec_jax.generation import generate
-from specdec_jax.model import init_params
-from specdec_jax.models.configs import get_config
+from specdec_jax.families.t5.model import init_params
+from specdec_jax.families.t5.config import get_config
 
 SHIPPED = os.path.exists(os.path.join(DEFAULT_DIR, "config.json"))
 needs_pair = pytest.mark.skipif(

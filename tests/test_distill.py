@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import data, distill, train
-from specdec_jax.model import Model, init_params
-from specdec_jax.models.configs import get_config
-from specdec_jax.speculative import acceptance_probability
+from specdec_jax import data
+from specdec_jax.train import distill
+from specdec_jax.train import trainer as train
+from specdec_jax.families.t5.model import Model, init_params
+from specdec_jax.families.t5.config import get_config
+from specdec_jax.core.speculative import acceptance_probability
 
 VOCAB = 32
 TARGET = get_config("tiny", vocab_size=VOCAB, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,
@@ -87,7 +89,7 @@ def test_bad_input(trained_target):
 
 
 def test_ngram_from_target_samples_counts_the_targets_outputs():
-  from specdec_jax import testing
+  from specdec_jax.tools import testing
   from specdec_jax.drafts import NgramDraft
   from specdec_jax.generation import generate
   target = testing.tiny_pair(vocab_size=32, seed=3)[0]

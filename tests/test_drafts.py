@@ -18,8 +18,8 @@ from specdec_jax import generate
 from specdec_jax.drafts import (AdaptiveGammaDraft, ModelDraft, NgramDraft, PromptLookupDraft,
                                 heuristic_draft_length)
 from specdec_jax.loading import load_model
-from specdec_jax.sampling import adjust_probs
-from specdec_jax.testing import random_encoder_tokens, tiny_pair
+from specdec_jax.core.sampling import adjust_probs
+from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
 # One decoder/encoder layer: compile time dominates these tests.
 ONE_LAYER = dict(num_encoder_layers=1, num_decoder_layers=1)

@@ -1,10 +1,11 @@
-"""Function-preserving embedding (specdec_jax/embed.py): a larger shape, the same function."""
+"""Function-preserving embedding (specdec_jax/families/t5/embed.py): a larger shape, the same function."""
 
 import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax import embed, testing
+from specdec_jax.families.t5 import embed
+from specdec_jax.tools import testing
 from specdec_jax.demo_pair import load_demo_pair
 
 

@@ -12,7 +12,7 @@ import pytest
 from experiments import reproduce_table2
 from experiments import run as run_lib
 from experiments.paper_tables import TABLE2
-from specdec_jax import decoding
+from specdec_jax.core import decoding
 
 ROOT = run_lib.REPO_ROOT
 # One layer per stack and short sequences keep each compile to seconds.

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax import testing
+from specdec_jax.tools import testing
 from specdec_jax.decoder_only_generation import decoder_only_generate
 
 

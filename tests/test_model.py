@@ -7,7 +7,7 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 import specdec_jax as sj
-from specdec_jax import testing
+from specdec_jax.tools import testing
 
 
 def _tree_shapes(name):
@@ -159,7 +159,7 @@ def test_temperature_sample_t5x_semantics():
   cache = model.init_cache(2, length, enc)
   inputs = np.zeros((2, length), np.int32)
   inputs[:, 1:3] = [[7, 9], [11, 13]]  # a two-token prompt after BOS
-  fn = sj.decoding.block_to_state_fn(model.block_fn())
+  fn = sj.core.decoding.block_to_state_fn(model.block_fn())
   decodes, log_prob = jax.jit(
       lambda i, c, r: sj.temperature_sample(i, c, fn, eos_id=1, decode_rng=r, num_decodes=3,
                                             temperature=1.0, topk=0))(

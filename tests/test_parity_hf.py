@@ -16,10 +16,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from specdec_jax import checkpoints  # pylint: disable=g-import-not-at-top
+from specdec_jax.families.t5 import checkpoints
 from specdec_jax import generation
 from specdec_jax import loading
-from specdec_jax import testing
+from specdec_jax.tools import testing
 
 VOCAB = 128
 ENC_LEN = 20  # Long enough for relative distances beyond the exact buckets.

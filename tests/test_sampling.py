@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import sampling
-from specdec_jax.sampling import adjust_probs
+from specdec_jax.core import sampling
+from specdec_jax.core.sampling import adjust_probs
 
 
 def _logits(seed=0, shape=(4, 50)):

@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import generate, sharding
-from specdec_jax.models import t5
-from specdec_jax.models.configs import get_config
-from specdec_jax.testing import random_encoder_tokens, tiny_pair
+from specdec_jax.families.t5 import network as t5
+from specdec_jax.families.t5.config import get_config
+from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI = jax.device_count() >= 8
@@ -314,7 +314,7 @@ def test_multidevice_activation_axes_constrain_under_jit():
 @multidevice
 def test_multidevice_checkpoint_loads_straight_into_shards(pair, tmp_path):
   """A Hugging Face checkpoint lands sliced per device, with the same values."""
-  from specdec_jax import checkpoints
+  from specdec_jax.families.t5 import checkpoints
   target, _, _ = pair
   checkpoints.export_hf(target, str(tmp_path / "hf"))
   target_part, _ = sharding.make_partitioners("2,4")

@@ -36,7 +36,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specdec_jax as sj
-from specdec_jax import sampling, speculative, testing
+from specdec_jax.core import sampling
+from specdec_jax.core import speculative
+from specdec_jax.tools import testing
 
 P_VALUE = 1e-4
 

@@ -29,7 +29,7 @@ def _import_t5x():
   """Imports T5X from T5X_PATH, or skips the module with the reason."""
   if os.path.isdir(os.path.join(T5X_PATH, "t5x")) and T5X_PATH not in sys.path:
     sys.path.insert(0, T5X_PATH)
-  from specdec_jax import t5x_model
+  from specdec_jax.t5x import model as t5x_model
   t5x_model.alias_jestimator_partition_spec()
   try:
     import t5x.checkpoints  # noqa: F401
@@ -41,7 +41,7 @@ def _import_t5x():
                 f"{T5X_PATH} and need the `t5x` extra: run `make test-t5x`",
                 allow_module_level=True)
   if t5x_model._BASE is object:
-    pytest.skip("specdec_jax.t5x_model was imported before T5X was importable, so "
+    pytest.skip("specdec_jax.t5x.model was imported before T5X was importable, so "
                 "SpeculativeEncoderDecoderModel does not subclass T5X's model; put T5X on "
                 "PYTHONPATH (make test-t5x does)", allow_module_level=True)
 
@@ -57,8 +57,8 @@ from t5x import train_state as t5x_train_state
 from t5x.examples.t5 import network as t5x_network
 
 import specdec_jax
-from specdec_jax import checkpoints
-from specdec_jax.models.configs import T5Config
+from specdec_jax.families.t5 import checkpoints
+from specdec_jax.families.t5.config import T5Config
 
 VOCAB = 64
 
@@ -406,7 +406,7 @@ def _t5x_infer(tmp_path, checkpoints_by_name, name, *bindings,
 def test_t5x_infer_demo_pair_end_to_end(tmp_path):
   """T5X's own infer and eval restore our T5X export of the demo pair and decode speculatively."""
   from experiments.t5x_demo.prepare import prepare
-  from specdec_jax import t5x_tasks
+  from specdec_jax.t5x import tasks as t5x_tasks
   paths = prepare(str(tmp_path / "checkpoints"))
   speculative = _t5x_infer(tmp_path, paths, "speculative")
   plain = _t5x_infer(tmp_path, paths, "plain",
@@ -476,7 +476,7 @@ def test_xxl_small_gin_parses():
 
 def test_draft_as_variables_restores_and_feeds_the_draft(t5x_written, draft_checkpoint, tmp_path):
   """The draft in T5X's train state: restored beside a target-only checkpoint, then used."""
-  from specdec_jax import t5x_model
+  from specdec_jax.t5x import model as t5x_model
   network, variables, target_checkpoint = t5x_written
   _, model = _models(network, draft=draft_checkpoint, gamma=3, draft_as_variables=True,
                      decode_fn=specdec_jax.speculative_sample, temperature=1.0)

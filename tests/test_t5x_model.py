@@ -4,8 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from specdec_jax import decoding, generation, testing
-from specdec_jax.t5x_model import SpeculativeEncoderDecoderModel
+from specdec_jax import generation
+from specdec_jax.core import decoding
+from specdec_jax.tools import testing
+from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
 
 MAX_DECODE = 12
 
@@ -67,7 +69,8 @@ def test_bad_arguments(pair):
 def test_export_t5x_round_trip(tmp_path, pair):
   """Our T5X writer's layout reads back exactly (T5X's own restore: test_t5x_integration.py)."""
   from flax import serialization, traverse_util
-  from specdec_jax import checkpoints, loading
+  from specdec_jax import loading
+  from specdec_jax.families.t5 import checkpoints
   target, _ = pair
   directory = checkpoints.export_t5x(target, tmp_path / "checkpoint_3", step=3)
   with open(f"{directory}/checkpoint", "rb") as f:
@@ -85,7 +88,7 @@ def test_export_t5x_round_trip(tmp_path, pair):
 def test_t5x_network_packing_equals_separate_rows(pair):
   """T5X's packed batches: two examples in one row score as they do alone (no T5X needed)."""
   import jax.numpy as jnp
-  from specdec_jax.t5x_model import T5XNetwork
+  from specdec_jax.t5x.model import T5XNetwork
   target, _ = pair
   network = T5XNetwork(target.config)
   variables = {"params": target.params}

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import data, train
-from specdec_jax.model import init_params
-from specdec_jax.models.configs import get_config
+from specdec_jax import data
+from specdec_jax.train import trainer as train
+from specdec_jax.families.t5.model import init_params
+from specdec_jax.families.t5.config import get_config
 
 VOCAB = 32
 CONFIG = get_config("tiny", vocab_size=VOCAB, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,

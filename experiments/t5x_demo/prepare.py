@@ -12,7 +12,7 @@ import os
 from absl import app
 from absl import flags
 
-from specdec_jax import checkpoints
+from specdec_jax.families.t5 import checkpoints
 from specdec_jax.demo_pair import load_demo_pair
 
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where to write target/ and small/.",

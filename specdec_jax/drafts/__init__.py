@@ -14,10 +14,10 @@ def as_draft(draft) -> Draft:
   """Wraps a `Model` as a `ModelDraft`; passes a `Draft` through."""
   if isinstance(draft, Draft):
     return draft
-  from specdec_jax.model import Model
+  from specdec_jax.families.t5.model import Model
   if isinstance(draft, Model):
     return ModelDraft(draft)
-  from specdec_jax.decoder_only_model import DecoderOnlyModel
+  from specdec_jax.families.decoder_only.model import DecoderOnlyModel
   if isinstance(draft, DecoderOnlyModel):
     raise TypeError(f"a decoder-only draft ({draft.config.family}) cannot draft for a T5 "
                     "target: model drafts must be of the target's family (n-gram drafts work "

@@ -12,12 +12,12 @@ from typing import Any, Hashable, Optional
 
 import jax
 
-from specdec_jax import decoding
-from specdec_jax.decoder_only_model import (DecoderOnlyModel, absolute_block_fn,
+from specdec_jax.core import decoding
+from specdec_jax.families.decoder_only.model import (DecoderOnlyModel, absolute_block_fn,
                                             decode_cache_length, prefilled_cache,
                                             shift_block_fn, split_marked_prompts)
 from specdec_jax.drafts.base import Draft
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 Array = jax.Array
 

@@ -17,7 +17,7 @@ from typing import Any, Hashable, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.decoder_only_model import split_marked_prompts
+from specdec_jax.families.decoder_only.model import split_marked_prompts
 from specdec_jax.drafts.base import Draft
 
 Array = jax.Array

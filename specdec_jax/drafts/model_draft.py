@@ -2,9 +2,9 @@
 
 from typing import Any, Hashable, Optional
 
-from specdec_jax import decoding
+from specdec_jax.core import decoding
 from specdec_jax.drafts.base import Draft
-from specdec_jax.models.t5 import T5
+from specdec_jax.families.t5.network import T5
 
 
 class ModelDraft(Draft):

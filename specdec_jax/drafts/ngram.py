@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import results
-from specdec_jax import sampling
+from specdec_jax.core import results
+from specdec_jax.core import sampling
 from specdec_jax.drafts.base import Draft
 
 Array = jax.Array

@@ -3,7 +3,7 @@
 Put this folder on PYTHONPATH. T5X imports `jestimator` 0.3.3 (PyPI, 2022),
 whose `amos_helper` does `from jax.experimental.pjit import PartitionSpec`, a
 name current jax no longer has; aliasing it before anything imports T5X is the
-whole fix (see specdec_jax.t5x_model.alias_jestimator_partition_spec).
+whole fix (see specdec_jax.t5x.model.alias_jestimator_partition_spec).
 """
 try:
   import jax

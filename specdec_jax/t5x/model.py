@@ -38,12 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specdec_jax import decoding
-from specdec_jax import sampling
+from specdec_jax.core import decoding
+from specdec_jax.core import sampling
 from specdec_jax.drafts import Draft, ModelDraft
-from specdec_jax.model import Model
-from specdec_jax.models.configs import CONFIGS, T5Config, get_config
-from specdec_jax.models.t5 import T5
+from specdec_jax.families.t5.model import Model
+from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
+from specdec_jax.families.t5.network import T5
 
 
 def alias_jestimator_partition_spec() -> None:
@@ -75,8 +75,8 @@ PyTree = Any
 # structure, so re-creating a model (one per experiment) never recompiles.
 _COMPILED: Dict[Any, Callable[..., Any]] = {}
 
-gin.external_configurable(decoding.temperature_sample, module="specdec_jax.decoding")
-gin.external_configurable(decoding.speculative_sample, module="specdec_jax.decoding")
+gin.external_configurable(decoding.temperature_sample, module="specdec_jax.core.decoding")
+gin.external_configurable(decoding.speculative_sample, module="specdec_jax.core.decoding")
 
 
 class T5XNetwork(T5):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.models.configs import T5Config
+from specdec_jax.families.t5.config import T5Config
 
 Array = jax.Array
 Cache = Dict[str, Any]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.loading import load_model
-from specdec_jax.model import Model
+from specdec_jax.families.t5.model import Model
 
 
 def perturbed_model(model: Model, noise: float, seed: int = 1) -> Model:

@@ -8,7 +8,7 @@ way to look a name up, so an unknown name always fails the same way.
 import dataclasses
 from typing import Tuple
 
-from specdec_jax.dtypes import canonical_dtype
+from specdec_jax.core.dtypes import canonical_dtype
 
 # T5's SentencePiece vocabulary (cc_all.32000) plus 100 extra ids, padded to a
 # multiple of 128 as T5X does.

@@ -1,7 +1,7 @@
 """A decoder-only Transformer (Llama / Qwen2 / GPT-2 layouts) scoring token blocks from a KV cache.
 
-The block contract is the T5 decoder's (models/t5.py), so the decode loops in
-`specdec_jax.decoding` run either family unchanged:
+The block contract is the T5 decoder's (families/t5/network.py), so the decode loops in
+`specdec_jax.core.decoding` run either family unchanged:
 
 * `decode_block(tokens [batch, k], positions [batch], cache)` scores k tokens
   per row, row b's first token sitting at absolute position positions[b];
@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 Array = jax.Array
 Cache = Dict[str, Any]

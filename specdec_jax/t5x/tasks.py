@@ -19,7 +19,7 @@ import seqio
 import tensorflow as tf
 
 from specdec_jax import demo_pair
-from specdec_jax.models.configs import T5Config
+from specdec_jax.families.t5.config import T5Config
 
 DEMO_TASK = "specdec_demo_pair_heldout"
 DEMO_SPLIT = "validation"

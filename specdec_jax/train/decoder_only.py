@@ -1,4 +1,4 @@
-"""Losses for training and distilling decoder-only models with `specdec_jax.train`.
+"""Losses for training and distilling decoder-only models with `specdec_jax.train.trainer`.
 
 `train.train_step` / `train.fit` take any `loss_fn(params, batch) -> (summed
 loss, aux with 'tokens')`; these are the decoder-only ones. Batches are
@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import sampling
-from specdec_jax import train
-from specdec_jax.decoder_only_model import DecoderOnlyModel
-from specdec_jax.distill import DIVERGENCES, divergence_sum
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
-from specdec_jax.models.decoder_only import DecoderOnly
+from specdec_jax.core import sampling
+from specdec_jax.train import trainer as train
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
+from specdec_jax.train.distill import DIVERGENCES, divergence_sum
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.network import DecoderOnly
 
 Array = jax.Array
 
@@ -225,7 +225,7 @@ def distill_decoder_only_drafts(target: DecoderOnlyModel, drafts: Dict[str, Deco
     ({name: alpha} at `temperature` on the eval prompts, when given),
     loss_first / loss_last: mean divergence per token at the first and last step).
   """
-  from specdec_jax.distill import distill_temperature
+  from specdec_jax.train.distill import distill_temperature
   if not drafts:
     raise ValueError("distill_decoder_only_drafts needs at least one draft")
   for name, draft in drafts.items():

@@ -1,6 +1,6 @@
 """`DecoderOnlyModel`: a decoder-only config, its params and jit-compiled entry points.
 
-The decoder-only counterpart of `specdec_jax.model.Model` (T5). Build one with
+The decoder-only counterpart of `specdec_jax.families.t5.model.Model` (T5). Build one with
 `specdec_jax.load_model` / `loading.load_decoder_only_model` (name,
 DecoderOnlyConfig or Hugging Face directory).
 """
@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.model import check_tokens
-from specdec_jax.models import decoder_only
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
-from specdec_jax.models.decoder_only import DecoderOnly
+from specdec_jax.families.t5.model import check_tokens
+from specdec_jax.families.decoder_only import network as decoder_only
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.network import DecoderOnly
 
 Array = jax.Array
 
@@ -54,7 +54,7 @@ class DecoderOnlyModel:
 
   Attributes:
     config: the `DecoderOnlyConfig`.
-    params: the parameter tree of `models/decoder_only.py`, arrays in
+    params: the parameter tree of `families/decoder_only/network.py`, arrays in
       `config.dtype`.
   """
   config: DecoderOnlyConfig
@@ -134,7 +134,7 @@ class DecoderOnlyModel:
 
 
 # ---------------------------------------------------------------------------
-# Plugging a decoder-only model into the decode loops (`specdec_jax.decoding`).
+# Plugging a decoder-only model into the decode loops (`specdec_jax.core.decoding`).
 #
 # The loops' block callbacks take *loop* positions, loop position 0 holding
 # each row's first decoder input. For a prompt of length L, that input is the

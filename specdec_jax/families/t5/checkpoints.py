@@ -57,10 +57,10 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from specdec_jax.dtypes import optional_dtype
-from specdec_jax.model import Model, default_dtype
-from specdec_jax.models.configs import T5Config
-from specdec_jax.models.t5 import T5
+from specdec_jax.core.dtypes import optional_dtype
+from specdec_jax.families.t5.model import Model, default_dtype
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5.network import T5
 
 SPECDEC_CONFIG = "specdec_config.json"
 SPECDEC_PARAMS = "params"
@@ -97,7 +97,7 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
     path: a local directory or file, a TensorStore URL (T5X), or a Hugging Face
       hub id.
     dtype: 'float32' / 'bfloat16' / 'float16' for the params and compute;
-      default `specdec_jax.model.default_dtype()` (float32 on CPU).
+      default `specdec_jax.families.t5.model.default_dtype()` (float32 on CPU).
     progress: show a tqdm bar while reading tensors.
     place: `(key tuple, numpy array) -> array` putting one tensor where it
       belongs (default `jax.device_put`); `sharding.load_sharded_model` passes
@@ -967,5 +967,5 @@ def _load_specdec(directory: str, dtype: str, progress: bool, overrides, place) 
 
 
 def _write_json_atomic(path: str, record) -> None:
-  from specdec_jax import results  # Keeps the checkpoint module's imports light.
+  from specdec_jax.core import results
   results.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True))

@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import data as data_lib
-from specdec_jax import sampling
-from specdec_jax import train
+from specdec_jax.core import sampling
+from specdec_jax.train import trainer as train
 from specdec_jax.drafts import NgramDraft
 from specdec_jax.generation import generate
-from specdec_jax.model import Model
-from specdec_jax.models.configs import T5Config
-from specdec_jax.models.t5 import T5
+from specdec_jax.families.t5.model import Model
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5.network import T5
 
 Array = jax.Array
 DIVERGENCES = ("forward_kl", "tv")

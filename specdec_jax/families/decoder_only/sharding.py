@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import sharding
-from specdec_jax.decoder_only_model import DecoderOnlyModel
-from specdec_jax.models import decoder_only
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
-from specdec_jax.models.decoder_only import DecoderOnly
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
+from specdec_jax.families.decoder_only import network as decoder_only
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.network import DecoderOnly
 
 LogicalAxes = Tuple[Optional[str], ...]
 
@@ -58,7 +58,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
     axes = ("embed",)  # LayerNorm.
   if axes is None:
     raise ValueError(f"no logical axes known for parameter {'/'.join(path)!r}: expected the "
-                     f"decoder-only parameter tree (models/decoder_only.py)")
+                     f"decoder-only parameter tree (families/decoder_only/network.py)")
   if len(axes) != ndim:
     raise ValueError(f"parameter {'/'.join(path)!r} has rank {ndim}, expected {len(axes)} "
                      f"for logical axes {axes}")
@@ -72,7 +72,7 @@ def params_logical_axes(params) -> Any:
 
 
 # Unlike T5's head-major cache (sharding.CACHE_KV_AXES), the decoder-only
-# cache is laid out as the projections produce it (models/decoder_only.py).
+# cache is laid out as the projections produce it (families/decoder_only/network.py).
 CACHE_KV_AXES = ("batch", "length", "heads", "kv")
 
 
@@ -122,7 +122,7 @@ def load_sharded_decoder_only(path, partitioner: sharding.Partitioner, *,
   Each tensor is read, cast and placed in its sharding before the next is
   read, so the host holds at most one tensor.
   """
-  from specdec_jax.checkpoints_decoder_only import load_hf_decoder_only
+  from specdec_jax.families.decoder_only.checkpoints import load_hf_decoder_only
 
   def place(key, array):
     spec = partitioner.spec(param_logical_axes(key, array.ndim), array.shape,

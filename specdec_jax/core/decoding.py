@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import sampling
-from specdec_jax import speculative
+from specdec_jax.core import sampling
+from specdec_jax.core import speculative
 
 Array = jax.Array
 BlockFn = Callable[[Array, Array, Any], Tuple[Array, Any]]

@@ -3,9 +3,9 @@
 `load_hf_decoder_only(directory)` reads a `config.json` plus weights
 (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
 or `pytorch_model.bin`, optionally sharded with an index; the readers are
-`specdec_jax.checkpoints`'), detects the architecture from
+`specdec_jax.families.t5.checkpoints`'), detects the architecture from
 `config.json` (`architectures`, else `model_type`) and maps HF tensor names
-onto the tree of `models/decoder_only.py`:
+onto the tree of `families/decoder_only/network.py`:
 
   Llama / Qwen2 (`LlamaForCausalLM`, `Qwen2ForCausalLM`), HF Linear weights
   [out, in] transposed to our kernels [in, out]:
@@ -47,11 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specdec_jax.checkpoints import CheckpointError, _cast, _hf_weight_files, _Tensor
-from specdec_jax.decoder_only_model import DecoderOnlyModel
-from specdec_jax.model import default_dtype
-from specdec_jax.models.decoder_configs import DecoderOnlyConfig
-from specdec_jax.models.decoder_only import DecoderOnly
+from specdec_jax.families.t5.checkpoints import CheckpointError, _cast, _hf_weight_files, _Tensor
+from specdec_jax.families.decoder_only.model import DecoderOnlyModel
+from specdec_jax.families.t5.model import default_dtype
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.network import DecoderOnly
 
 # HF architecture class -> our family; model_type is the fallback.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -382,7 +382,7 @@ def export_hf_decoder_only(model: DecoderOnlyModel, directory) -> None:
   Tensors keep the params' dtype; kernels are transposed back to HF Linear
   weights and GPT-2's q/k/v are fused into c_attn.
   """
-  from specdec_jax.checkpoints import write_safetensors  # The T5 writer, reused.
+  from specdec_jax.families.t5.checkpoints import write_safetensors  # The T5 writer, reused.
   config = model.config
   hf_config = decoder_config_to_hf_config(config)
   directory = os.fspath(directory)

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.models.configs import T5Config
-from specdec_jax.models import t5_decode
-from specdec_jax.models.t5 import T5
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5 import decode as t5_decode
+from specdec_jax.families.t5.network import T5
 
 Array = jax.Array
 
@@ -85,7 +85,7 @@ class Model:
     """Encodes `encoder_tokens` [batch_size, enc_len] once and allocates the cache.
 
     The cache holds `max_decode_len` self-attention positions per row and the
-    cross-attention keys/values of the encoder output (see models/t5.py).
+    cross-attention keys/values of the encoder output (see families/t5/network.py).
     """
     if encoder_tokens is None:
       raise ValueError("init_cache needs encoder_tokens: the cache holds the cross-attention "
@@ -120,7 +120,7 @@ class Model:
   def block_fn(self, params=None):
     """A block callback `(tokens, positions, cache) -> (logits, cache)` for the decode loops.
 
-    Runs the fused decode step (`models/t5_decode.py`, same function as
+    Runs the fused decode step (`families/t5/decode.py`, same function as
     `T5.decode_block`). Its fused kernels are built here from the T5X tree,
     so inside a jitted decode loop they are built once, before the loop.
     """

@@ -36,8 +36,8 @@ from typing import Any, Dict, List, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.model import Model
-from specdec_jax.models.configs import CONFIGS, T5Config, get_config
+from specdec_jax.families.t5.model import Model
+from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
 
 
 class EmbeddingError(ValueError):

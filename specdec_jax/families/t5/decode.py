@@ -1,11 +1,11 @@
 """The decoder's cached block step as pure functions over fused kernels.
 
-`models/t5.py` is the reference network and the saved/loaded format (T5X's
+`families/t5/network.py` is the reference network and the saved/loaded format (T5X's
 parameter tree). A decode step that mirrors that tree runs one small
 operation per kernel, norm and softmax piece; on an accelerator a decoder
 layer then costs a fixed ~60 µs of launches whatever its width (issue 15).
 This module computes the same function as `T5.decode_block` with fewer,
-larger operations (counted per layer by `specdec_jax.hlo_ops`):
+larger operations (counted per layer by `specdec_jax.tools.hlo_ops`):
 
 * `prepare_decode_params` builds, once per set of weights, one [emb, 3,
   inner] kernel for the self-attention query/key/value projections and one
@@ -19,12 +19,12 @@ larger operations (counted per layer by `specdec_jax.hlo_ops`):
   call, not per layer;
 * softmax takes the max and the sum of exponentials in one reduction;
 * attention reads the head-major cache ([batch, heads, len, head_dim], see
-  `models/t5.py`) as it lies: no per-layer copy of it. On accelerators
+  `families/t5/network.py`) as it lies: no per-layer copy of it. On accelerators
   (`attention='in_layout'`) scores and outputs are multiply-and-sum fusions
   into which the softmax fuses (fewest operations); on CPU (`'dots'`),
   batched dots, which XLA CPU runs far faster than its reductions;
 * keys and values are set in the cache in place on accelerators, by one
-  select pass on CPU (`_blend_block`); the cache is `models/t5.py`'s
+  select pass on CPU (`_blend_block`); the cache is `families/t5/network.py`'s
   (`T5.init_cache` makes it, and sharding rules apply as is).
 
 Numerics: RMS norm and softmax in float32, matrix products in `config.dtype`
@@ -40,8 +40,8 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.models.configs import T5Config
-from specdec_jax.models.t5 import (_ACTIVATIONS, _MASK_VALUE, _axes, _set_block,
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5.network import (_ACTIVATIONS, _MASK_VALUE, _axes, _set_block,
                                    relative_position_bucket)
 
 Array = jax.Array

@@ -1,7 +1,7 @@
 """Decoder-only (GPT-2, Llama, Qwen2) size configurations as data.
 
 `DecoderOnlyConfig` holds every field that determines a parameter shape or a
-numerical convention of `models/decoder_only.py`; named configs are plain
+numerical convention of `families/decoder_only/network.py`; named configs are plain
 instances of it, looked up with `get_decoder_config(name, **overrides)`. Names
 use underscores (`qwen2_0_5b`); hyphens and dots are accepted as spellings of
 an underscore (`qwen2-0.5b`, `gpt2-medium`).

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Optional
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.models.configs import T5Config
+from specdec_jax.families.t5.config import T5Config
 
 # Instructions that move no data and launch nothing.
 FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
@@ -95,8 +95,8 @@ def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
       `lambda p: Model(config, p).block_fn(p)`.
     batch / max_len / enc_len: shapes of the traced call.
   """
-  from specdec_jax.model import init_params
-  from specdec_jax.models.t5 import T5
+  from specdec_jax.families.t5.model import init_params
+  from specdec_jax.families.t5.network import T5
   params = jax.eval_shape(lambda: init_params(config, 0))
   encoder_tokens = jnp.ones((batch, enc_len), jnp.int32)
   cache = jax.eval_shape(lambda p: T5(config).apply({"params": p}, encoder_tokens, max_len,
@@ -139,7 +139,7 @@ def ops_per_layer(config: T5Config, k: int, block_fn_for: Optional[Callable] = N
     {opcode: count difference} for opcodes whose count changed, plus 'total'.
   """
   if block_fn_for is None:
-    from specdec_jax.model import Model
+    from specdec_jax.families.t5.model import Model
     block_fn_for = lambda cfg: (lambda p: Model(cfg, p).block_fn(p))
   counts = []
   for depth in (layers, layers + 1):

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import sampling
+from specdec_jax.core import sampling
 
 Array = jax.Array
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from specdec_jax.models.configs import T5Config
-from specdec_jax.models.t5 import T5
+from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5.network import T5
 
 Array = jax.Array
 Batch = Dict[str, Array]

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.model import Model
-from specdec_jax.models import t5_decode
+from specdec_jax.families.t5.model import Model
+from specdec_jax.families.t5 import decode as t5_decode
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +148,7 @@ def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs,
   Returns:
     PairedTimes.
   """
-  from specdec_jax.decoding import resolve_block_width
+  from specdec_jax.core.decoding import resolve_block_width
   from specdec_jax.generation import generate
 
   gamma = spec_kwargs.get("gamma", 4) if spec_kwargs.get("draft") is not None else None
