@@ -47,7 +47,8 @@ from specdec_jax.core import decoding
 from specdec_jax import generation
 from specdec_jax.core import theory
 from specdec_jax.loading import load_model
-from specdec_jax.families.t5.model import Model, default_dtype
+from specdec_jax.core.dtypes import default_dtype
+from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import CONFIGS
 from specdec_jax.tools.profiling import time_block_calls
 from specdec_jax.core.results import write_json_atomic

@@ -1,8 +1,15 @@
-"""`generate`: the user-facing entry point over both decode loops, for every model family.
+"""`generate`: the one entry point over both decode loops, for every model family.
 
-T5 models (`Model`) decode here; decoder-only models (`DecoderOnlyModel`)
-are handed to `decoder_only_generation.decoder_only_generate`, which runs the
-same loops with prompt-shifted positions.
+The family of the target (`families.registry.family_of`) says how a decode
+starts (cache, first inputs, offset of loop position 0), what drafts read
+(its `Context`) and how a block of tokens is scored. Everything else, the
+validation, the sharding, the compile cache and the choice of loop, is
+shared:
+
+    start = family.start(config, params, tokens, lengths, N)
+    target = shift(family.block_fn(config, params), start.offset)
+    draft_state = draft.init_state(draft_params, family.context(tokens, lengths), N)
+    decoding.decode(inputs, start.cache, target, ..., propose_fn=draft.propose_fn(...))
 """
 
 import contextlib
@@ -14,16 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.core import decoding
-from specdec_jax import decoder_only_generation
-from specdec_jax.core import sampling
 from specdec_jax import sharding
-from specdec_jax.drafts import Draft, as_draft
+from specdec_jax.core import decoding
+from specdec_jax.core import sampling
 from specdec_jax.core.dtypes import check_matmul_precision, matmul_precision_scope
-from specdec_jax.families.decoder_only.model import DecoderOnlyModel
-from specdec_jax.families.t5.model import Model, check_tokens
-from specdec_jax.families.t5.network import T5
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats, make_output
+from specdec_jax.drafts import Draft, as_draft
+from specdec_jax.families.base import Family, check_tokens, shift_block_fn
+from specdec_jax.families.registry import family_of, is_model
 
 Array = jax.Array
 
@@ -37,39 +42,40 @@ def compile_count() -> int:
   return len(_COMPILED)
 
 
-def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, topp, eos_id,
-           gamma, block_width, shardings: Optional[sharding.GenerateShardings] = None):
-  module = T5(config)
+def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int,
+           temperature: float, topk: int, topp: float, eos_id: int, gamma: int,
+           block_width: int, partitioner: Optional[sharding.Partitioner] = None,
+           draft_partitioner: Optional[sharding.Partitioner] = None, in_shardings=None):
   # Under a mesh, each model is traced with its own activation axis rules,
   # and caches are pinned to their shardings where they are made and after
   # every model call, so the while-loop carry keeps that layout.
-  constrain_target = constrain_draft = lambda state: state
+  constrain_target = constrain_draft = lambda state: state  # noqa: E731
   target_axes = draft_axes = contextlib.nullcontext
-  if shardings is not None:
-    constrain_target = shardings.target.constrain_cache
-    constrain_draft = shardings.draft.constrain_cache
-    target_axes = shardings.target.activation_axes
-    draft_axes = shardings.draft.activation_axes
+  if partitioner is not None:
+    constrain_target = lambda cache: partitioner.constrain_cache(cache, family)  # noqa: E731
+    constrain_draft = lambda state: draft.constrain_state(state, draft_partitioner)  # noqa: E731
+    target_axes = partitioner.activation_axes
+    draft_axes = draft_partitioner.activation_axes
 
-  def run(params, draft_params, encoder_tokens, rng):
-    batch = encoder_tokens.shape[0]
+  def run(params, draft_params, tokens, lengths, rng):
     with target_axes():
-      cache = constrain_target(module.apply({"params": params}, encoder_tokens,
-                                            max_decode_steps, method=T5.init_cache))
-    block_fn = Model(config, params).block_fn(params)
+      start = family.start(config, params, tokens, lengths, max_decode_steps)
+    cache = constrain_target(start.cache)
+    block = shift_block_fn(family.block_fn(config, params), start.offset)
 
     def target_fn(tokens, positions, cache):
       with target_axes():
-        logits, cache = block_fn(tokens, positions, cache)
+        logits, cache = block(tokens, positions, cache)
       return logits, constrain_target(cache)
 
-    inputs = jnp.zeros((batch, max_decode_steps), jnp.int32)
+    inputs = jnp.zeros((tokens.shape[0], max_decode_steps), jnp.int32).at[:, 0].set(
+        start.first_inputs)
     settings = dict(temperature=temperature, topk=topk, topp=topp, block_width=block_width)
     if draft is None:
       return decoding.decode(inputs, cache, target_fn, eos_id, rng, **settings)
     with draft_axes():
-      draft_state = constrain_draft(draft.init_state(draft_params, encoder_tokens,
-                                                     max_decode_steps))
+      draft_state = constrain_draft(draft.init_state(
+          draft_params, family.context(tokens, lengths), max_decode_steps))
     draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
 
     def propose(rng, state, sequences, lengths):
@@ -80,12 +86,12 @@ def _build(config, draft: Optional[Draft], max_decode_steps, temperature, topk, 
     return decoding.decode(inputs, cache, target_fn, eos_id, rng, propose_fn=propose,
                            draft_state=draft_state, gamma=gamma, **settings)
 
-  if shardings is None:
+  if partitioner is None:
     return jax.jit(run)
-  return jax.jit(run, in_shardings=shardings.in_shardings, out_shardings=shardings.out_shardings)
+  return jax.jit(run, in_shardings=in_shardings, out_shardings=partitioner.replicated())
 
 
-def generate(model: Model, encoder_tokens, prompt_lengths=None, *, max_decode_steps: int,
+def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
              temperature: float = 0.0,
              topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
              rng: Optional[Array] = None, draft=None, gamma: int = 4,
@@ -93,21 +99,22 @@ def generate(model: Model, encoder_tokens, prompt_lengths=None, *, max_decode_st
              batch_invariant: bool = False,
              partitioner: Optional[sharding.Partitioner] = None,
              draft_partitioner: Optional[sharding.Partitioner] = None) -> GenerateOutput:
-  """Decodes `encoder_tokens` with `model`, speculatively when `draft` is given.
+  """Decodes `inputs` with `model`, speculatively when `draft` is given.
 
   Args:
-    model: the target: a T5 `Model`, or a `DecoderOnlyModel` (then the call
-      is `decoder_only_generation.decoder_only_generate`'s: the drafts must be
-      decoder-only too, or n-gram / prompt-lookup drafts).
-    encoder_tokens: T5: [batch, enc_len] int32, 0-padded on the right.
-      Decoder-only: the prompts [batch, P], right-padded.
-    prompt_lengths: decoder-only only: [batch] prompt lengths (None: all P).
+    model: the target, a model of any registered family (`Model` for T5,
+      `DecoderOnlyModel`, ...).
+    inputs: [batch, C] int32. T5: encoder tokens, 0-padded on the right.
+      Decoder-only: the prompts, right-padded (row b is inputs[b, :L[b]]).
+    prompt_lengths: decoder-only: [batch] prompt lengths L in [1, C] (None:
+      every row is C long). T5 takes none.
     max_decode_steps: tokens to generate per row (>= 1).
     temperature / topk / topp: sampling (temperature 0 = greedy); the draft is
       adjusted the same way, so outputs are distributed exactly as without it.
-    eos_id: defaults to the model's.
+    eos_id: defaults to the model's (a model without one never stops early).
     rng: PRNG key (default PRNGKey(0)).
-    draft: a smaller `Model` or any `specdec_jax.drafts.Draft`.
+    draft: a smaller model of the target's family, or any
+      `specdec_jax.drafts.Draft` (n-gram, prompt lookup, adaptive, ...).
     gamma: tokens drafted per iteration.
     block_width: width W of every target call, in both the target-only and
       the speculative loop (default `decoding.DEFAULT_BLOCK_WIDTH` = 8, so
@@ -125,88 +132,88 @@ def generate(model: Model, encoder_tokens, prompt_lengths=None, *, max_decode_st
       fold_in(rng, row) as their key.
     partitioner: run under this `sharding.Partitioner`'s mesh: params, inputs
       and the target cache are laid out by its rules (pass params already
-      sharded, e.g. from `sharding.load_sharded_model`, to avoid a copy).
+      sharded, e.g. from `load_sharded_model`, to avoid a copy).
     draft_partitioner: the draft's rules on the same mesh (default: weights
       replicated, batch over `data`).
   Returns:
-    GenerateOutput; `stats` is set when a draft was used.
+    GenerateOutput: sequences [batch, max_decode_steps] (the new tokens; 0
+    after EOS), lengths [batch] (tokens up to and including EOS), and `stats`
+    when a draft was used.
   """
-  if batch_invariant:
-    tokens = check_tokens(encoder_tokens, "prompts" if isinstance(model, DecoderOnlyModel)
-                          else "encoder_tokens")
-    if partitioner is not None or draft_partitioner is not None:
-      raise ValueError("batch_invariant decodes rows one at a time; it does not take a "
-                       "partitioner (shard the batch, or drop batch_invariant)")
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-    lengths = None if prompt_lengths is None else np.asarray(prompt_lengths)
-    rows = [generate(model, tokens[i:i + 1], None if lengths is None else lengths[i:i + 1],
-                     max_decode_steps=max_decode_steps,
-                     temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
-                     rng=jax.random.fold_in(rng, i), draft=draft, gamma=gamma,
-                     block_width=block_width, matmul_precision=matmul_precision)
-            for i in range(tokens.shape[0])]
-    return _concatenate_rows(rows)
-  if isinstance(model, DecoderOnlyModel):
-    return decoder_only_generation.decoder_only_generate(
-        model, encoder_tokens, prompt_lengths, max_decode_steps=max_decode_steps,
-        temperature=temperature, topk=topk, topp=topp, eos_id=eos_id, rng=rng, draft=draft,
-        gamma=gamma, block_width=block_width, matmul_precision=matmul_precision,
-        partitioner=partitioner, draft_partitioner=draft_partitioner)
-  if not isinstance(model, Model):
-    raise TypeError(f"generate takes a specdec_jax Model (T5) or DecoderOnlyModel, got "
-                    f"{type(model).__name__}")
-  if prompt_lengths is not None:
-    raise ValueError("prompt_lengths is for decoder-only models; a T5 model reads "
-                     "0-padded encoder_tokens")
-  tokens = check_tokens(encoder_tokens)
+  family = family_of(model)
+  if not is_model(model):
+    raise TypeError(f"generate takes a model (config + params), got {type(model).__name__}")
   if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
     raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
-  sampling.validate_sampling(temperature, topk, topp, model.config.vocab_size)
-  vocab = model.config.vocab_size
-  if int(jnp.max(tokens)) >= vocab or int(jnp.min(tokens)) < 0:
-    raise ValueError(f"encoder_tokens hold ids outside [0, {vocab})")
-  eos_id = model.config.eos_id if eos_id is None else int(eos_id)
+  max_decode_steps = int(max_decode_steps)
+  if batch_invariant:
+    return _generate_rows(model, inputs, prompt_lengths, max_decode_steps=max_decode_steps,
+                          temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
+                          rng=rng, draft=draft, gamma=gamma, block_width=block_width,
+                          matmul_precision=matmul_precision, partitioner=partitioner,
+                          draft_partitioner=draft_partitioner)
+  config = model.config
+  tokens, lengths = family.check_inputs(config, inputs, prompt_lengths, max_decode_steps)
+  sampling.validate_sampling(temperature, topk, topp, config.vocab_size)
+  eos_id = family.eos_id(config) if eos_id is None else int(eos_id)
   rng = jax.random.PRNGKey(0) if rng is None else rng
   draft_obj = None
   if draft is not None:
     if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
       raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
     draft_obj = as_draft(draft)
-    draft_obj.check_compatible(model.config)
-  width = decoding.resolve_block_width(block_width,
-                                       int(gamma) if draft_obj is not None else None)
+    draft_obj.check_compatible(config)
+    draft_obj.check_inputs(inputs, prompt_lengths, max_decode_steps)
+  gamma = int(gamma) if draft_obj is not None else 0
+  width = decoding.resolve_block_width(block_width, gamma if draft_obj is not None else None)
   precision = check_matmul_precision(matmul_precision)
-  statics = (float(temperature), int(topk), float(topp), eos_id,
-             int(gamma) if draft_obj is not None else 0, width)
-  key = (model.config, None if draft_obj is None else draft_obj.static_key(),
-         int(max_decode_steps), precision) + statics
+  statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id, gamma, width)
+  key = (config, None if draft_obj is None else draft_obj.static_key(), precision) + statics
   params = model.params
   draft_params = None if draft_obj is None else draft_obj.params
-  shardings = None
+  args = (params, draft_params, tokens, lengths, rng)
+  shard_kwargs = {}
   if partitioner is not None:
+    if draft_partitioner is None:
+      draft_partitioner = partitioner.replace(rules=sharding.DRAFT_RULES)
+    if draft_partitioner.mesh != partitioner.mesh:
+      raise ValueError("target and draft partitioners must share one mesh (rules may differ)")
     key += (partitioner, draft_partitioner)
-    shardings = sharding.generate_shardings(partitioner, draft_partitioner, params,
-                                            draft_params, tokens.shape)
+    in_shardings = (partitioner.param_shardings(params, family),
+                    None if draft_obj is None else draft_obj.param_shardings(draft_partitioner),
+                    partitioner.batch_sharding(tokens.shape, "inputs"),
+                    partitioner.batch_sharding(lengths.shape, "prompt_lengths"),
+                    partitioner.replicated())
     # A no-op for arrays already laid out this way.
-    params, draft_params, tokens, rng = jax.device_put(
-        (params, draft_params, tokens, rng), shardings.in_shardings)
+    args = jax.device_put(args, in_shardings)
+    shard_kwargs = dict(partitioner=partitioner, draft_partitioner=draft_partitioner,
+                        in_shardings=in_shardings)
   with _COMPILED_LOCK:
     if key not in _COMPILED:
-      _COMPILED[key] = _build(model.config, draft_obj, int(max_decode_steps), *statics,
-                              shardings=shardings)
+      _COMPILED[key] = _build(family, config, draft_obj, *statics, **shard_kwargs)
     fn = _COMPILED[key]
   with matmul_precision_scope(precision):
-    sequences, stats = fn(params, draft_params, tokens, rng)
+    sequences, stats = fn(*args)
   return make_output(sequences, stats, eos_id, gamma)
 
 
-def _concatenate_rows(rows) -> GenerateOutput:
-  """One GenerateOutput from per-row outputs (batch_invariant decoding)."""
+def _generate_rows(model, inputs, prompt_lengths, *, partitioner, draft_partitioner, rng,
+                   **kwargs) -> GenerateOutput:
+  """`batch_invariant` decoding: every row through the batch-1 program, then concatenated."""
+  if partitioner is not None or draft_partitioner is not None:
+    raise ValueError("batch_invariant decodes rows one at a time; it does not take a "
+                     "partitioner (shard the batch, or drop batch_invariant)")
+  tokens = check_tokens(inputs, "inputs")
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  lengths = None if prompt_lengths is None else np.asarray(prompt_lengths)
+  rows = [generate(model, tokens[i:i + 1], None if lengths is None else lengths[i:i + 1],
+                   rng=jax.random.fold_in(rng, i), **kwargs)
+          for i in range(tokens.shape[0])]
   sequences = jnp.concatenate([r.sequences for r in rows])
-  lengths = jnp.concatenate([r.lengths for r in rows])
+  row_lengths = jnp.concatenate([r.lengths for r in rows])
   if rows[0].stats is None:
-    return GenerateOutput(sequences, lengths)
+    return GenerateOutput(sequences, row_lengths)
   per_row = {f.name: np.concatenate([getattr(r.stats, f.name) for r in rows])
              for f in dataclasses.fields(SpeculativeStats) if f.name != "gamma"}
-  return GenerateOutput(sequences, lengths,
+  return GenerateOutput(sequences, row_lengths,
                         SpeculativeStats(gamma=rows[0].stats.gamma, **per_row))

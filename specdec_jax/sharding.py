@@ -1,6 +1,7 @@
-"""Sharding T5 target and draft across devices with JAX's GSPMD, T5X style.
+"""The generic partitioner: target and draft of any family on a device mesh, T5X style.
 
-Every parameter and cache array gets *logical* axis names (`vocab`, `embed`,
+Every parameter and cache array gets *logical* axis names from its family
+(`Family.param_logical_axes` / `cache_logical_axes`) (`vocab`, `embed`,
 `joined_kv`, `mlp`, `heads`, `kv`, `relpos_buckets`, `batch`, `length`);
 *rules* map logical names to the axes of a device mesh (`data`, `model`); a
 `Partitioner` (mesh + rules) turns them into `NamedSharding`s. The compiled
@@ -40,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from specdec_jax.core.dtypes import canonical_dtype, optional_dtype
-from specdec_jax.families.t5.config import T5Config
-from specdec_jax.families.t5.network import T5
+from specdec_jax.core.dtypes import canonical_dtype
+from specdec_jax.families.base import Family, path_names
+from specdec_jax.families.registry import family_of
 
 MESH_AXES = ("data", "model")
 
@@ -66,85 +67,6 @@ DRAFT_RULES = (("batch", "data"),)
 
 LogicalAxes = Tuple[Optional[str], ...]
 Rules = Tuple[Tuple[str, Optional[Union[str, Tuple[str, ...]]]], ...]
-
-# T5 caches are head-major (families/t5/network.py); decoder-only caches keep the
-# projection's [batch, length, heads, kv] (decoder_only_sharding.py).
-CACHE_KV_AXES = ("batch", "heads", "length", "kv")
-ENCODER_MASK_AXES = ("batch", "length")
-
-
-# ---------------------------------------------------------------------------
-# Logical axis names.
-
-def _path_names(path) -> Tuple[str, ...]:
-  names = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)))
-        break
-  return tuple(names)
-
-
-def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
-  """Logical axes of one T5X parameter from its path (e.g. ('decoder', 'logits_dense', 'kernel')).
-
-  Attention kernels are stored 2-D: query/key/value [embed, heads * head_dim]
-  (`joined_kv`), out [joined_kv, embed].
-
-  Raises:
-    ValueError: an unknown parameter, or a rank that does not match its name.
-  """
-  path = tuple(path)
-  leaf = path[-1] if path else ""
-  parent = path[-2] if len(path) > 1 else ""
-  axes = None
-  if leaf == "embedding":
-    axes = ("vocab", "embed")
-  elif leaf == "rel_embedding":
-    axes = ("heads", "relpos_buckets")
-  elif leaf == "scale":
-    axes = ("embed",)
-  elif leaf == "kernel":
-    if parent in ("query", "key", "value"):
-      axes = ("embed", "joined_kv")
-    elif parent == "out":
-      axes = ("joined_kv", "embed")
-    elif parent.startswith("wi"):
-      axes = ("embed", "mlp")
-    elif parent == "wo":
-      axes = ("mlp", "embed")
-    elif parent == "logits_dense":
-      axes = ("embed", "vocab")
-  if axes is None:
-    raise ValueError(f"no logical axes known for parameter {'/'.join(path)!r}: "
-                     "sharding expects the T5X parameter tree")
-  if len(axes) != ndim:
-    raise ValueError(f"parameter {'/'.join(path)!r} has rank {ndim}, expected {len(axes)} "
-                     f"for logical axes {axes}")
-  return axes
-
-
-def params_logical_axes(params) -> Any:
-  """The params tree with each leaf replaced by its tuple of logical axis names."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: param_logical_axes(_path_names(path), np.ndim(x)), params)
-
-
-def is_t5_cache(tree) -> bool:
-  """Whether `tree` is a cache from `T5.init_cache` (the draft state may be anything else)."""
-  return (isinstance(tree, dict) and set(tree) == {"layers", "encoder_mask"} and
-          isinstance(tree["layers"], (list, tuple)))
-
-
-def cache_logical_axes(cache) -> Any:
-  """Logical axes of a T5 cache: K/V [batch, heads, length, head_dim], mask [batch, length]."""
-  if not is_t5_cache(cache):
-    raise ValueError("expected a T5 cache {'layers': [...], 'encoder_mask': ...}, got "
-                     f"{type(cache).__name__} with keys {sorted(cache) if isinstance(cache, dict) else '-'}")
-  layers = [{name: CACHE_KV_AXES for name in layer} for layer in cache["layers"]]
-  return dict(layers=layers, encoder_mask=ENCODER_MASK_AXES)
-
 
 # ---------------------------------------------------------------------------
 # Rules -> PartitionSpecs.
@@ -220,7 +142,7 @@ def logical_to_spec(logical_axes: LogicalAxes, shape: Sequence[int], rules: Rule
 
 def _tree_specs(tree, axes_tree, rules, mesh_shape, on_indivisible, prefix):
   def one(path, axes, x):
-    name = prefix + "/".join(_path_names(path))
+    name = prefix + "/".join(path_names(path))
     return logical_to_spec(axes, np.shape(x), rules, mesh_shape, name, on_indivisible)
   return jax.tree_util.tree_map_with_path(one, axes_tree, tree, is_leaf=_is_axes)
 
@@ -318,26 +240,24 @@ class Partitioner:
     axes = ("batch",) + (None,) * (len(shape) - 1)
     return self.sharding(self.spec(axes, shape, name))
 
-  def param_specs(self, params) -> Any:
-    """Tree of PartitionSpecs for a T5X params tree (arrays or ShapeDtypeStructs)."""
-    return _tree_specs(params, params_logical_axes(params), self.rules, self.mesh_shape,
+  def param_specs(self, params, family: Family) -> Any:
+    """Tree of PartitionSpecs for a `family` params tree (arrays or ShapeDtypeStructs)."""
+    return _tree_specs(params, params_logical_axes(params, family), self.rules, self.mesh_shape,
                        self.on_indivisible, "params/")
 
-  def param_shardings(self, params) -> Any:
-    return jax.tree_util.tree_map(self.sharding, self.param_specs(params))
+  def param_shardings(self, params, family: Family) -> Any:
+    return jax.tree_util.tree_map(self.sharding, self.param_specs(params, family))
 
-  def cache_specs(self, cache) -> Any:
-    return _tree_specs(cache, cache_logical_axes(cache), self.rules, self.mesh_shape,
+  def cache_specs(self, cache, family: Family) -> Any:
+    return _tree_specs(cache, family.cache_logical_axes(cache), self.rules, self.mesh_shape,
                        self.on_indivisible, "cache/")
 
-  def cache_shardings(self, cache) -> Any:
-    return jax.tree_util.tree_map(self.sharding, self.cache_specs(cache))
+  def cache_shardings(self, cache, family: Family) -> Any:
+    return jax.tree_util.tree_map(self.sharding, self.cache_specs(cache, family))
 
-  def constrain_cache(self, state):
-    """Inside jit: pins a T5 cache to its sharding; any other draft state is left to GSPMD."""
-    if not is_t5_cache(state):
-      return state
-    return jax.lax.with_sharding_constraint(state, self.cache_shardings(state))
+  def constrain_cache(self, cache, family: Family):
+    """Inside jit: pins a `family` cache to its sharding."""
+    return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache, family))
 
   @contextlib.contextmanager
   def activation_axes(self):
@@ -350,7 +270,7 @@ class Partitioner:
         nn.logical_axis_rules(self.rules):
       yield
 
-  def shard_params(self, params, dtype=None):
+  def shard_params(self, params, family: Family, dtype=None):
     """Places every leaf on the mesh with its sharding, casting leaf by leaf.
 
     Leaves may be numpy arrays, jax Arrays or lazy array-likes supporting
@@ -369,10 +289,10 @@ class Partitioner:
         return block if dtype is None else block.astype(dtype)
       return jax.make_array_from_callback(tuple(leaf.shape), sharding, shard)
 
-    return jax.tree_util.tree_map(place, self.param_shardings(params), params)
+    return jax.tree_util.tree_map(place, self.param_shardings(params, family), params)
 
-  def shard_cache(self, cache):
-    return jax.device_put(cache, self.cache_shardings(cache))
+  def shard_cache(self, cache, family: Family):
+    return jax.device_put(cache, self.cache_shardings(cache, family))
 
 
 @gin.configurable(module="specdec_jax.sharding")
@@ -395,123 +315,29 @@ def make_partitioners(mesh_shape="1,-1", logical_axis_rules=DEFAULT_RULES,
 
 
 # ---------------------------------------------------------------------------
-# Loading straight onto devices.
+# Logical axes of a family's trees.
 
-def init_sharded_params(config: T5Config, partitioner: Partitioner, seed: int = 0):
-  """Random T5X init computed directly into its sharding (no host copy), in config.dtype."""
-  module = T5(config)
-  dummy = jnp.ones((1, 1), jnp.int32)
-  dtype = jnp.dtype(config.dtype)
-
-  def init(rng):
-    params = module.init(rng, dummy, dummy)["params"]
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-
-  shapes = jax.eval_shape(init, jax.random.PRNGKey(seed))
-  init = jax.jit(init, out_shardings=partitioner.param_shardings(shapes))
-  return init(jax.random.PRNGKey(seed))
+def params_logical_axes(params, family: Family) -> Any:
+  """The params tree with each leaf replaced by its tuple of logical axis names."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: family.param_logical_axes(path_names(path), np.ndim(x)), params)
 
 
-def load_sharded_model(name_or_path_or_config, partitioner: Partitioner, *,
-                       dtype: Optional[str] = None, seed: int = 0, **config_overrides):
-  """`load_model` whose params land on the mesh already sharded.
+def init_sharded_cache(model, partitioner: Partitioner, tokens, max_decode_steps: int,
+                       lengths=None):
+  """The cache `generate` starts from (context encoded / prefilled), made in its sharding."""
+  family = family_of(model)
+  tokens, lengths = family.check_inputs(model.config, tokens, lengths, max_decode_steps)
+  partitioner.batch_sharding(tokens.shape, "inputs")  # Checks the batch divides.
 
-  Named configs / `T5Config`s are initialised inside a jit with sharded
-  outputs; checkpoints are loaded then placed leaf by leaf (`shard_params`).
-  """
-  from specdec_jax.families.t5.model import Model, default_dtype
-  from specdec_jax.families.t5.config import CONFIGS, get_config
-  source = name_or_path_or_config
-  dtype = optional_dtype(dtype)
-  if isinstance(source, T5Config) or (isinstance(source, str) and source in CONFIGS):
-    config = source if isinstance(source, T5Config) else get_config(source)
-    config = config.replace(**config_overrides) if config_overrides else config
-    if dtype is not None or not isinstance(source, T5Config):
-      config = config.replace(dtype=dtype or default_dtype())
-    return Model(config, init_sharded_params(config, partitioner, seed))
-  from specdec_jax.families.t5 import checkpoints
-
-  def place(key, array):
-    # Each device receives only its slice of the host tensor.
-    spec = partitioner.spec(param_logical_axes(key, array.ndim), array.shape, "/".join(key))
-    return jax.make_array_from_callback(array.shape, partitioner.sharding(spec),
-                                        lambda index: array[index])
-
-  model = checkpoints.load_checkpoint_model(source, dtype=dtype, place=place, **config_overrides)
-  # Formats restored whole (Orbax) are re-placed here; placed leaves stay put.
-  return Model(model.config, partitioner.shard_params(model.params))
-
-
-def shard_model(model, partitioner: Partitioner):
-  """The same `Model` with its params placed by `partitioner`."""
-  from specdec_jax.families.t5.model import Model
-  return Model(model.config, partitioner.shard_params(model.params))
-
-
-def init_sharded_cache(model, partitioner: Partitioner, encoder_tokens, max_decode_len: int):
-  """Encodes and allocates the cache directly in its sharding (the layout `generate` uses)."""
-  tokens = jnp.asarray(encoder_tokens, jnp.int32)
-  partitioner.batch_sharding(tokens.shape, "encoder_tokens")  # Checks the batch divides.
-  module = model.module
-
-  def init(params, tokens):
+  def init(params, tokens, lengths):
     with partitioner.activation_axes():
-      return module.apply({"params": params}, tokens, int(max_decode_len),
-                          method=T5.init_cache)
+      return family.start(model.config, params, tokens, lengths, int(max_decode_steps)).cache
 
-  shapes = jax.eval_shape(init, model.params, tokens)
-  fn = jax.jit(init, out_shardings=partitioner.cache_shardings(shapes))
-  return fn(model.params, tokens)
+  shapes = jax.eval_shape(init, model.params, tokens, lengths)
+  fn = jax.jit(init, out_shardings=partitioner.cache_shardings(shapes, family))
+  return fn(model.params, tokens, lengths)
 
-
-# ---------------------------------------------------------------------------
-# What `generation.generate` needs to run under a mesh.
-
-@dataclasses.dataclass(frozen=True)
-class GenerateShardings:
-  """In/out shardings of generate's compiled program `(params, draft_params, tokens, rng)`.
-
-  Outputs (sequences, stats) are replicated: small, and readable from every
-  process on multi-host meshes.
-  """
-  target: Partitioner
-  draft: Partitioner
-  in_shardings: Tuple[Any, Any, NamedSharding, NamedSharding]
-  out_shardings: NamedSharding
-
-
-def generate_shardings(partitioner: Partitioner, draft_partitioner: Optional[Partitioner],
-                       params, draft_params, encoder_tokens_shape) -> GenerateShardings:
-  """Shardings for one `generate` call; raises clear errors for indivisible shapes.
-
-  The draft defaults to `DRAFT_RULES` on the target's mesh (weights
-  replicated). Params of drafts that are not T5 models (n-gram tables, ...)
-  are replicated.
-  """
-  if draft_partitioner is None:
-    draft_partitioner = partitioner.replace(rules=DRAFT_RULES)
-  if draft_partitioner.mesh != partitioner.mesh:
-    raise ValueError("target and draft partitioners must share one mesh (rules may differ)")
-  if draft_params is None:
-    draft_shardings = None
-  else:
-    try:
-      params_logical_axes(draft_params)
-      is_t5 = True
-    except ValueError:
-      is_t5 = False
-    draft_shardings = (draft_partitioner.param_shardings(draft_params) if is_t5 else
-                       jax.tree_util.tree_map(lambda _: draft_partitioner.replicated(),
-                                              draft_params))
-  in_shardings = (partitioner.param_shardings(params), draft_shardings,
-                  partitioner.batch_sharding(encoder_tokens_shape, "encoder_tokens"),
-                  partitioner.replicated())
-  return GenerateShardings(partitioner, draft_partitioner, in_shardings,
-                           partitioner.replicated())
-
-
-# ---------------------------------------------------------------------------
-# Memory planning.
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -548,36 +374,17 @@ def _plan_tree(tree, specs, mesh_shape) -> Tuple[int, int]:
   return total, per_device
 
 
-def abstract_params(config: T5Config):
-  """ShapeDtypeStructs of the params `load_model` builds (config.dtype), no allocation."""
-  module = T5(config)
-  dummy = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-  shapes = jax.eval_shape(lambda rng, x: module.init(rng, x, x)["params"],
-                          jax.ShapeDtypeStruct((2,), jnp.uint32), dummy)
-  dtype = jnp.dtype(config.dtype)
-  return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)
-
-
-def abstract_cache(config: T5Config, batch: int, encoder_len: int, max_decode_len: int):
-  """ShapeDtypeStructs of `T5.init_cache` for [batch, encoder_len] inputs."""
-  module = T5(config)
-  tokens = jax.ShapeDtypeStruct((batch, encoder_len), jnp.int32)
-  return jax.eval_shape(
-      lambda p, t: module.apply({"params": p}, t, max_decode_len, method=T5.init_cache),
-      abstract_params(config), tokens)
-
-
-def plan_memory(config: T5Config, *, batch: int, encoder_len: int, max_decode_len: int,
-                mesh_shape, rules=DEFAULT_RULES, dtype: Optional[str] = None,
-                on_indivisible: str = "error", name: str = "model") -> MemoryPlan:
-  """Bytes of params and cache per device, without devices or allocation.
+def plan_memory(config, *, batch: int, context_len: int, max_decode_len: int, mesh_shape,
+                rules=DEFAULT_RULES, dtype: Optional[str] = None, on_indivisible: str = "error",
+                name: str = "model") -> MemoryPlan:
+  """Bytes of params and cache per device, without devices or allocation, for any family.
 
   Args:
-    config: model shapes; `dtype` overrides config.dtype (params and cache).
-    batch / encoder_len / max_decode_len: the cache is [batch, max_decode_len]
-      self-attention plus [batch, encoder_len] cross-attention keys/values per
-      decoder layer, as `generate` allocates it (max_decode_len =
-      max_decode_steps).
+    config: model shapes (a config of any registered family); `dtype`
+      overrides config.dtype (params and cache).
+    batch / context_len / max_decode_len: the cache `generate` allocates for
+      inputs [batch, context_len] (T5: encoder tokens; decoder-only: prompt
+      width) and max_decode_len = max_decode_steps new tokens.
     mesh_shape: 'data,model' sizes (string or tuple) or a {'data': .., 'model': ..} dict.
     rules / on_indivisible: as for `Partitioner`.
   Returns:
@@ -585,6 +392,7 @@ def plan_memory(config: T5Config, *, batch: int, encoder_len: int, max_decode_le
     every sharded dimension divides). Activations and XLA temporaries (e.g.
     the [batch, gamma + 1, vocab] float32 logits) are not counted.
   """
+  family = family_of(config)
   if dtype is not None:
     config = config.replace(dtype=dtype)
   if isinstance(mesh_shape, Mapping):
@@ -595,24 +403,24 @@ def plan_memory(config: T5Config, *, batch: int, encoder_len: int, max_decode_le
       raise ValueError("plan_memory needs explicit mesh sizes (no -1)")
     sizes = dict(zip(MESH_AXES, shape))
   rules = normalize_rules(rules)
-  params = abstract_params(config)
-  cache = abstract_cache(config, batch, encoder_len, max_decode_len)
-  param_specs = _tree_specs(params, params_logical_axes(params), rules, sizes, on_indivisible,
-                            "params/")
-  cache_specs = _tree_specs(cache, cache_logical_axes(cache), rules, sizes, on_indivisible,
-                            "cache/")
+  params = family.abstract_params(config)
+  cache = family.abstract_cache(config, batch, context_len, max_decode_len)
+  param_specs = _tree_specs(params, params_logical_axes(params, family), rules, sizes,
+                            on_indivisible, "params/")
+  cache_specs = _tree_specs(cache, family.cache_logical_axes(cache), rules, sizes,
+                            on_indivisible, "cache/")
   params_total, params_device = _plan_tree(params, param_specs, sizes)
   cache_total, cache_device = _plan_tree(cache, cache_specs, sizes)
   return MemoryPlan(name, sizes, config.dtype, params_total, cache_total, params_device,
                     cache_device)
 
 
-def plan_speculative_memory(target_config: T5Config, draft_config: T5Config, *, batch: int,
-                            encoder_len: int, max_decode_len: int, mesh_shape,
-                            dtype: Optional[str] = None, rules=DEFAULT_RULES,
-                            draft_rules=DRAFT_RULES) -> Tuple[MemoryPlan, MemoryPlan]:
+def plan_speculative_memory(target_config, draft_config, *, batch: int, context_len: int,
+                            max_decode_len: int, mesh_shape, dtype: Optional[str] = None,
+                            rules=DEFAULT_RULES, draft_rules=DRAFT_RULES
+                            ) -> Tuple[MemoryPlan, MemoryPlan]:
   """(target plan, draft plan) for `generate(..., draft=...)` on one mesh."""
-  common = dict(batch=batch, encoder_len=encoder_len, max_decode_len=max_decode_len,
+  common = dict(batch=batch, context_len=context_len, max_decode_len=max_decode_len,
                 mesh_shape=mesh_shape, dtype=dtype)
   return (plan_memory(target_config, rules=rules, name="target", **common),
           plan_memory(draft_config, rules=draft_rules, name="draft", **common))

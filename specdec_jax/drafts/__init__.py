@@ -1,30 +1,26 @@
-"""Drafts for speculative decoding: one interface, several proposers.
+"""Drafts for speculative decoding: one interface, several proposers, every family.
 
-* `ModelDraft`: a smaller T5 (optionally stopping early when unsure).
+* `ModelDraft`: a smaller model of the target's family (optionally stopping
+  early when unsure).
 * `NgramDraft`: unigram / bigram counts from a corpus or target samples.
-* `PromptLookupDraft`: copies the continuation of a matching n-gram.
+* `PromptLookupDraft`: copies the continuation of a matching n-gram of the context.
 * `AdaptiveGammaDraft`: wraps any draft with HF's `heuristic` length schedule.
 """
 
 from specdec_jax.drafts.base import Draft
 from specdec_jax.drafts.model_draft import ModelDraft
+from specdec_jax.families.registry import is_model
 
 
 def as_draft(draft) -> Draft:
-  """Wraps a `Model` as a `ModelDraft`; passes a `Draft` through."""
+  """Wraps a model (of any family) as a `ModelDraft`; passes a `Draft` through."""
   if isinstance(draft, Draft):
     return draft
-  from specdec_jax.families.t5.model import Model
-  if isinstance(draft, Model):
+  if is_model(draft):
     return ModelDraft(draft)
-  from specdec_jax.families.decoder_only.model import DecoderOnlyModel
-  if isinstance(draft, DecoderOnlyModel):
-    raise TypeError(f"a decoder-only draft ({draft.config.family}) cannot draft for a T5 "
-                    "target: model drafts must be of the target's family (n-gram drafts work "
-                    "for both)")
-  raise TypeError(f"draft must be a specdec_jax Model or Draft, got {type(draft).__name__}")
+  raise TypeError(f"draft must be a model or a specdec_jax Draft, got {type(draft).__name__}")
 
 
-from specdec_jax.drafts.adaptive import AdaptiveGammaDraft, heuristic_draft_length  # noqa: E402
-from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402
-from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402
+from specdec_jax.drafts.adaptive import AdaptiveGammaDraft, heuristic_draft_length  # noqa: E402,F401
+from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402,F401
+from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402,F401

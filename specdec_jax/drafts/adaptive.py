@@ -70,9 +70,18 @@ class AdaptiveGammaDraft(Draft):
   def check_compatible(self, target_config) -> None:
     self.draft.check_compatible(target_config)
 
-  def init_state(self, params, encoder_tokens, max_decode_len):
-    batch = encoder_tokens.shape[0]
-    return dict(draft=self.draft.init_state(params, encoder_tokens, max_decode_len),
+  def check_inputs(self, tokens, lengths, max_decode_steps):
+    self.draft.check_inputs(tokens, lengths, max_decode_steps)
+
+  def param_shardings(self, partitioner):
+    return self.draft.param_shardings(partitioner)
+
+  def constrain_state(self, state, partitioner):
+    return dict(state, draft=self.draft.constrain_state(state["draft"], partitioner))
+
+  def init_state(self, params, context, max_decode_len):
+    batch = context.tokens.shape[0]
+    return dict(draft=self.draft.init_state(params, context, max_decode_len),
                 # -1: no proposal yet.
                 last_lengths=jnp.full((batch,), -1, jnp.int32),
                 last_drafted=jnp.zeros((batch,), jnp.int32),

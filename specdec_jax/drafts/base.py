@@ -2,8 +2,11 @@
 
 Speculative decoding needs from a draft only (a) the proposed tokens and (b)
 the distributions q they were drawn from, after the same sampling adjustment
-as the target. Everything else (a cache, n-gram tables, the prompt) is the
-draft's own state, carried through the decode loop as a pytree.
+as the target. Everything else (a cache, n-gram tables, the context) is the
+draft's own state, carried through the decode loop as a pytree. A draft
+reads the decode's inputs through the family's `Context` (families/base.py):
+the T5 encoder tokens, or a decoder-only prompt that the generated tokens
+continue.
 
 A draft is split into static structure (the object, hashable via
 `static_key`) and arrays (`params`, passed to the compiled loop as an
@@ -14,6 +17,8 @@ import abc
 from typing import Any, Hashable
 
 import jax
+
+from specdec_jax.families.base import Context
 
 Array = jax.Array
 
@@ -35,8 +40,13 @@ class Draft(abc.ABC):
     """Hashable description of everything static: equal keys share a compile."""
 
   @abc.abstractmethod
-  def init_state(self, params: Any, encoder_tokens: Array, max_decode_len: int) -> Any:
-    """The draft's loop state for a batch (traced inside jit)."""
+  def init_state(self, params: Any, context: Context, max_decode_len: int) -> Any:
+    """The draft's loop state for a batch (traced inside jit).
+
+    context: the target family's view of the inputs (`Context`: tokens
+      [batch, C], lengths [batch], whether generation continues them).
+    max_decode_len: loop positions the decode runs for.
+    """
 
   @abc.abstractmethod
   def propose_fn(self, params: Any, gamma: int, temperature: float, topk: int, topp: float):
@@ -52,6 +62,17 @@ class Draft(abc.ABC):
     outputs, never on the target's distributions at this iteration; rows of
     draft_probs past num_drafted are ignored.
     """
+
+  def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
+    """Raises ValueError if this draft cannot decode these inputs (host-side)."""
+
+  def param_shardings(self, partitioner) -> Any:
+    """Shardings of `params` on `partitioner`'s mesh (default: replicated)."""
+    return jax.tree_util.tree_map(lambda _: partitioner.replicated(), self.params)
+
+  def constrain_state(self, state: Any, partitioner) -> Any:
+    """Inside jit under a mesh: pins the state's layout (default: left to GSPMD)."""
+    return state
 
   def check_compatible(self, target_config) -> None:
     """Raises ValueError if this draft cannot serve the target."""

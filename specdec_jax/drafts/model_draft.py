@@ -1,17 +1,25 @@
-"""A smaller T5 as the draft (the paper's setting)."""
+"""A smaller model of the target's family as the draft (the paper's setting).
+
+The draft starts its own decode from the same context through its family
+(`Family.start`: T5 encodes the encoder tokens with the draft's own encoder,
+decoder-only prefills the prompt into the draft's cache) and drafts at the
+same loop positions as the target, through the same block contract.
+"""
 
 from typing import Any, Hashable, Optional
 
 from specdec_jax.core import decoding
 from specdec_jax.drafts.base import Draft
-from specdec_jax.families.t5.network import T5
+from specdec_jax.families.base import shift_block_fn
+from specdec_jax.families.registry import family_of
 
 
 class ModelDraft(Draft):
-  """Drafts with a T5 `Model` that runs its own encoder on the same inputs.
+  """Drafts with a model of the target's family.
 
   Args:
-    model: the draft `Model` (same vocabulary and EOS/pad ids as the target).
+    model: the draft model (`Model`, `DecoderOnlyModel`, or a model of any
+      registered family), sharing the target's vocabulary.
     confidence_threshold: optional, in (0, 1]: a row stops drafting when the
       draft's top probability for the next position falls below it (HF's
       `assistant_confidence_threshold`, DISCO-style), so at most gamma and at
@@ -23,6 +31,9 @@ class ModelDraft(Draft):
   """
 
   def __init__(self, model, confidence_threshold: Optional[float] = None):
+    self.family = family_of(model)
+    if not isinstance(model, self.family.model_type):
+      raise TypeError(f"ModelDraft takes a model, got a {type(model).__name__}")
     if confidence_threshold is not None and not 0.0 < float(confidence_threshold) <= 1.0:
       raise ValueError(f"confidence_threshold must lie in (0, 1], got {confidence_threshold!r}")
     self.model = model
@@ -39,10 +50,38 @@ class ModelDraft(Draft):
   def static_key(self) -> Hashable:
     return ("model", self.model.config, self.confidence_threshold)
 
-  def init_state(self, params, encoder_tokens, max_decode_len):
-    return self.model.module.apply({"params": params}, encoder_tokens, max_decode_len,
-                                   method=T5.init_cache)
+  def check_compatible(self, target_config) -> None:
+    target_family = family_of(target_config)
+    if target_family is not self.family:
+      raise ValueError(f"a {self.family.name} draft cannot serve a {target_family.name} target: "
+                       "a model draft must be of the target's family (n-gram and prompt-lookup "
+                       "drafts serve every family)")
+    self.family.check_draft(self.model.config, target_config)
+
+  def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
+    """The draft's own limits on the inputs (e.g. its learned positions)."""
+    self.family.check_inputs(self.model.config, tokens, lengths, max_decode_steps)
+
+  def param_shardings(self, partitioner):
+    return partitioner.param_shardings(self.model.params, self.family)
+
+  def constrain_state(self, state, partitioner):
+    return dict(state, cache=partitioner.constrain_cache(state["cache"], self.family))
+
+  def init_state(self, params, context, max_decode_len):
+    start = self.family.start(self.model.config, params, context.tokens, context.lengths,
+                              max_decode_len)
+    return dict(cache=start.cache, offset=start.offset)
 
   def propose_fn(self, params, gamma, temperature, topk, topp):
-    return decoding.model_propose_fn(self.model.block_fn(params), gamma, temperature, topk, topp,
-                                     confidence_threshold=self.confidence_threshold)
+    block = self.family.block_fn(self.model.config, params)
+
+    def propose(rng, state, sequences, lengths, max_drafted=None):
+      inner = decoding.model_propose_fn(shift_block_fn(block, state["offset"]), gamma,
+                                        temperature, topk, topp,
+                                        confidence_threshold=self.confidence_threshold)
+      tokens, probs, num_drafted, cache = inner(rng, state["cache"], sequences, lengths,
+                                                max_drafted)
+      return tokens, probs, num_drafted, dict(state, cache=cache)
+
+    return propose

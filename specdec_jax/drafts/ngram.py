@@ -247,7 +247,7 @@ class NgramDraft(Draft):
     width = 0 if self.order == 1 else self.bigram_tokens.shape[1]
     return ("ngram", self.vocab_size, self.order, width, self.eos_id, self.pad_id)
 
-  def init_state(self, params, encoder_tokens, max_decode_len):
+  def init_state(self, params, context, max_decode_len):
     # The previous token is read from the sequences: no state to carry.
     return ()
 

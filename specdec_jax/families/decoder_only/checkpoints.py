@@ -49,7 +49,7 @@ from flax import traverse_util
 
 from specdec_jax.families.t5.checkpoints import CheckpointError, _cast, _hf_weight_files, _Tensor
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
-from specdec_jax.families.t5.model import default_dtype
+from specdec_jax.core.dtypes import default_dtype
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
 

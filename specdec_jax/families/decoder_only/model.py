@@ -7,13 +7,13 @@ DecoderOnlyConfig or Hugging Face directory).
 
 import dataclasses
 import functools
-from typing import Any, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.t5.model import check_tokens
+from specdec_jax.families.base import check_tokens
 from specdec_jax.families.decoder_only import network as decoder_only
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
@@ -134,38 +134,9 @@ class DecoderOnlyModel:
 
 
 # ---------------------------------------------------------------------------
-# Plugging a decoder-only model into the decode loops (`specdec_jax.core.decoding`).
-#
-# The loops' block callbacks take *loop* positions, loop position 0 holding
-# each row's first decoder input. For a prompt of length L, that input is the
-# last prompt token, so loop position j is absolute position L - 1 + j.
-
-# Drafts receive the prompts as their `encoder_tokens` with every padding
-# position set to this id (no token has it), so a draft recovers each row's
-# prompt length (the prompts are right-padded) without a new interface.
-PROMPT_PADDING = -1
-
-
-def mark_prompt_padding(prompts: Array, prompt_lengths: Array) -> Array:
-  """prompts [batch, P] with positions >= prompt_lengths[b] set to PROMPT_PADDING."""
-  real = jnp.arange(prompts.shape[1])[None] < prompt_lengths[:, None]
-  return jnp.where(real, prompts, PROMPT_PADDING).astype(jnp.int32)
-
-
-def split_marked_prompts(marked: Array) -> Tuple[Array, Array]:
-  """Inverse of `mark_prompt_padding`: (prompts with padding set to 0, lengths [batch])."""
-  real = marked != PROMPT_PADDING
-  return jnp.where(real, marked, 0), jnp.sum(real, axis=1).astype(jnp.int32)
-
-
-def shift_block_fn(block_fn, prompt_lengths: Array):
-  """Maps a block callback at absolute positions to loop positions.
-
-  Loop position j of row b is absolute position prompt_lengths[b] - 1 + j.
-  """
-  offset = prompt_lengths.astype(jnp.int32) - 1
-  return lambda tokens, positions, cache: block_fn(tokens, positions + offset, cache)
-
+# Pieces of the family's decode start (family.py): the loop's first input is
+# each row's last prompt token, so loop position j is absolute position
+# L - 1 + j for a prompt of length L.
 
 def decode_cache_length(prompt_width: int, max_decode_steps: int) -> int:
   """Cache positions for right-padded prompts of width P and N new tokens.
@@ -183,13 +154,6 @@ def prefilled_cache(config: DecoderOnlyConfig, params, prompts: Array, prompt_le
   _, cache = DecoderOnly(config).apply({"params": params}, prompts, prompt_lengths, cache,
                                        method=DecoderOnly.prefill)
   return cache
-
-
-def first_inputs(prompts: Array, prompt_lengths: Array, max_decode_steps: int) -> Array:
-  """Loop inputs [batch, max_decode_steps]: each row's last prompt token, then 0s."""
-  batch = prompts.shape[0]
-  last = prompts[jnp.arange(batch), prompt_lengths - 1]
-  return jnp.zeros((batch, max_decode_steps), jnp.int32).at[:, 0].set(last)
 
 
 def absolute_block_fn(config: DecoderOnlyConfig, params):

@@ -46,7 +46,6 @@ Hugging Face logits, three conventions (see REFERENCE.md section 4):
 import dataclasses
 import json
 import os
-import re
 import shutil
 import tempfile
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
@@ -57,8 +56,9 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from specdec_jax.core.dtypes import optional_dtype
-from specdec_jax.families.t5.model import Model, default_dtype
+from specdec_jax.core.dtypes import default_dtype, optional_dtype
+from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
+from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import T5
 
@@ -97,7 +97,7 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
     path: a local directory or file, a TensorStore URL (T5X), or a Hugging Face
       hub id.
     dtype: 'float32' / 'bfloat16' / 'float16' for the params and compute;
-      default `specdec_jax.families.t5.model.default_dtype()` (float32 on CPU).
+      default `core.dtypes.default_dtype()` (float32 on CPU).
     progress: show a tqdm bar while reading tensors.
     place: `(key tuple, numpy array) -> array` putting one tensor where it
       belongs (default `jax.device_put`); `sharding.load_sharded_model` passes
@@ -153,8 +153,8 @@ def detect_format(path: str) -> Tuple[str, str]:
       return "orbax", path
     path = path[len("file://"):]
   if not os.path.exists(path):
-    if _looks_like_hub_id(path):
-      return "hf", _download_from_hub(path)
+    if looks_like_hub_id(path):
+      return "hf", download_from_hub(path)
     raise FileNotFoundError(f"No checkpoint at {path!r}: no such file or directory (and not a "
                             f"Hugging Face hub id like 'google/flan-t5-small')")
   if os.path.isfile(path):
@@ -273,7 +273,7 @@ def _cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[flo
 # ----------------------------------------------------------------------------
 # Hugging Face.
 
-_HF_MODEL_TYPES = ("t5", "mt5")
+HF_MODEL_TYPES = ("t5", "mt5")
 # Present in some HF checkpoints, equal to `shared.weight` or unused by T5.
 _HF_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
                "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")
@@ -298,9 +298,9 @@ def hf_config_to_t5config(hf: Mapping[str, Any], origin: str = "config.json") ->
     for the tied-and-rescaled original T5 case; see the module docstring.
   """
   model_type = hf.get("model_type")
-  if model_type not in _HF_MODEL_TYPES:
+  if model_type not in HF_MODEL_TYPES:
     raise CheckpointError(f"{origin}: model_type {model_type!r} is not a T5 encoder-decoder "
-                          f"(supported: {', '.join(_HF_MODEL_TYPES)})")
+                          f"(supported: {', '.join(HF_MODEL_TYPES)})")
   proj = hf.get("feed_forward_proj", "relu")
   if proj not in _HF_ACTIVATIONS:
     raise CheckpointError(f"{origin}: feed_forward_proj {proj!r} is not supported (exact-erf "
@@ -523,36 +523,6 @@ def _torch_tensors(filename: str) -> Dict[str, _Tensor]:
 
     tensors[name] = _Tensor(f"{os.path.basename(filename)}: {name}", tuple(value.shape), read)
   return tensors
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _looks_like_hub_id(path: str) -> bool:
-  return bool(_HUB_ID.match(path)) and not path.startswith((".", "/"))
-
-
-def _download_from_hub(repo_id: str) -> str:
-  """Downloads config + weights of a hub repo; a clear error when that is impossible."""
-  how = (f"Download it first where the hub is reachable, e.g. `huggingface-cli download "
-         f"{repo_id} config.json model.safetensors --local-dir DIR` (add the shards and "
-         f"model.safetensors.index.json for sharded models), then load_model('DIR')")
-  try:
-    import huggingface_hub
-  except ImportError:
-    raise FileNotFoundError(f"{repo_id!r} is not a local path and huggingface_hub is not "
-                            f"installed. {how}") from None
-  try:
-    directory = huggingface_hub.snapshot_download(
-        repo_id, allow_patterns=["config.json", "*.safetensors", "model.safetensors.index.json"])
-    if not any(n.endswith(".safetensors") for n in os.listdir(directory)):
-      directory = huggingface_hub.snapshot_download(
-          repo_id, allow_patterns=["config.json", "pytorch_model*.bin",
-                                   "pytorch_model.bin.index.json"])
-  except Exception as e:  # Offline, unknown repo, gated repo, ...
-    raise FileNotFoundError(f"{repo_id!r} is not a local path and could not be fetched from the "
-                            f"Hugging Face hub ({type(e).__name__}: {e}). {how}") from None
-  return directory
 
 
 def hf_tensor_layout(config: T5Config) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:

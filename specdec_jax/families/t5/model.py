@@ -12,27 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.families.base import check_tokens  # noqa: F401 (re-exported)
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5 import decode as t5_decode
 from specdec_jax.families.t5.network import T5
 
 Array = jax.Array
-
-
-def check_tokens(tokens, name: str = "encoder_tokens") -> Array:
-  """Validates int tokens [batch, len] and returns them as int32."""
-  shape = getattr(tokens, "shape", None)
-  dtype = getattr(tokens, "dtype", None)
-  if shape is None or dtype is None:
-    tokens = np.asarray(tokens)
-    shape, dtype = tokens.shape, tokens.dtype
-  if len(shape) != 2:
-    raise ValueError(f"{name} must have rank 2 [batch, length], got shape {tuple(shape)}")
-  if not np.issubdtype(dtype, np.integer):
-    raise ValueError(f"{name} must be integer token ids, got dtype {dtype}")
-  if shape[0] < 1 or shape[1] < 1:
-    raise ValueError(f"{name} must be non-empty, got shape {tuple(shape)}")
-  return jnp.asarray(tokens, jnp.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +126,3 @@ def init_params(config: T5Config, seed: int = 0):
   params = _init_fn(config)(jax.random.PRNGKey(seed))
   dtype = jnp.dtype(config.dtype)
   return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-
-
-def default_dtype() -> str:
-  """float32 on CPU (bf16 is ~4x slower there), bfloat16 on TPU/GPU."""
-  return "float32" if jax.default_backend() == "cpu" else "bfloat16"

@@ -1,0 +1,209 @@
+"""The family contract: what a model family gives the one engine.
+
+The engine (`generate`, the drafts, loading, sharding, training, the tools)
+calls a family through this class and nothing else, so a new family is a new
+folder that implements it and registers itself (`families.register`); no
+engine module changes. T5 (`families/t5`) and decoder-only
+(`families/decoder_only`) are its two implementations.
+
+Vocabulary (shapes in every docstring):
+* *inputs*: what a user hands `generate`: tokens [batch, C] int32 and, where
+  the family reads them, per-row lengths [batch] int32 (right padding).
+* *context*: what drafts read of the inputs (`Context`): the T5 encoder
+  tokens, or a decoder-only prompt. `Context.continued` says whether the
+  generated tokens continue it (decoder-only) or follow it as a separate
+  sequence (T5).
+* *loop positions*: the decode loops (`core/decoding.py`) number each row's
+  decoder inputs from 0, loop position 0 holding the row's first input.
+  `DecodeStart.offset` is the absolute position of loop position 0, so a
+  block callback at absolute positions serves the loops after a shift.
+* *block callback*: `(tokens [batch, k] int32, positions [batch] int32,
+  cache) -> (logits [batch, k, vocab] float32, cache)`, scoring k tokens of
+  each row from its own position; target and draft use the same one.
+"""
+
+import abc
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+BlockFn = Callable[[Array, Array, Any], Tuple[Array, Any]]
+LogicalAxes = Tuple[Optional[str], ...]
+
+
+@flax.struct.dataclass
+class Context:
+  """What drafts read of a decode's inputs.
+
+  tokens: [batch, C] int32, right-padded; row b's context is tokens[b, :lengths[b]].
+  lengths: [batch] int32.
+  continued: static: True when the generated tokens continue the context
+    (a decoder-only prompt), False when they follow it as a separate
+    sequence (T5's encoder input).
+  """
+  tokens: Array
+  lengths: Array
+  continued: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def mask(self) -> Array:
+    """[batch, C] bool: the real context positions."""
+    return jnp.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
+
+
+@flax.struct.dataclass
+class DecodeStart:
+  """How a decode starts (traced).
+
+  cache: the family's cache pytree, with the context encoded or prefilled.
+  first_inputs: [batch] int32, each row's decoder input at loop position 0.
+  offset: [batch] int32, the absolute position of loop position 0.
+  """
+  cache: Any
+  first_inputs: Array
+  offset: Array
+
+
+def check_tokens(tokens, name: str = "encoder_tokens") -> Array:
+  """Validates int tokens [batch, len] and returns them as int32."""
+  shape = getattr(tokens, "shape", None)
+  dtype = getattr(tokens, "dtype", None)
+  if shape is None or dtype is None:
+    tokens = np.asarray(tokens)
+    shape, dtype = tokens.shape, tokens.dtype
+  if len(shape) != 2:
+    raise ValueError(f"{name} must have rank 2 [batch, length], got shape {tuple(shape)}")
+  if not np.issubdtype(dtype, np.integer):
+    raise ValueError(f"{name} must be integer token ids, got dtype {dtype}")
+  if shape[0] < 1 or shape[1] < 1:
+    raise ValueError(f"{name} must be non-empty, got shape {tuple(shape)}")
+  return jnp.asarray(tokens, jnp.int32)
+
+
+def path_names(path) -> Tuple[str, ...]:
+  """The key names of a `jax.tree_util` path, e.g. ('decoder', 'layers_0', 'kernel')."""
+  names = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        names.append(str(getattr(entry, attr)))
+        break
+  return tuple(names)
+
+
+
+def shift_block_fn(block_fn: BlockFn, offset: Array) -> BlockFn:
+  """A block callback at absolute positions, shifted to loop positions by `offset` [batch]."""
+  return lambda tokens, positions, cache: block_fn(tokens, positions + offset, cache)
+
+
+class Family(abc.ABC):
+  """A model family, as the engine sees it. Instances are stateless and hashable.
+
+  Attributes:
+    name: short name ('t5', 'decoder_only').
+    config_type: the family's frozen config dataclass.
+    model_type: the family's model class, built as `model_type(config, params)`.
+  """
+  name: str
+  config_type: type
+  model_type: type
+
+  def __repr__(self) -> str:
+    return f"<family {self.name}>"
+
+  # -- Configs and parameters ------------------------------------------------
+
+  @abc.abstractmethod
+  def named_configs(self) -> Mapping[str, Any]:
+    """{name: config} of the family's named sizes."""
+
+  def lookup_config(self, name: str) -> Optional[Any]:
+    """The named config spelled `name` (families may accept spellings), or None."""
+    return self.named_configs().get(name)
+
+  @abc.abstractmethod
+  def init_params(self, config, seed: int = 0) -> Any:
+    """Random parameters of `config`, in `config.dtype`."""
+
+  @abc.abstractmethod
+  def abstract_params(self, config) -> Any:
+    """ShapeDtypeStructs of the parameters (no allocation)."""
+
+  # -- Decoding --------------------------------------------------------------
+
+  @abc.abstractmethod
+  def check_inputs(self, config, tokens: Array, lengths, max_decode_steps: int
+                   ) -> Tuple[Array, Array]:
+    """Validates a decode's inputs on the host; returns (tokens [batch, C] int32,
+    lengths [batch] int32). Raises ValueError naming the problem (ids outside
+    the vocabulary, bad lengths, a cache longer than the positions allow)."""
+
+  @abc.abstractmethod
+  def context(self, tokens: Array, lengths: Array) -> Context:
+    """The drafts' view of the inputs (traced)."""
+
+  @abc.abstractmethod
+  def start(self, config, params, tokens: Array, lengths: Array,
+            max_decode_steps: int) -> DecodeStart:
+    """The cache with the context encoded / prefilled, room for
+    `max_decode_steps` loop positions, and where the loop starts (traced)."""
+
+  @abc.abstractmethod
+  def block_fn(self, config, params) -> BlockFn:
+    """The block callback at absolute positions for (traced) params."""
+
+  @abc.abstractmethod
+  def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
+    """Self-attention positions per row that `start` allocates."""
+
+  def eos_id(self, config) -> int:
+    """The id that ends a row (-1: no token does)."""
+    return -1 if config.eos_id is None else int(config.eos_id)
+
+  def check_draft(self, draft_config, target_config) -> None:
+    """Raises ValueError if a model of `draft_config` cannot draft for `target_config`."""
+    if draft_config.vocab_size != target_config.vocab_size:
+      raise ValueError(f"draft vocabulary size {draft_config.vocab_size} differs from the "
+                       f"target's {target_config.vocab_size}: speculative decoding needs one "
+                       "vocabulary")
+
+  # -- Training --------------------------------------------------------------
+
+  @abc.abstractmethod
+  def token_logits(self, config, params, batch: Mapping[str, Array]
+                   ) -> Tuple[Array, Array, Array]:
+    """Teacher-forced logits of a training batch (the family's batch dict):
+    (logits [batch, L, vocab] float32, targets [batch, L] int32, weights
+    [batch, L] float32, 1 = a token to learn). Traced."""
+
+  # -- Sharding --------------------------------------------------------------
+
+  @abc.abstractmethod
+  def param_logical_axes(self, path: Sequence[str], ndim: int) -> LogicalAxes:
+    """Logical axis names of one parameter from its path in the tree."""
+
+  @abc.abstractmethod
+  def cache_logical_axes(self, cache) -> Any:
+    """The cache tree with each leaf replaced by its logical axes."""
+
+  @abc.abstractmethod
+  def abstract_cache(self, config, batch: int, context_width: int,
+                     max_decode_steps: int) -> Any:
+    """ShapeDtypeStructs of the cache `start` builds (for the memory planner)."""
+
+  # -- Checkpoints -----------------------------------------------------------
+
+  architectures: Tuple[str, ...] = ()
+
+  @abc.abstractmethod
+  def detect(self, path: str) -> bool:
+    """Whether `path` holds a checkpoint of this family."""
+
+  @abc.abstractmethod
+  def load(self, path: str, *, dtype: Optional[str] = None, place=None, **options):
+    """A model from a checkpoint. `place(path_tuple, array) -> array` puts each
+    tensor where it belongs (sharded loading) as it is read."""

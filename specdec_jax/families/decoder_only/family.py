@@ -1,0 +1,137 @@
+"""The decoder-only family (Llama, Qwen2, GPT-2 layouts), behind the family contract.
+
+A decoder-only model continues a prompt. Prompts are right-padded [batch, P]
+with per-row lengths L[b] (padding values never matter):
+
+* the prefill writes each row's prompt into the cache at absolute positions
+  0..P-1 (padding positions get junk that the causal mask hides and the loop
+  overwrites);
+* the loop's first input is the row's last prompt token, and loop position j
+  is absolute position L[b] - 1 + j (the offset). Re-scoring the last prompt
+  token at the first step rewrites the keys/values it already had (same
+  token, same position) and yields the distribution of the first new token.
+
+Rows of different prompt lengths therefore generate right after their own
+prompts. Drafts read the prompt as their context, continued by the generated
+tokens.
+"""
+
+import json
+import os
+from typing import Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.families.base import Context, DecodeStart, Family
+from specdec_jax.families.decoder_only import checkpoints
+from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
+from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
+                                                      canonical_name)
+from specdec_jax.families.decoder_only.model import (DecoderOnlyModel, absolute_block_fn,
+                                                     check_prompt_lengths, decode_cache_length,
+                                                     init_decoder_only_params, prefilled_cache)
+from specdec_jax.families.decoder_only.network import DecoderOnly
+from specdec_jax.families.base import check_tokens
+
+Array = jax.Array
+
+
+class DecoderOnlyFamily(Family):
+  name = "decoder_only"
+  config_type = DecoderOnlyConfig
+  model_type = DecoderOnlyModel
+
+  @property
+  def architectures(self) -> Tuple[str, ...]:
+    return tuple(sorted(checkpoints.ARCHITECTURES))
+
+  def named_configs(self) -> Mapping[str, DecoderOnlyConfig]:
+    return DECODER_CONFIGS
+
+  def lookup_config(self, name: str) -> Optional[DecoderOnlyConfig]:
+    return DECODER_CONFIGS.get(canonical_name(name))
+
+  def init_params(self, config: DecoderOnlyConfig, seed: int = 0):
+    return init_decoder_only_params(config, seed)
+
+  def abstract_params(self, config: DecoderOnlyConfig):
+    return decoder_only_sharding.abstract_params(config)
+
+  # -- Decoding --------------------------------------------------------------
+
+  def check_inputs(self, config: DecoderOnlyConfig, tokens, lengths, max_decode_steps: int
+                   ) -> Tuple[Array, Array]:
+    """prompts [batch, P] right-padded, lengths [batch] in [1, P] (None: all P)."""
+    tokens = check_tokens(tokens, "prompts")
+    lengths = check_prompt_lengths(lengths, tokens)
+    real = np.arange(tokens.shape[1])[None] < np.asarray(lengths)[:, None]
+    ids = np.asarray(tokens)[real]
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+      raise ValueError(f"prompts hold ids outside [0, {config.vocab_size})")
+    cache_len = self.cache_length(config, tokens.shape[1], max_decode_steps)
+    if not config.uses_rotary and cache_len > config.max_positions:
+      raise ValueError(f"prompts of width {tokens.shape[1]} plus {max_decode_steps} new tokens "
+                       f"need {cache_len} positions, more than this {config.family} model's "
+                       f"{config.max_positions} learned positions")
+    return tokens, lengths
+
+  def context(self, tokens: Array, lengths: Array) -> Context:
+    return Context(tokens, lengths, continued=True)
+
+  def start(self, config: DecoderOnlyConfig, params, tokens: Array, lengths: Array,
+            max_decode_steps: int) -> DecodeStart:
+    cache = prefilled_cache(config, params, tokens, lengths,
+                            self.cache_length(config, tokens.shape[1], max_decode_steps))
+    last = tokens[jnp.arange(tokens.shape[0]), lengths - 1]
+    return DecodeStart(cache, last, lengths.astype(jnp.int32) - 1)
+
+  def block_fn(self, config: DecoderOnlyConfig, params):
+    return absolute_block_fn(config, params)
+
+  def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
+    return decode_cache_length(context_width, max_decode_steps)
+
+  # -- Training --------------------------------------------------------------
+
+  def token_logits(self, config: DecoderOnlyConfig, params, batch):
+    """batch: {'tokens': [batch, T] int32, 'weights': [batch, T]}; predicts tokens
+    1..T-1 from the tokens before (`train.decoder_only.lm_batch`)."""
+    tokens = batch["tokens"]
+    logits = DecoderOnly(config).apply({"params": params}, tokens[:, :-1])
+    return logits, tokens[:, 1:], batch["weights"][:, 1:].astype(jnp.float32)
+
+  # -- Sharding --------------------------------------------------------------
+
+  def param_logical_axes(self, path: Sequence[str], ndim: int):
+    return decoder_only_sharding.param_logical_axes(path, ndim)
+
+  def cache_logical_axes(self, cache):
+    return decoder_only_sharding.cache_logical_axes(cache)
+
+  def abstract_cache(self, config, batch: int, context_width: int, max_decode_steps: int):
+    return decoder_only_sharding.abstract_cache(
+        config, batch, self.cache_length(config, context_width, max_decode_steps))
+
+  # -- Checkpoints -----------------------------------------------------------
+
+  def detect(self, path: str) -> bool:
+    """A Hugging Face directory whose config.json names a decoder-only architecture."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+      return False
+    with open(config_file) as f:
+      hf = json.load(f)
+    architectures = hf.get("architectures") or []
+    return (any(a in checkpoints.ARCHITECTURES for a in architectures) or
+            (not architectures and hf.get("model_type") in checkpoints.MODEL_TYPES))
+
+  def load(self, path: str, *, dtype: Optional[str] = None, place=None, **options):
+    if options:
+      raise ValueError(f"config overrides {sorted(options)} apply to random init only, not to "
+                       "a checkpoint (its config.json defines the shapes)")
+    return checkpoints.load_hf_decoder_only(path, dtype=dtype, place=place)
+
+
+FAMILY = DecoderOnlyFamily()

@@ -1,0 +1,133 @@
+"""The T5 family: an encoder-decoder, behind the family contract (`families/base.py`).
+
+A decode starts by encoding the inputs once: the cache holds the
+cross-attention keys/values of the encoder output and room for the decoder's
+self-attention. The decoder starts from `decoder_start_id` at position 0, so
+loop positions are absolute positions (offset 0). Drafts read the encoder
+tokens as their context; generated tokens follow it as a separate sequence.
+"""
+
+import json
+import os
+from typing import Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.families.base import Context, DecodeStart, Family
+from specdec_jax.families.t5 import checkpoints
+from specdec_jax.families.t5 import decode as t5_decode
+from specdec_jax.families.t5 import sharding as t5_sharding
+from specdec_jax.families.t5.config import CONFIGS, T5Config
+from specdec_jax.families.t5.model import Model, check_tokens, init_params
+from specdec_jax.families.t5.network import T5
+
+Array = jax.Array
+
+
+def shift_right(targets: Array, start_id: int = 0) -> Array:
+  """Decoder inputs [batch, len]: targets shifted right by one, `start_id` first."""
+  return jnp.pad(targets, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
+
+
+class T5Family(Family):
+  name = "t5"
+  config_type = T5Config
+  model_type = Model
+  architectures = tuple(f"{a} (model_type {t})" for a, t in (
+      ("T5ForConditionalGeneration", "t5"), ("MT5ForConditionalGeneration", "mt5"))) + (
+          "T5X checkpoints", "Orbax checkpoints of T5X trees")
+
+  def named_configs(self) -> Mapping[str, T5Config]:
+    return CONFIGS
+
+  def init_params(self, config: T5Config, seed: int = 0):
+    return init_params(config, seed)
+
+  def abstract_params(self, config: T5Config):
+    return t5_sharding.abstract_params(config)
+
+  # -- Decoding --------------------------------------------------------------
+
+  def check_inputs(self, config: T5Config, tokens, lengths, max_decode_steps: int
+                   ) -> Tuple[Array, Array]:
+    """encoder tokens [batch, enc_len], `pad_id`-padded on the right; no lengths."""
+    if lengths is not None:
+      raise ValueError("prompt_lengths is for decoder-only models; a T5 model reads "
+                       f"{config.pad_id}-padded encoder_tokens")
+    tokens = check_tokens(tokens)
+    host = np.asarray(tokens)
+    if host.max() >= config.vocab_size or host.min() < 0:
+      raise ValueError(f"encoder_tokens hold ids outside [0, {config.vocab_size})")
+    # Right padding: a row's context ends after its last real token.
+    real = host != config.pad_id
+    lengths = np.where(real.any(axis=1), host.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)
+    return tokens, jnp.asarray(lengths, jnp.int32)
+
+  def context(self, tokens: Array, lengths: Array) -> Context:
+    return Context(tokens, lengths, continued=False)
+
+  def start(self, config: T5Config, params, tokens: Array, lengths: Array,
+            max_decode_steps: int) -> DecodeStart:
+    cache = T5(config).apply({"params": params}, tokens, max_decode_steps, method=T5.init_cache)
+    batch = tokens.shape[0]
+    return DecodeStart(cache, jnp.full((batch,), config.decoder_start_id, jnp.int32),
+                       jnp.zeros((batch,), jnp.int32))
+
+  def block_fn(self, config: T5Config, params):
+    return t5_decode.block_fn(params, config)
+
+  def cache_length(self, config: T5Config, context_width: int, max_decode_steps: int) -> int:
+    return int(max_decode_steps)
+
+  def check_draft(self, draft_config: T5Config, target_config: T5Config) -> None:
+    super().check_draft(draft_config, target_config)
+    for name in ("eos_id", "pad_id"):
+      if getattr(draft_config, name) != getattr(target_config, name):
+        raise ValueError(f"draft {name} {getattr(draft_config, name)} differs from the "
+                         f"target's {getattr(target_config, name)}")
+
+  # -- Training --------------------------------------------------------------
+
+  def token_logits(self, config: T5Config, params, batch):
+    """batch: {'inputs': [batch, enc_len], 'targets': [batch, len]} int32, 0 = padding."""
+    targets = batch["targets"]
+    logits = T5(config).apply({"params": params}, batch["inputs"],
+                              shift_right(targets, config.decoder_start_id))
+    return logits, targets, (targets != config.pad_id).astype(jnp.float32)
+
+  # -- Sharding --------------------------------------------------------------
+
+  def param_logical_axes(self, path: Sequence[str], ndim: int):
+    return t5_sharding.param_logical_axes(path, ndim)
+
+  def cache_logical_axes(self, cache):
+    return t5_sharding.cache_logical_axes(cache)
+
+  def abstract_cache(self, config: T5Config, batch: int, context_width: int,
+                     max_decode_steps: int):
+    return t5_sharding.abstract_cache(config, batch, context_width, max_decode_steps)
+
+  # -- Checkpoints -----------------------------------------------------------
+
+  def detect(self, path: str) -> bool:
+    """T5 checkpoints: T5X, Orbax, `save_model`'s, or HF directories of T5 / mT5."""
+    if "://" in path:
+      return True  # Remote paths are T5X / Orbax (TensorStore).
+    if os.path.isfile(path):
+      return os.path.basename(path) == "checkpoint"
+    if not os.path.isdir(path):
+      return False
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+      return True  # T5X / Orbax / specdec layouts; `detect_format` says which.
+    with open(config_file) as f:
+      hf = json.load(f)
+    return hf.get("model_type") in checkpoints.HF_MODEL_TYPES
+
+  def load(self, path: str, *, dtype: Optional[str] = None, place=None, **options) -> Model:
+    return checkpoints.load_checkpoint_model(path, dtype=dtype, place=place, **options)
+
+
+FAMILY = T5Family()
