@@ -8,6 +8,7 @@ layout). A checkpoint no family recognises is an error naming every
 supported architecture.
 """
 
+import json
 import os
 from typing import Optional, Tuple
 
@@ -17,7 +18,8 @@ from specdec_jax import sharding
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 from specdec_jax.families.base import Family
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
-from specdec_jax.families.registry import families, find_family, supported_architectures
+from specdec_jax.families.registry import (families, family_of, find_family, is_model,
+                                          supported_architectures)
 
 class UnsupportedCheckpoint(ValueError):
   """No registered family reads this checkpoint."""
@@ -55,8 +57,21 @@ def _resolve(source, dtype, overrides) -> Tuple[Family, object, Optional[str]]:
   for family in families():
     if family.detect(source):
       return family, None, source
-  raise UnsupportedCheckpoint(f"{source}: no model family reads this checkpoint. Supported "
-                              f"architectures: {supported_architectures()}")
+  raise UnsupportedCheckpoint(f"{source}: no model family reads this checkpoint"
+                              f"{_what_it_holds(source)}. Supported architectures: "
+                              f"{supported_architectures()}")
+
+
+def _what_it_holds(path: str) -> str:
+  """', which holds architectures=[...] (model_type ...)' from a config.json, if any."""
+  config_file = os.path.join(path, "config.json")
+  try:
+    with open(config_file) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return ""
+  return (f", whose config.json names architectures={hf.get('architectures')} "
+          f"(model_type {hf.get('model_type')!r})")
 
 
 def load_model(source, *, dtype=None, seed: int = 0, **config_overrides):
@@ -112,3 +127,19 @@ def shard_model(model, partitioner: sharding.Partitioner):
   """The same model with its params placed by `partitioner`'s rules."""
   family = find_family(model)
   return family.model_type(model.config, partitioner.shard_params(model.params, family))
+
+
+def export_hf(model, directory) -> None:
+  """Writes a model of any family as a Hugging Face directory (config.json +
+  model.safetensors) that transformers and `load_model` read: T5 as
+  `T5ForConditionalGeneration`, decoder-only as its architecture (Llama, Qwen2,
+  GPT-2, ...). T5's own formats stay T5's (`export_t5x`, `save_model`).
+
+  Raises:
+    TypeError: `model` is not a model of a registered family.
+    ValueError: a config the family's Hugging Face architecture cannot express.
+  """
+  family = family_of(model)
+  if not is_model(model):
+    raise TypeError(f"export_hf takes a model (config + params), got {type(model).__name__}")
+  family.export_hf(model, directory)

@@ -12,9 +12,9 @@ from flax.traverse_util import flatten_dict
 
 from specdec_jax.families.t5.checkpoints import CheckpointError
 from specdec_jax.families.decoder_only.checkpoints import load_hf_decoder_only
-from specdec_jax.decoder_only_generation import decoder_only_generate
+from specdec_jax.generation import generate
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
-from specdec_jax.loading import load_decoder_only_model
+from specdec_jax.loading import load_model
 from specdec_jax.families.decoder_only.config import DECODER_CONFIGS, get_decoder_config
 
 VOCAB = 97
@@ -160,7 +160,7 @@ def test_greedy_generation_matches_transformers_with_ragged_prompts(hf_pair):
   prompts = _random_prompts(lengths, seed=2)
   steps = 12
   want = _hf_greedy(hf, prompts, lengths, steps)
-  out = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps)
+  out = generate(model, prompts, lengths, max_decode_steps=steps)
   _assert_matches_rows(out.sequences, want)
   assert np.asarray(out.lengths).tolist() == [len(w) for w in want]
   assert any(len(set(w)) >= 4 for w in want), "degenerate outputs prove nothing"
@@ -180,8 +180,8 @@ def test_greedy_speculative_matches_target_and_transformers(layout, hf_pairs):
   lengths = [5, 11, 2, 8]
   prompts = _random_prompts(lengths, seed=3)
   steps = 12
-  target = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps)
-  spec = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps, draft=draft,
+  target = generate(model, prompts, lengths, max_decode_steps=steps)
+  spec = generate(model, prompts, lengths, max_decode_steps=steps, draft=draft,
                                gamma=3)
   np.testing.assert_array_equal(np.asarray(spec.sequences), np.asarray(target.sequences))
   _assert_matches_rows(spec.sequences, _hf_greedy(hf, prompts, lengths, steps))
@@ -197,7 +197,7 @@ def test_greedy_speculative_matches_target_and_transformers(layout, hf_pairs):
 @pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "gpt2_tiny"])
 def test_cached_blocks_equal_uncached_forward(name):
   """Ragged prefill, random block sizes, per-row positions, junk rejected tokens."""
-  model = load_decoder_only_model(name, seed=1)
+  model = load_model(name, seed=1)
   batch, length = 3, 20
   rng = np.random.RandomState(0)
   tokens = rng.randint(3, VOCAB, (batch, length)).astype(np.int32)
@@ -254,7 +254,7 @@ def _greedy_reference(model, prompts, lengths, steps, eos_id):
 
 
 def test_temperature_sample_path_equals_stepwise_argmax_with_eos():
-  model = load_decoder_only_model("llama_tiny", seed=4)
+  model = load_model("llama_tiny", seed=4)
   # Sharpen the random model so outputs vary and an EOS appears mid-way.
   model = DecoderOnlyModel(model.config, jax.tree_util.tree_map(lambda x: x * 6.0 if x.ndim == 2
                                                                 else x, model.params))
@@ -265,7 +265,7 @@ def test_temperature_sample_path_equals_stepwise_argmax_with_eos():
   # An EOS that some row emits mid-way exercises early stopping.
   eos = next(r[4] for r in ref if len(set(r[:5])) == 5)
   ref = _greedy_reference(model, prompts, lengths, steps, eos_id=eos)
-  out = decoder_only_generate(model, prompts, lengths, max_decode_steps=steps, eos_id=eos)
+  out = generate(model, prompts, lengths, max_decode_steps=steps, eos_id=eos)
   _assert_matches_rows(out.sequences, ref)
   assert min(np.asarray(out.lengths)) < steps
 
@@ -308,15 +308,18 @@ def _write_config(directory, config):
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):
-  path = _write_config(tmp_path / "mistral", {"architectures": ["MistralForCausalLM"],
-                                              "model_type": "mistral"})
-  with pytest.raises(CheckpointError, match="MistralForCausalLM.*supports.*GPT2LMHeadModel"):
-    load_decoder_only_model(path)
+  """The error names what the directory holds and every supported architecture."""
+  path = _write_config(tmp_path / "falcon", {"architectures": ["FalconForCausalLM"],
+                                             "model_type": "falcon"})
+  with pytest.raises(ValueError, match="FalconForCausalLM") as err:
+    load_model(path)
+  for supported in ("T5ForConditionalGeneration", "LlamaForCausalLM", "GPT2LMHeadModel"):
+    assert supported in str(err.value)
   path = _write_config(tmp_path / "bert", {"model_type": "bert"})
   with pytest.raises(CheckpointError, match="'bert'"):
     load_hf_decoder_only(path)
-  with pytest.raises(ValueError, match="neither a decoder-only config name"):
-    load_decoder_only_model("llama_huge")
+  with pytest.raises(ValueError, match="Unknown model config 'llama_huge'"):
+    load_model("llama_huge")
 
 
 def test_missing_and_misshaped_tensors_are_listed(tmp_path):
@@ -336,33 +339,33 @@ def test_missing_and_misshaped_tensors_are_listed(tmp_path):
 
 
 def test_bad_inputs_give_clear_errors():
-  model = load_decoder_only_model("llama_tiny")
+  model = load_model("llama_tiny")
   prompts = _random_prompts([4, 2], seed=0)
   cache = model.init_cache(2, 3)
   with pytest.raises(ValueError, match="longer than the cache"):
     model.prefill(prompts, [4, 2], cache)
   with pytest.raises(ValueError, match="prompt_lengths must lie in"):
-    decoder_only_generate(model, prompts, [0, 2], max_decode_steps=3)
+    generate(model, prompts, [0, 2], max_decode_steps=3)
   with pytest.raises(ValueError, match="prompt_lengths must lie in"):
-    decoder_only_generate(model, prompts, [5, 2], max_decode_steps=3)
+    generate(model, prompts, [5, 2], max_decode_steps=3)
   with pytest.raises(ValueError, match="outside"):
-    decoder_only_generate(model, prompts + VOCAB, [4, 2], max_decode_steps=3)
+    generate(model, prompts + VOCAB, [4, 2], max_decode_steps=3)
   with pytest.raises(ValueError, match="outside the cache"):
     model.decode_block(np.ones((2, 2), np.int32), np.array([0, 2], np.int32), cache)
-  gpt2 = load_decoder_only_model("gpt2_tiny")  # 128 learned positions
+  gpt2 = load_model("gpt2_tiny")  # 128 learned positions
   with pytest.raises(ValueError, match="learned positions"):
-    decoder_only_generate(gpt2, prompts, [4, 2], max_decode_steps=126)
+    generate(gpt2, prompts, [4, 2], max_decode_steps=126)
   with pytest.raises(ValueError, match="learned position table"):
     gpt2.init_cache(1, 129)
   with pytest.raises(ValueError, match="block_width"):
-    decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=model, gamma=8)
-  small_vocab = load_decoder_only_model("llama_tiny_draft", vocab_size=50)
+    generate(model, prompts, [4, 2], max_decode_steps=3, draft=model, gamma=8)
+  small_vocab = load_model("llama_tiny_draft", vocab_size=50)
   with pytest.raises(ValueError, match="vocabulary size 50"):
-    decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=small_vocab)
+    generate(model, prompts, [4, 2], max_decode_steps=3, draft=small_vocab)
   import specdec_jax as sj
   t5 = sj.load_model("tiny", vocab_size=VOCAB)
-  with pytest.raises(ValueError, match="T5 .*decoder-only target"):
-    decoder_only_generate(model, prompts, [4, 2], max_decode_steps=3, draft=t5)
+  with pytest.raises(ValueError, match="t5 draft cannot serve a decoder_only target"):
+    generate(model, prompts, [4, 2], max_decode_steps=3, draft=t5)
 
 
 def test_original_gpt2_layout_pytorch_bin(tmp_path, hf_pairs):
@@ -378,7 +381,7 @@ def test_original_gpt2_layout_pytorch_bin(tmp_path, hf_pairs):
   torch.save(state, old / "pytorch_model.bin")
   with open(os.path.join(directory, "config.json")) as f:
     _write_config(old, json.load(f))
-  loaded = load_decoder_only_model(old, dtype="float32")
+  loaded = load_model(old, dtype="float32")
   tokens = _random_prompts([9, 9], seed=8)
   np.testing.assert_array_equal(np.asarray(loaded.logits(tokens)), np.asarray(model.logits(tokens)))
 
@@ -446,7 +449,7 @@ def test_speculative_samples_follow_target_distribution_ragged_prompts(setting):
   distributed as the target's (llama layout target, noisy-copy draft)."""
   import collections
   vocab, steps, n = 8, 3, 8_000
-  base = load_decoder_only_model("llama_tiny", vocab_size=vocab, seed=11, dtype="float32")
+  base = load_model("llama_tiny", vocab_size=vocab, seed=11, dtype="float32")
   # Sharpen the random init (normal(0.02) gives near-uniform outputs).
   target = DecoderOnlyModel(base.config, jax.tree_util.tree_map(
       lambda x: x * 8.0 if x.ndim == 2 else x, base.params))
@@ -459,7 +462,7 @@ def test_speculative_samples_follow_target_distribution_ragged_prompts(setting):
   batch[:n] = prompts[0]
   batch[n:, :2] = prompts[1]
   lengths = np.array([5] * n + [2] * n, np.int32)
-  out = decoder_only_generate(target, batch, lengths, max_decode_steps=steps, draft=draft,
+  out = generate(target, batch, lengths, max_decode_steps=steps, draft=draft,
                               gamma=2, eos_id=2, rng=jax.random.PRNGKey(7), **setting)
   assert 0.02 < out.stats.acceptance_rate < 0.98
   sequences = np.asarray(out.sequences).tolist()
@@ -474,31 +477,31 @@ def test_speculative_samples_follow_target_distribution_ragged_prompts(setting):
 # Other drafts for decoder-only targets.
 
 def _sharp_tiny(name, seed, scale=6.0):
-  model = load_decoder_only_model(name, seed=seed)
+  model = load_model(name, seed=seed)
   return DecoderOnlyModel(model.config, jax.tree_util.tree_map(
       lambda x: x * scale if x.ndim == 2 else x, model.params))
 
 
 def test_greedy_with_ngram_adaptive_and_confident_drafts_equals_target():
   from specdec_jax.drafts import AdaptiveGammaDraft, NgramDraft
-  from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
-  from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
+  from specdec_jax.drafts import ModelDraft
+  from specdec_jax.drafts import PromptLookupDraft
   target = _sharp_tiny("qwen2_tiny", seed=5)
   small = _sharp_tiny("llama_tiny_draft", seed=6)
   lengths = [6, 2, 9]
   prompts = _random_prompts(lengths, seed=10)
   steps = 10
-  want = decoder_only_generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1)
+  want = generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1)
   # The bigram is fitted on the target's own outputs: it is often right.
   bigram = NgramDraft.fit(np.asarray(want.sequences), VOCAB, order=2, smoothing=0.1,
                           eos_id=EOS, pad_id=0)
   # One compile each: the generic Draft path (bigram, prompt lookup), and the
   # model draft under the adaptive schedule with a confidence threshold.
-  drafts = {"bigram": bigram, "prompt_lookup": DecoderOnlyPromptLookupDraft(VOCAB),
+  drafts = {"bigram": bigram, "prompt_lookup": PromptLookupDraft(VOCAB),
             "adaptive_confident_small": AdaptiveGammaDraft(
-                DecoderOnlyModelDraft(small, confidence_threshold=0.3))}
+                ModelDraft(small, confidence_threshold=0.3))}
   for name, draft in drafts.items():
-    out = decoder_only_generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1,
+    out = generate(target, prompts, lengths, max_decode_steps=steps, eos_id=-1,
                                 draft=draft, gamma=3)
     np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences),
                                   err_msg=name)
@@ -509,40 +512,36 @@ def test_greedy_with_ngram_adaptive_and_confident_drafts_equals_target():
 
 def test_drafts_of_the_wrong_family_are_clear_errors():
   import specdec_jax as sj
-  from specdec_jax.drafts import AdaptiveGammaDraft, ModelDraft, PromptLookupDraft
-  target = load_decoder_only_model("llama_tiny")
+  from specdec_jax.drafts import AdaptiveGammaDraft, ModelDraft
+  target = load_model("llama_tiny")
   prompts = _random_prompts([3, 2], seed=0)
   t5 = sj.load_model("tiny", vocab_size=VOCAB)
-  for draft in (ModelDraft(t5), AdaptiveGammaDraft(t5)):
-    with pytest.raises(ValueError, match="T5 ModelDraft cannot serve a decoder-only target"):
-      decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft=draft)
-  with pytest.raises(ValueError, match="use DecoderOnlyPromptLookupDraft"):
-    decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3,
-                          draft=PromptLookupDraft(VOCAB, eos_id=EOS))
-  with pytest.raises(TypeError, match="DecoderOnlyModel or a specdec_jax Draft"):
-    decoder_only_generate(target, prompts, [3, 2], max_decode_steps=3, draft="gpt2")
+  for draft in (t5, ModelDraft(t5), AdaptiveGammaDraft(t5)):
+    with pytest.raises(ValueError, match="t5 draft cannot serve a decoder_only target"):
+      generate(target, prompts, [3, 2], max_decode_steps=3, draft=draft)
+  with pytest.raises(TypeError, match="draft must be a model or a specdec_jax Draft"):
+    generate(target, prompts, [3, 2], max_decode_steps=3, draft="gpt2")
   # The reverse: decoder-only drafts for a T5 target.
-  from specdec_jax.drafts.decoder_only_draft import DecoderOnlyModelDraft
-  with pytest.raises(ValueError, match="decoder-only draft cannot serve a T5Config target"):
-    sj.generate(t5, prompts, max_decode_steps=3, draft=DecoderOnlyModelDraft(target))
-  with pytest.raises(TypeError, match="decoder-only draft .* cannot draft for a T5 target"):
-    sj.generate(t5, prompts, max_decode_steps=3, draft=target)
+  for draft in (target, ModelDraft(target)):
+    with pytest.raises(ValueError, match="decoder_only draft cannot serve a t5 target"):
+      sj.generate(t5, prompts, max_decode_steps=3, draft=draft)
 
 
-def test_decoder_only_prompt_lookup_proposes_from_prompt_and_output():
-  from specdec_jax.families.decoder_only.model import mark_prompt_padding
-  from specdec_jax.drafts.decoder_only_prompt_lookup import DecoderOnlyPromptLookupDraft
-  draft = DecoderOnlyPromptLookupDraft(VOCAB, max_ngram=3)
+def test_prompt_lookup_reads_a_continued_context_from_prompt_and_output():
+  from specdec_jax.drafts import PromptLookupDraft
+  from specdec_jax.families.base import Context
+  draft = PromptLookupDraft(VOCAB, max_ngram=3)
   prompts = jnp.array([[5, 6, 7, 8, 5, 6], [9, 4, 0, 0, 0, 0], [11, 12, 13, 0, 0, 0]])
-  marked = mark_prompt_padding(prompts, jnp.array([6, 2, 3]))
+  context = Context(prompts, jnp.array([6, 2, 3]), continued=True)
   # The loop's sequences: last prompt token, then generated tokens.
   sequences = jnp.array([[6, 0, 0, 0, 0], [4, 3, 9, 4, 0], [13, 14, 0, 0, 0]])
   lengths = jnp.array([0, 3, 1])
-  context, size = draft.context(marked, sequences, lengths)
-  assert np.asarray(size).tolist() == [6, 5, 4]
-  assert np.asarray(context)[1, :5].tolist() == [9, 4, 3, 9, 4]
+  haystack, valid, end, _ = draft.haystack(context, sequences, lengths)
+  assert np.asarray(end).tolist() == [6, 5, 4]
+  assert np.asarray(haystack)[1, :5].tolist() == [9, 4, 3, 9, 4]
+  assert np.asarray(valid).sum(axis=1).tolist() == [6, 5, 4]
   tokens, probs, num_drafted, _ = draft.propose_fn((), 3, 0.0, 0, 0.0)(
-      None, marked, sequences, lengths)
+      None, context, sequences, lengths)
   # Row 0: [5, 6] (the prompt's tail) recurs at 0 -> 7, 8, 5. Row 1: [9, 4]
   # spans prompt and output, recurs at 0 -> 3, 9, 4. Row 2: 14 never occurred.
   assert np.asarray(tokens).tolist() == [[7, 8, 5], [3, 9, 4], [0, 0, 0]]
@@ -626,9 +625,9 @@ def test_hub_ids_download_or_fail_clearly(monkeypatch, hf_pairs):
 
   monkeypatch.setattr(hub, "snapshot_download", offline)
   with pytest.raises(FileNotFoundError, match="could not be fetched"):
-    load_decoder_only_model("someone/gpt2-not-here")
+    load_model("someone/gpt2-not-here")
   monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kwargs: directory)
-  fetched = load_decoder_only_model("someone/gpt2-cached", dtype="float32")
+  fetched = load_model("someone/gpt2-cached", dtype="float32")
   assert fetched.config == model.config
 
 
@@ -637,13 +636,13 @@ def test_hub_ids_download_or_fail_clearly(monkeypatch, hf_pairs):
 
 def test_causal_lm_loss_and_training_steps():
   from specdec_jax.train import trainer as train
-  from specdec_jax.train import decoder_only as tdo
-  model = load_decoder_only_model("llama_tiny_draft", seed=0)
+  from specdec_jax.families.decoder_only.batch import lm_batch
+  model = load_model("llama_tiny_draft", seed=0)
   rng = np.random.RandomState(0)
   sequences = rng.randint(3, VOCAB, (4, 12)).astype(np.int32)
-  batch = tdo.lm_batch(sequences, lengths=[12, 9, 12, 5], prompt_lengths=[3, 1, 0, 2])
+  batch = lm_batch(sequences, lengths=[12, 9, 12, 5], prompt_lengths=[3, 1, 0, 2])
   assert batch["weights"][1].tolist() == [0] + [1] * 8 + [0] * 3
-  loss_fn = tdo.causal_lm_loss_fn(model.config)
+  loss_fn = train.loss_fn(model.config)
   loss, aux = loss_fn(model.params, batch)
   # The same number from the uncached forward pass.
   logits = np.asarray(model.logits(sequences))[:, :-1]
@@ -663,16 +662,17 @@ def test_causal_lm_loss_and_training_steps():
 
 
 def test_causal_distillation_raises_agreement():
+  from specdec_jax.train import distill
   from specdec_jax.train import trainer as train
-  from specdec_jax.train import decoder_only as tdo
+  from specdec_jax.families.decoder_only.batch import lm_batch
   target = _sharp_tiny("llama_tiny", seed=1, scale=4.0)
-  draft = load_decoder_only_model("llama_tiny_draft", seed=2)
-  out = decoder_only_generate(target, _random_prompts([4] * 8, seed=3), max_decode_steps=12,
+  draft = load_model("llama_tiny_draft", seed=2)
+  out = generate(target, _random_prompts([4] * 8, seed=3), max_decode_steps=12,
                               temperature=1.0, eos_id=-1)
   sequences = np.concatenate([_random_prompts([4] * 8, seed=3), np.asarray(out.sequences)], 1)
-  batch = tdo.lm_batch(sequences, lengths=[16] * 8, prompt_lengths=[4] * 8)
-  batch["teacher_probs"] = tdo.causal_teacher_probs(target, sequences, temperature=1.0)
-  loss_fn = tdo.causal_distill_loss_fn({"draft": draft.config}, "tv", temperature=1.0)
+  batch = lm_batch(sequences, lengths=[16] * 8, prompt_lengths=[4] * 8)
+  batch["teacher_probs"] = distill.teacher_probs(target, batch, temperature=1.0)
+  loss_fn = distill.distill_loss_fn({"draft": draft.config}, "tv", temperature=1.0)
   optimizer = train.make_optimizer("adamw", 3e-3)
   state = train.create_train_state({"draft": draft.params}, optimizer)
   step = jax.jit(lambda s, b: train.train_step(s, b, loss_fn=loss_fn, optimizer=optimizer))
@@ -683,28 +683,31 @@ def test_causal_distillation_raises_agreement():
   # TV = 1 - beta per token: distillation raises the acceptance probability.
   assert float(metrics["loss"]) < 0.7 * first
   with pytest.raises(ValueError, match="unknown divergence"):
-    tdo.causal_distill_loss_fn({"draft": draft.config}, "reverse_kl", temperature=1.0)
+    distill.distill_loss_fn({"draft": draft.config}, "reverse_kl", temperature=1.0)
 
 
 def test_distill_decoder_only_drafts_raises_alpha():
-  from specdec_jax.train import decoder_only as tdo
+  from specdec_jax import data
+  from specdec_jax.train import distill
   target = _sharp_tiny("llama_tiny", seed=1, scale=4.0)
-  draft = load_decoder_only_model("llama_tiny_draft", seed=2)
+  draft = load_model("llama_tiny_draft", seed=2)
   rng = np.random.RandomState(5)
   lengths = rng.randint(2, 7, 48)
   prompts = _random_prompts(lengths.tolist(), seed=6)
-  result = tdo.distill_decoder_only_drafts(
-      target, {"small": draft}, prompts[:32], lengths[:32], steps=40, batch_size=16,
-      max_decode_steps=10, eval_prompts=prompts[32:], eval_prompt_lengths=lengths[32:], gamma=3)
-  assert result["loss_last"] < 0.7 * result["loss_first"]
+  result = distill.distill_drafts(
+      target, {"small": draft}, data.Prompts(prompts[:32], lengths[:32]), steps=40,
+      batch_size=16, learning_rate=3e-3, optimizer="adamw", divergence="tv",
+      max_decode_steps=10, eval_prompts=data.Prompts(prompts[32:], lengths[32:]),
+      alpha_temperatures=(0.0,), gamma=3, progress_bar=False)
+  assert result.loss_last < 0.7 * result.loss_first
   # Measured: greedy alpha 0.04 -> 0.17 on the held-out prompts.
-  before, after = result["alpha_before"]["small"], result["alpha_after"]["small"]
+  before, after = result.alpha_before["small"][0.0], result.alpha_after["small"][0.0]
   assert after > max(2 * before, before + 0.05), result
 
 
 def test_bfloat16_greedy_speculative_equals_target_only():
   """With one target block width in both loops, bf16 rounding cannot split them."""
-  target = load_decoder_only_model("qwen2_tiny", seed=7, dtype="bfloat16")
+  target = load_model("qwen2_tiny", seed=7, dtype="bfloat16")
   target = DecoderOnlyModel(target.config, jax.tree_util.tree_map(
       lambda x: x * 6 if x.ndim == 2 else x, target.params))
   leaves, treedef = jax.tree_util.tree_flatten(target.params)
@@ -713,8 +716,8 @@ def test_bfloat16_greedy_speculative_equals_target_only():
       (x + 0.01 * jax.random.normal(k, x.shape)).astype(x.dtype) for x, k in zip(leaves, keys)]))
   lengths = [7, 3, 5, 1]
   prompts = _random_prompts(lengths, seed=11)
-  want = decoder_only_generate(target, prompts, lengths, max_decode_steps=12, eos_id=-1)
-  got = decoder_only_generate(target, prompts, lengths, max_decode_steps=12, eos_id=-1,
+  want = generate(target, prompts, lengths, max_decode_steps=12, eos_id=-1)
+  got = generate(target, prompts, lengths, max_decode_steps=12, eos_id=-1,
                               draft=draft, gamma=3)
   np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
   assert 0 < got.stats.acceptance_rate < 1
@@ -722,14 +725,13 @@ def test_bfloat16_greedy_speculative_equals_target_only():
 
 def test_lm_windows_cut_a_tokenized_corpus():
   from specdec_jax import data
-  from specdec_jax.train import decoder_only as tdo
   texts = ["def f(x):\n    return x + 1\n" * 20, "import os\nprint(os.sep)\n" * 20]
   tokenizer = data.Tokenizer(data.train_tokenizer(
       (line for t in texts for line in t.splitlines(keepends=True)), 300))
-  windows = tdo.lm_windows(texts, tokenizer, 16, eos_id=data.EOS_ID)
+  windows = data.lm_windows(texts, tokenizer, 16, eos_id=data.EOS_ID)
   stream = [t for text in texts for t in tokenizer.encode_lines(text) + [data.EOS_ID]]
   assert windows.shape == (len(stream) // 16, 16) and windows.dtype == np.int32
   assert windows.reshape(-1).tolist() == stream[:windows.size]
   assert tokenizer.decode(windows[0]) == texts[0][:len(tokenizer.decode(windows[0]))]
   with pytest.raises(ValueError, match="fewer than one window"):
-    tdo.lm_windows(["x"], tokenizer, 64, eos_id=data.EOS_ID)
+    data.lm_windows(["x"], tokenizer, 64, eos_id=data.EOS_ID)

@@ -19,6 +19,7 @@ from specdec_jax.drafts import (AdaptiveGammaDraft, ModelDraft, NgramDraft, Prom
                                 heuristic_draft_length)
 from specdec_jax.loading import load_model
 from specdec_jax.core.sampling import adjust_probs
+from specdec_jax.families.base import Context
 from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
 # One decoder/encoder layer: compile time dominates these tests.
@@ -134,6 +135,8 @@ def test_prompt_lookup_finds_the_longest_then_earliest_match():
                          [0, 8, 0, 0, 0, 0]])
   lengths = jnp.array([2, 4, 1, 0, 1])
   propose = draft.propose_fn(draft.params, 3, 1.0, 0, 0.0)
+  # A T5 context: the encoder input, which the generated tokens do not continue.
+  encoder = Context(encoder, jnp.full((5,), 5), continued=False)
   tokens, probs, num_drafted, _ = propose(jax.random.PRNGKey(0), encoder, sequences, lengths)
   np.testing.assert_array_equal(num_drafted, [3, 3, 0, 3, 0])
   np.testing.assert_array_equal(tokens, [[7, 5, 8], [4, 2, 9], [0, 0, 0], [5, 6, 7], [0, 0, 0]])
@@ -173,7 +176,8 @@ def test_draft_vocabulary_must_match_the_target(greedy_setup):
     with pytest.raises(ValueError, match="vocabulary size 6 differs from the target's 64"):
       generate(target, tokens, max_decode_steps=4, draft=draft)
   with pytest.raises(ValueError, match="eos_id 2 differs"):
-    generate(target, tokens, max_decode_steps=4, draft=PromptLookupDraft(64, eos_id=2))
+    generate(target, tokens, max_decode_steps=4,
+             draft=load_model(target.config.replace(eos_id=2)))
 
 
 def _adaptive_model_draft(model, threshold):
@@ -371,8 +375,8 @@ def test_model_draft_cache_holds_every_accepted_position(greedy_setup):
   gamma, batch, max_len = 4, 4, 24
   encoder = random_encoder_tokens(batch, 5, 64, seed=5)
   propose = jax.jit(draft.propose_fn(draft.params, gamma, 1.0, 0, 0.0))
-  cache = draft.init_state(draft.params, encoder, max_len)
-  fresh = cache
+  state = draft.init_state(draft.params, Context(encoder, jnp.full((batch,), 5)), max_len)
+  fresh = state["cache"]
   block_fn = jax.jit(draft_model.block_fn())
   sequences = np.zeros((batch, max_len + 1), np.int32)
   lengths = np.zeros((batch,), np.int32)
@@ -380,9 +384,10 @@ def test_model_draft_cache_holds_every_accepted_position(greedy_setup):
   drafted_lengths = set()
   for step in range(5):
     max_drafted = jnp.asarray(rng.integers(1, gamma + 1, batch), jnp.int32)
-    tokens, _, num_drafted, cache = propose(jax.random.PRNGKey(step), cache,
+    tokens, _, num_drafted, state = propose(jax.random.PRNGKey(step), state,
                                             jnp.asarray(sequences), jnp.asarray(lengths),
                                             max_drafted=max_drafted)
+    cache = state["cache"]
     tokens, num_drafted = np.asarray(tokens), np.asarray(num_drafted)
     assert np.all((1 <= num_drafted) & (num_drafted <= np.asarray(max_drafted)))
     drafted_lengths.update(num_drafted.tolist())
