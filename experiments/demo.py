@@ -1,7 +1,9 @@
-"""`make demo`: speculative decoding of the trained demo pair, end to end, offline.
+"""`make demo`: speculative decoding of a trained demo pair, end to end, offline.
 
-The pair (demo_pair/MODEL_CARD.md) is a 9.7M-parameter T5 that completes
-Python code, trained on the standard library, with a distilled 1.1M draft.
+The default pair (demo_pair/MODEL_CARD.md) is a 9.7M-parameter T5 that
+completes Python code, trained on the standard library, with a distilled 1.1M
+draft; `--pair=decoder_only` runs the GPT-like pair
+(demo_pair_decoder_only/MODEL_CARD.md) the same way.
 The demo completes held-out inputs at batch 1 (the paper's setting) with the
 target alone and with the draft, prints a few completions, alpha and the
 speedup (median of paired, interleaved repeats after a compile warm-up)
@@ -17,7 +19,7 @@ given) picks gamma with the theory's optimum for that curve
 c and the predicted speedups (Theorem 3.8, which assumes free verification as
 on an accelerator, and with the measured curve) beside the measured speedup.
 
-  python -m experiments.demo [--num_inputs=6] [--gamma=0] [--draft=small]
+  python -m experiments.demo [--pair=t5] [--num_inputs=6] [--gamma=0] [--draft=small]
 """
 
 import statistics
@@ -31,22 +33,28 @@ import specdec_jax as sj
 from specdec_jax.tools import profiling
 from specdec_jax.core import theory
 
+PAIR = flags.DEFINE_enum("pair", "t5", ["t5", "decoder_only"], "Which shipped demo pair.")
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 6, "Held-out inputs to complete.")
 GAMMA = flags.DEFINE_integer("gamma", 0, "Tokens drafted per iteration; 0: the theory's "
                              "optimum for the cost curve measured on this machine.")
 MAX_GAMMA = 5  # the cost curve is measured for k = 1 .. MAX_GAMMA + 1
-DRAFT = flags.DEFINE_enum("draft", "small", ["small", "tiny"], "Which distilled draft.")
+DRAFT = flags.DEFINE_string("draft", "", "Which distilled draft (T5: small or tiny; "
+                            "decoder-only: draft); empty: the pair's first.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per input.")
 SHOWN = flags.DEFINE_integer("shown", 2, "Completions printed as text.")
 
 
-def measure_costs(target, draft, inputs, max_len: int, repeats: int = 5):
-  """(cost curve [C(1) = 1, .., C(MAX_GAMMA + 1)], c, target step ms), measured here."""
+def measure_costs(target, draft, inputs, lengths, max_len: int, repeats: int = 5):
+  """(cost curve [C(1) = 1, .., C(MAX_GAMMA + 1)], c, target step ms), measured here.
+
+  inputs [n, C] / lengths [n] or None: `pair.inputs(n)`; the first row is timed.
+  """
   ks = list(range(1, MAX_GAMMA + 2))
+  first = None if lengths is None else lengths[:1]
   target_ms = profiling.time_block_calls({"target": target}, inputs[:1], max_len, ks,
-                                         repeats)["target"]
+                                         repeats, lengths=first)["target"]
   draft_ms = profiling.time_block_calls({"draft": draft}, inputs[:1], max_len, [1],
-                                        repeats)["draft"]
+                                        repeats, lengths=first)["draft"]
   return [target_ms[k] / target_ms[1] for k in ks], draft_ms[1] / target_ms[1], target_ms[1]
 
 
@@ -58,15 +66,19 @@ def choose_gamma(alpha: float, c: float, curve) -> int:
 
 def main(argv):
   del argv
-  pair = sj.load_demo_pair()
-  draft = pair.drafts[DRAFT.value]
+  pair = sj.load_demo_pair(PAIR.value)
+  draft_name = DRAFT.value or next(iter(pair.drafts))
+  if draft_name not in pair.drafts:
+    raise app.UsageError(f"--draft={draft_name}: the {pair.family} pair's drafts are "
+                         f"{sorted(pair.drafts)}")
+  draft = pair.drafts[draft_name]
   steps = pair.max_decode_steps
-  inputs = pair.heldout_inputs(NUM_INPUTS.value)
+  inputs, lengths = pair.inputs(NUM_INPUTS.value)
 
   # What verification and drafting cost on this machine, and alpha on these inputs.
-  curve, c, step_ms = measure_costs(pair.target, draft, inputs, 2 * steps)
-  probe = sj.generate(pair.target, inputs, max_decode_steps=steps, draft=draft, gamma=4,
-                      block_width=5)
+  curve, c, step_ms = measure_costs(pair.target, draft, inputs, lengths, 2 * steps)
+  probe = sj.generate(pair.target, inputs, lengths, max_decode_steps=steps, draft=draft,
+                      gamma=4, block_width=5)
   probe_alpha = probe.stats.alpha
   gamma = GAMMA.value or choose_gamma(probe_alpha, c, curve)
   print(f"Measured here: target step {step_ms:.2f} ms; cost curve C(k) = "
@@ -74,7 +86,7 @@ def main(argv):
         + f"; c = {c:.3f}; alpha on these inputs {probe_alpha:.2f}.")
   print(f"gamma = {gamma}" + (" (given)" if GAMMA.value else
                               " (the theory's optimum for this cost curve)"))
-  print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{DRAFT.value}' "
+  print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{draft_name}' "
         f"{draft.config.num_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
         f"{gamma}, greedy, batch 1, {steps} new tokens.")
 
@@ -84,14 +96,14 @@ def main(argv):
   # and checks identity against target-only decoding at that same width.
   spec_kwargs = dict(max_decode_steps=steps, draft=draft, gamma=gamma, block_width=gamma + 1)
   timing = profiling.time_generate_pairs(pair.target, inputs, REPEATS.value, base_kwargs,
-                                         spec_kwargs)
+                                         spec_kwargs, prompt_lengths=lengths)
   ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
   identical = timing.identical
   stats = [s.stats for s in timing.spec_outputs]
   outputs = [b.sequences[0] for b in timing.reference_outputs]
 
   for i in range(min(SHOWN.value, len(inputs))):
-    context = pair.heldout[i]["input"].rstrip("\n").splitlines()[-3:]
+    context = pair.tokenizer.decode(pair.heldout[i]["input_ids"]).rstrip("\n").splitlines()[-3:]
     completion = pair.tokenizer.decode(
         [t for t in np.asarray(outputs[i]).tolist() if t not in (0, 1)])
     print(f"\n--- input {i} (last lines) ---\n" + "\n".join(context))

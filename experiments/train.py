@@ -88,7 +88,7 @@ def train_experiment(workdir: str, *, train_file: str = gin.REQUIRED,
   opt = train.make_optimizer(optimizer, learning_rate, schedule=schedule,
                              warmup_steps=warmup_steps, total_steps=num_steps)
   state = train.create_train_state(init_params(config, seed), opt)
-  loss_fn = train.seq2seq_loss_fn(config)
+  loss_fn = train.loss_fn(config)
 
   def eval_batches():
     for i in range(0, len(eval_data), batch_size):

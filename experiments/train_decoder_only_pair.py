@@ -20,7 +20,7 @@ Stages (each resumable; a finished stage is a no-op when rerun, except
   pretrain  target and draft trained on the same batches (causal LM, AdamW),
             Orbax checkpoints every `checkpoint_every` steps (`train.fit` resumes).
   distill   the draft distilled from the trained target
-            (`train_decoder_only.distill_decoder_only_drafts`); writes draft params.
+            (`specdec_jax.train.distill.distill_drafts`); writes draft params.
   ngram     unigram and bigram drafts (`NgramDraft.fit`) on the training windows.
   alpha     alpha (Corollary 3.6) per draft at temperature 0 and 1 on held-out prompts.
   export    bf16 Hugging Face GPT2LMHeadModel directories for target and draft,
@@ -45,9 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from experiments.train_stages import check_stages, run_stages
 from specdec_jax import data
+from specdec_jax.families.decoder_only.batch import lm_batch
+from specdec_jax.train import distill
 from specdec_jax.train import trainer as train
-from specdec_jax.train import decoder_only as train_decoder_only
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel, init_decoder_only_params
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
@@ -59,7 +61,6 @@ flags.DEFINE_list("stages", ["data", "pretrain", "distill", "ngram", "alpha", "e
 flags.DEFINE_integer("pretrain_steps", None, "Override PairSettings.pretrain_steps.")
 flags.DEFINE_integer("distill_steps", None, "Override PairSettings.distill_steps.")
 
-STAGES = ("data", "pretrain", "distill", "ngram", "alpha", "export")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "demo_pair", "tokenizer.model")
 
@@ -166,10 +167,9 @@ def stage_data(s: PairSettings, workdir: str):
   tokenizer = data.Tokenizer.load(TOKENIZER)
   files = data.stdlib_files()
   train_files, heldout_files = data.split_files(files, s.heldout_percent)
-  windows = train_decoder_only.lm_windows([f.text for f in train_files], tokenizer, s.seq_len,
-                                          data.EOS_ID)
-  eval_windows = train_decoder_only.lm_windows([f.text for f in heldout_files], tokenizer,
-                                               s.seq_len, data.EOS_ID)
+  windows = data.lm_windows([f.text for f in train_files], tokenizer, s.seq_len, data.EOS_ID)
+  eval_windows = data.lm_windows([f.text for f in heldout_files], tokenizer, s.seq_len,
+                                 data.EOS_ID)
   rng = np.random.default_rng([s.seed, 16])
   eval_windows = eval_windows[rng.permutation(len(eval_windows))[:s.num_eval_windows]]
   # Held-out prompts: each from one held-out file (no EOS inside), a random
@@ -218,7 +218,7 @@ def _eval_batches(windows):
   def batches():
     for i in range(0, len(windows), 32):
       rows = windows[i:i + 32]
-      yield train_decoder_only.lm_batch(rows, [rows.shape[1]] * len(rows))
+      yield lm_batch(rows, [rows.shape[1]] * len(rows))
   return batches
 
 
@@ -237,11 +237,11 @@ def stage_pretrain(s: PairSettings, workdir: str):
 
   def batch_at(step):  # A pure function of the step: resumed runs see the same batches.
     rows = windows[data.batch_indices(len(windows), s.pretrain_batch, step, s.seed)]
-    return train_decoder_only.lm_batch(rows, [s.seq_len] * len(rows))
+    return lm_batch(rows, [s.seq_len] * len(rows))
 
   t0 = time.time()
   state, eval_metrics = train.fit(
-      state, batch_at, loss_fn=train_decoder_only.joint_causal_lm_loss_fn(configs),
+      state, batch_at, loss_fn=train.joint_loss_fn(configs),
       optimizer=optimizer, cfg=cfg, workdir=os.path.join(workdir, "pretrain"),
       eval_batches=_eval_batches(d["eval_windows"]), description="pretrain")
   stats = _read_json(os.path.join(workdir, "stats.json"), {}).get("pretrain", {})
@@ -277,19 +277,20 @@ def stage_distill(s: PairSettings, workdir: str):
   order = np.random.default_rng([s.seed, 17]).permutation(len(d["windows"]))
   prompts = d["windows"][order[-s.distill_prompts:], :s.prompt_len]
   t0 = time.time()
-  result = train_decoder_only.distill_decoder_only_drafts(
-      models["target"], {"draft": models["draft"]}, prompts,
-      np.full((len(prompts),), s.prompt_len, np.int32), steps=s.distill_steps,
-      batch_size=s.distill_batch, learning_rate=s.distill_lr, optimizer="adamw",
-      divergence=s.distill_divergence, temperature=s.distill_temperature,
-      max_decode_steps=s.seq_len - s.prompt_len, seed=s.seed)
-  _save_params(path, result["drafts"]["draft"].params)
+  result = distill.distill_drafts(
+      models["target"], {"draft": models["draft"]},
+      data.Prompts(prompts, np.full((len(prompts),), s.prompt_len, np.int32)),
+      steps=s.distill_steps, batch_size=s.distill_batch, learning_rate=s.distill_lr,
+      optimizer="adamw", divergence=s.distill_divergence, temperature=s.distill_temperature,
+      max_decode_steps=s.seq_len - s.prompt_len, seed=s.seed,
+      workdir=os.path.join(workdir, "distill"))
+  _save_params(path, result.drafts["draft"].params)
   _update_stats(workdir, "distill", dict(
       steps=s.distill_steps, batch=s.distill_batch, prompts=len(prompts),
       divergence=s.distill_divergence, temperature=s.distill_temperature,
-      loss_first=result["loss_first"], loss_last=result["loss_last"],
+      loss_first=result.loss_first, loss_last=result.loss_last,
       seconds=time.time() - t0))
-  logging.info("distill: loss per token %.3f -> %.3f", result["loss_first"], result["loss_last"])
+  logging.info("distill: loss per token %.3f -> %.3f", result.loss_first, result.loss_last)
 
 
 def stage_ngram(s: PairSettings, workdir: str):
@@ -337,7 +338,7 @@ def stage_alpha(s: PairSettings, workdir: str):
   for name, draft in drafts.items():
     alphas[name] = {}
     for temperature in (0.0, 1.0):
-      alphas[name][str(temperature)] = train_decoder_only.measure_alpha(
+      alphas[name][str(temperature)] = distill.measure_alpha(
           models["target"], draft, d["prompts"][:n], d["prompt_lengths"][:n],
           max_decode_steps=s.new_tokens, temperature=temperature, gamma=s.gamma, seed=s.seed)
       logging.info("alpha %s T=%g: %.3f", name, temperature, alphas[name][str(temperature)])
@@ -431,7 +432,7 @@ def model_card(info) -> str:
   if dist:
     lines.append(
         f"2. Distillation of the draft (DistillSpec-style, "
-        f"`train_decoder_only.distill_decoder_only_drafts`): the target continues "
+        f"`specdec_jax.train.distill.distill_drafts`): the target continues "
         f"{dist['prompts']} training prompts of {st['prompt_len']} tokens at temperature "
         f"{dist['temperature']:g}; {dist['divergence']} to the target's distributions on those "
         f"rows, {dist['steps']} AdamW steps x {dist['batch']} (lr {st['distill_lr']}), "
@@ -477,35 +478,20 @@ def model_card(info) -> str:
 
 def main(argv):
   del argv
-  unknown = [st for st in FLAGS.stages if st not in STAGES]
-  if unknown:
-    raise ValueError(f"unknown stages {unknown}; known: {STAGES}")
-  settings = _settings()
+  s, workdir = _settings(), FLAGS.workdir
+  stages = dict(data=lambda: stage_data(s, workdir), pretrain=lambda: stage_pretrain(s, workdir),
+                distill=lambda: stage_distill(s, workdir), ngram=lambda: stage_ngram(s, workdir),
+                alpha=lambda: stage_alpha(s, workdir),
+                export=lambda: stage_export(s, workdir, FLAGS.out_dir))
+  check_stages(stages, FLAGS.stages)
   os.makedirs(FLAGS.workdir, exist_ok=True)
   recorded = _read_json(os.path.join(FLAGS.workdir, "settings.json"))
-  current = json.loads(json.dumps(dataclasses.asdict(settings)))
+  current = json.loads(json.dumps(dataclasses.asdict(s)))
   if recorded is not None and recorded != current:
     raise ValueError(f"{FLAGS.workdir} was made with other settings ({recorded}); use a new "
                      "--workdir to change them")
   _write_json(os.path.join(FLAGS.workdir, "settings.json"), current)
-  for stage in STAGES:
-    if stage not in FLAGS.stages:
-      continue
-    t0 = time.time()
-    logging.info("stage %s", stage)
-    if stage == "data":
-      stage_data(settings, FLAGS.workdir)
-    elif stage == "pretrain":
-      stage_pretrain(settings, FLAGS.workdir)
-    elif stage == "distill":
-      stage_distill(settings, FLAGS.workdir)
-    elif stage == "ngram":
-      stage_ngram(settings, FLAGS.workdir)
-    elif stage == "alpha":
-      stage_alpha(settings, FLAGS.workdir)
-    elif stage == "export":
-      stage_export(settings, FLAGS.workdir, FLAGS.out_dir)
-    logging.info("stage %s: %.1f s", stage, time.time() - t0)
+  run_stages(stages, FLAGS.stages)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from experiments import gin_flags
+from experiments.train_stages import check_stages, run_stages
 from specdec_jax import data
 from specdec_jax.train import trainer as train
 from specdec_jax.families.t5.model import Model, init_params
@@ -43,7 +44,6 @@ flags.DEFINE_list("stages", ["data", "pretrain", "distill", "ngram", "export"], 
 flags.DEFINE_string("mini_table2_json", "results/mini_table2/results.json",
                     "experiments.mini_table2 results to quote in the model card, if present.")
 
-STAGES = ("data", "pretrain", "distill", "ngram", "export", "card")
 
 
 @gin.configurable
@@ -188,7 +188,7 @@ def stage_pretrain(s: DemoPairSettings, workdir: str):
   batch_at = lambda step: train_data.take(
       data.batch_indices(len(train_data), s.pretrain_batch, step, s.seed))
   t0 = time.time()
-  state, eval_metrics = train.fit(state, batch_at, loss_fn=train.joint_seq2seq_loss_fn(configs),
+  state, eval_metrics = train.fit(state, batch_at, loss_fn=train.joint_loss_fn(configs),
                                   optimizer=optimizer, cfg=cfg,
                                   workdir=os.path.join(workdir, "pretrain"),
                                   eval_batches=_eval_batches(heldout), description="pretrain")
@@ -429,29 +429,16 @@ def model_card(info) -> str:
 def main(argv):
   del argv
   gin_flags.parse_flags()
-  settings = DemoPairSettings()
-  unknown = [st for st in FLAGS.stages if st not in STAGES]
-  if unknown:
-    raise ValueError(f"unknown stages {unknown}; known: {STAGES}")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  _write_json(os.path.join(FLAGS.workdir, "settings.json"),
-              json.loads(json.dumps(dataclasses.asdict(settings))))
-  for stage in STAGES:
-    if stage not in FLAGS.stages:
-      continue
-    logging.info("stage %s", stage)
-    if stage == "data":
-      stage_data(settings, FLAGS.workdir)
-    elif stage == "pretrain":
-      stage_pretrain(settings, FLAGS.workdir)
-    elif stage == "distill":
-      stage_distill(settings, FLAGS.workdir)
-    elif stage == "ngram":
-      stage_ngram(settings, FLAGS.workdir)
-    elif stage == "export":
-      stage_export(settings, FLAGS.workdir, FLAGS.out_dir)
-    elif stage == "card":
-      stage_card(FLAGS.out_dir)
+  s, workdir = DemoPairSettings(), FLAGS.workdir
+  stages = dict(data=lambda: stage_data(s, workdir), pretrain=lambda: stage_pretrain(s, workdir),
+                distill=lambda: stage_distill(s, workdir), ngram=lambda: stage_ngram(s, workdir),
+                export=lambda: stage_export(s, workdir, FLAGS.out_dir),
+                card=lambda: stage_card(FLAGS.out_dir))
+  check_stages(stages, FLAGS.stages)
+  os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, "settings.json"),
+              json.loads(json.dumps(dataclasses.asdict(s))))
+  run_stages(stages, FLAGS.stages)
 
 
 if __name__ == "__main__":

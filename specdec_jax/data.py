@@ -9,6 +9,9 @@ hash of their path, so no held-out file is ever seen in training.
 Examples are stored as padded int32 arrays (`Seq2SeqData`); batches are drawn
 in a deterministic order that is a pure function of (seed, step), so a resumed
 training run sees exactly the batches it would have seen without stopping.
+`lm_windows` cuts the same corpus into language-model windows (decoder-only
+pretraining), and `Prompts` holds the decode inputs of any family that
+distillation continues with the target.
 """
 
 import dataclasses
@@ -217,6 +220,67 @@ class Seq2SeqData:
     with np.load(path) as f:
       return cls(f["inputs"].astype(np.int32), f["targets"].astype(np.int32))
 
+  def prompts(self) -> "Prompts":
+    """The inputs as decode prompts, with the targets as the reference batch."""
+    return Prompts(self.inputs, references=dict(inputs=self.inputs, targets=self.targets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """What a decode of any family reads, n rows of it, and optionally reference outputs.
+
+  inputs: [n, C] int32, right-padded (T5 encoder tokens, decoder-only prompts).
+  lengths: [n] int32, each row's length where the family takes lengths
+    (decoder-only prompts); None where it reads the padding (T5).
+  references: None, or the family's training batch of the same n rows holding
+    reference outputs (T5 {'inputs', 'targets'}; decoder-only `lm_batch`).
+  """
+  inputs: np.ndarray
+  lengths: Optional[np.ndarray] = None
+  references: Optional[Dict[str, np.ndarray]] = None
+
+  def __post_init__(self):
+    inputs = np.asarray(self.inputs)
+    if inputs.ndim != 2 or not np.issubdtype(inputs.dtype, np.integer) or not len(inputs):
+      raise ValueError(f"Prompts.inputs must be a non-empty 2-D int array, got {inputs.dtype} "
+                       f"{inputs.shape}")
+    if self.lengths is not None and np.shape(self.lengths) != (len(inputs),):
+      raise ValueError(f"Prompts.lengths must have shape ({len(inputs)},), got "
+                       f"{np.shape(self.lengths)}")
+    for name, x in (self.references or {}).items():
+      if len(x) != len(inputs):
+        raise ValueError(f"reference {name!r} has {len(x)} rows, the inputs {len(inputs)}")
+
+  def __len__(self):
+    return len(self.inputs)
+
+  def check_vocab(self, vocab_size: int):
+    """Raises if a real input token (or any reference token) falls outside [0, vocab_size)."""
+    inputs = np.asarray(self.inputs)
+    real = (np.ones(inputs.shape, bool) if self.lengths is None else
+            np.arange(inputs.shape[1])[None] < np.asarray(self.lengths)[:, None])
+    arrays = dict(inputs=inputs[real])
+    arrays.update({k: np.asarray(v) for k, v in (self.references or {}).items()
+                   if np.issubdtype(np.asarray(v).dtype, np.integer)})
+    for name, x in arrays.items():
+      if x.size and (x.min() < 0 or x.max() >= vocab_size):
+        raise ValueError(f"{name} hold token ids in [{x.min()}, {x.max()}], outside the "
+                         f"vocabulary [0, {vocab_size})")
+
+  def take(self, indices) -> "Prompts":
+    pick = lambda x: None if x is None else np.asarray(x)[indices]  # noqa: E731
+    refs = None if self.references is None else {k: pick(v) for k, v in self.references.items()}
+    return Prompts(pick(self.inputs), pick(self.lengths), refs)
+
+
+def as_prompts(data) -> Prompts:
+  """`Prompts` from Prompts, Seq2SeqData (inputs + reference targets) or an input array."""
+  if isinstance(data, Prompts):
+    return data
+  if isinstance(data, Seq2SeqData):
+    return data.prompts()
+  return Prompts(np.asarray(data, np.int32))
+
 
 def pad_rows(rows: Sequence[Sequence[int]], length: int) -> np.ndarray:
   """[len(rows), length] int32, each row right-padded with 0 (rows longer than length raise)."""
@@ -284,6 +348,28 @@ def completion_examples(files: Sequence[SourceFile], tokenizer: Tokenizer, task:
                           target="".join(lines[i:i + task.target_lines])))
   data = Seq2SeqData(pad_rows(inputs, task.input_len), pad_rows(targets, task.target_len))
   return (data, texts) if with_text else data
+
+
+def lm_windows(texts, tokenizer, length: int, eos_id: int) -> np.ndarray:
+  """Fixed-length language-model windows [n, length] int32 from a corpus.
+
+  Each text (e.g. `SourceFile.text`) is tokenized line by line
+  (`tokenizer.encode_lines`, as the completion examples) and ended with
+  `eos_id`; the texts are concatenated in order and cut into consecutive
+  windows, the remainder dropped. Every window token is a target
+  (`families.decoder_only.batch.lm_batch(windows, [length] * n)`), so
+  documents follow each other across EOS as in GPT-style pretraining.
+  """
+  if int(length) != length or length < 2:
+    raise ValueError(f"length must be an int >= 2, got {length!r}")
+  stream = []
+  for text in texts:
+    stream.extend(tokenizer.encode_lines(text))
+    stream.append(int(eos_id))
+  n = len(stream) // length
+  if n == 0:
+    raise ValueError(f"the corpus has {len(stream)} tokens, fewer than one window of {length}")
+  return np.asarray(stream[:n * length], np.int32).reshape(n, length)
 
 
 # ----------------------------------------------------------------------------

@@ -1,13 +1,23 @@
-"""The shipped demo pair: a code-completion T5 target, its drafts, tokenizer and held-out set.
+"""The shipped demo pairs: a trained target, its drafts, tokenizer and held-out set, per family.
 
-Trained by `experiments/train_demo_pair.py` on the Python standard library
-source (see demo_pair/MODEL_CARD.md). Weights are stored as bfloat16 bit
-patterns (uint16) in .npz files to keep the repository small, and loaded back
-as float32 (the fast dtype on CPU).
+Two pairs ship, both trained on the Python standard library source with one
+tokenizer (2048 pieces, pad 0, EOS 1):
 
-  pair = load_demo_pair()
-  out = generate(pair.target, pair.heldout_inputs()[:4], max_decode_steps=40,
-                 draft=pair.drafts['small'])
+* `demo_pair/` (family 't5'): a code-completion T5 target (9.7M) with 'small'
+  (1.1M) and 'tiny' (0.2M) distilled drafts (`experiments/train_demo_pair.py`,
+  demo_pair/MODEL_CARD.md). Weights are bfloat16 bit patterns (uint16) in
+  .npz files; held-out rows in heldout.jsonl.
+* `demo_pair_decoder_only/` (family 'decoder_only'): a GPT-like target (2.2M)
+  with a distilled 'draft' (0.19M), Hugging Face GPT2LMHeadModel directories in
+  bfloat16 (`experiments/train_decoder_only_pair.py`,
+  demo_pair_decoder_only/MODEL_CARD.md); held-out prompts in heldout.npz.
+
+Both load as one `DemoPair`, float32 by default (the fast dtype on CPU):
+
+  pair = load_demo_pair()                  # or load_demo_pair("decoder_only"), or a directory
+  tokens, lengths = pair.inputs(4)
+  out = generate(pair.target, tokens, lengths, max_decode_steps=pair.max_decode_steps,
+                 draft=ModelDraft(next(iter(pair.drafts.values()))))
   print(pair.tokenizer.decode(out.sequences[0]))
 """
 
@@ -15,20 +25,28 @@ import dataclasses
 import io
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
 from specdec_jax import data
-from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.t5.model import Model
 
-DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "demo_pair")
-MODEL_NAMES = ("target", "small", "tiny")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The shipped pair of each family.
+DIRS = {"t5": os.path.join(_REPO, "demo_pair"),
+        "decoder_only": os.path.join(_REPO, "demo_pair_decoder_only")}
+DEFAULT_DIR = DIRS["t5"]
+# The file that marks each layout, and the command that writes it.
+MARKERS = {"t5": "config.json", "decoder_only": "info.json"}
+TRAINERS = {"t5": "python -m experiments.train_demo_pair",
+            "decoder_only": "python -m experiments.train_decoder_only_pair"}
+T5_MODEL_NAMES = ("target", "small", "tiny")
 NGRAM_NAMES = ("unigram", "bigram")
 
 
@@ -71,51 +89,128 @@ def config_from_json(d: Dict[str, Any]) -> T5Config:
 
 @dataclasses.dataclass
 class DemoPair:
-  """The loaded pair.
+  """A loaded demo pair (either family).
 
-  tokenizer: `data.Tokenizer`; target: `Model` (float32); drafts: {'small', 'tiny'} `Model`s;
-  ngrams: {'unigram', 'bigram'} `NgramDraft`s; heldout: rows {'path', 'line', 'input',
-  'target', 'input_ids', 'target_ids'}; info: config.json contents (settings, stats).
+  family: 't5' or 'decoder_only'.
+  tokenizer: `data.Tokenizer`.
+  target: the target model (`Model` / `DecoderOnlyModel`), in the loaded dtype.
+  drafts: {name: model} of the target's family (T5: 'small', 'tiny';
+    decoder-only: 'draft').
+  ngrams: {'unigram', 'bigram'} `NgramDraft`s.
+  heldout: rows {'path', 'input_ids', 'target_ids'} of held-out files (T5
+    rows also hold the text, 'input', 'target', and 'line'): the input ids
+    are the context (T5: encoder input; decoder-only: the prompt), the target
+    ids the reference continuation.
+  input_len: C, the width `inputs` pads rows to.
+  max_decode_steps: new tokens per input the pair was evaluated with.
+  info: the pair's config.json / info.json (settings, stats).
   """
+  family: str
   tokenizer: data.Tokenizer
-  target: Model
-  drafts: Dict[str, Model]
+  target: Any
+  drafts: Dict[str, Any]
   ngrams: Dict[str, Any]
   heldout: List[Dict[str, Any]]
+  input_len: int
+  max_decode_steps: int
   info: Dict[str, Any]
 
-  @property
-  def input_len(self) -> int:
-    return int(self.info["settings"]["input_len"])
+  def inputs(self, n: Optional[int] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """(tokens [n, input_len] int32, lengths [n] int32 or None) of the first n held-out rows.
 
-  @property
-  def max_decode_steps(self) -> int:
-    return int(self.info["settings"]["target_len"])
+    Right-padded with 0. Pass both to `generate(target, tokens, lengths, ...)`:
+    lengths is None for T5, whose encoder reads the padding (id 0), and the
+    prompt lengths for decoder-only models.
+    """
+    rows = self.heldout if n is None else self.heldout[:n]
+    tokens = data.pad_rows([r["input_ids"] for r in rows], self.input_len)
+    if self.family == "t5":
+      return tokens, None
+    return tokens, np.asarray([len(r["input_ids"]) for r in rows], np.int32)
 
   def heldout_inputs(self, n: Optional[int] = None) -> np.ndarray:
-    """[n, input_len] int32 encoder tokens of the first n held-out examples."""
+    """[n, input_len] int32: the tokens of `inputs(n)`, for T5 (whose padding says the lengths)."""
+    tokens, lengths = self.inputs(n)
+    if lengths is not None:
+      raise ValueError(f"a {self.family} pair's inputs need their lengths: use "
+                       "`tokens, lengths = pair.inputs(n)`")
+    return tokens
+
+  def references(self, n: Optional[int] = None) -> np.ndarray:
+    """[n, max_decode_steps] int32: each row's reference continuation, 0-padded."""
     rows = self.heldout if n is None else self.heldout[:n]
-    return data.pad_rows([r["input_ids"] for r in rows], self.input_len)
+    return data.pad_rows([r["target_ids"] for r in rows], self.max_decode_steps)
 
 
-def load_demo_pair(path: Optional[str] = None) -> DemoPair:
-  """Loads the demo pair from `path` (default: the repository's demo_pair/)."""
-  from specdec_jax.drafts.ngram import NgramDraft
-  path = path or DEFAULT_DIR
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(f"no demo pair at {path!r} (config.json missing): train it with "
-                            "`python -m experiments.train_demo_pair`")
-  with open(config_path) as f:
-    info = json.load(f)
+def _detect_family(path: str) -> Optional[str]:
+  """The family whose layout `path` holds, or None."""
+  for family, marker in MARKERS.items():
+    if os.path.exists(os.path.join(path, marker)):
+      return family
+  return None
+
+
+def _cast(model, dtype: str):
+  """`model` with params and config in `dtype` (the bf16-stored weights cast losslessly up)."""
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), model.params)
+  return type(model)(model.config.replace(dtype=dtype), params)
+
+
+def _load_t5(path: str, info, dtype: str):
   models = {}
-  for name in MODEL_NAMES:
+  for name in T5_MODEL_NAMES:
     config = config_from_json(info["models"][name])
-    models[name] = Model(config, load_weights_bf16(os.path.join(path, f"{name}.npz"), config))
-  ngrams = {name: NgramDraft.load(os.path.join(path, f"{name}.npz")) for name in NGRAM_NAMES
-            if os.path.exists(os.path.join(path, f"{name}.npz"))}
+    models[name] = _cast(Model(config, load_weights_bf16(os.path.join(path, f"{name}.npz"),
+                                                         config)), dtype)
   with open(os.path.join(path, "heldout.jsonl"), encoding="utf-8") as f:
     heldout = [json.loads(line) for line in f if line.strip()]
+  settings = info["settings"]
+  return (models["target"], {n: models[n] for n in T5_MODEL_NAMES[1:]}, heldout,
+          int(settings["input_len"]), int(settings["target_len"]))
+
+
+def _load_decoder_only(path: str, info, dtype: str):
+  from specdec_jax.loading import load_model
+  target = load_model(os.path.join(path, "target"), dtype=dtype)
+  drafts = {"draft": load_model(os.path.join(path, "draft"), dtype=dtype)}
+  with np.load(os.path.join(path, "heldout.npz")) as f:
+    prompts, lengths = f["prompts"], f["prompt_lengths"]
+    references, paths = f["references"], f["prompt_paths"]
+  heldout = [dict(path=str(p), input_ids=row[:n].tolist(), target_ids=ref.tolist())
+             for row, n, ref, p in zip(prompts, lengths, references, paths)]
+  return (target, drafts, heldout, int(prompts.shape[1]), int(info["settings"]["new_tokens"]))
+
+
+def load_demo_pair(path: Optional[str] = None, dtype: str = "float32") -> DemoPair:
+  """Loads a demo pair.
+
+  Args:
+    path: a pair's directory (its layout says the family: config.json for
+      T5, info.json for decoder-only), or a family name, 't5' or
+      'decoder_only', for that family's shipped pair (a directory of that
+      name needs a path spelling, './t5'). Default: the shipped T5 pair.
+    dtype: compute dtype of the models ('float32' default; 'bfloat16' keeps
+      the shipped weights as they are).
+  Raises:
+    FileNotFoundError: no pair at `path`, naming the command that trains one.
+  """
+  from specdec_jax.core.dtypes import canonical_dtype
+  from specdec_jax.drafts.ngram import NgramDraft
+  path = DIRS.get(path or "t5", path)
+  family = _detect_family(path)
+  if family is None:
+    wanted = [f for f, d in DIRS.items() if os.path.abspath(path) == d]
+    commands = [TRAINERS[f] for f in wanted] or list(TRAINERS.values())
+    raise FileNotFoundError(
+        f"no demo pair at {path!r} (neither {' nor '.join(MARKERS.values())} there): train it "
+        f"with `{'` or `'.join(commands)}`")
+  dtype = canonical_dtype(dtype)
+  with open(os.path.join(path, MARKERS[family])) as f:
+    info = json.load(f)
+  load = _load_t5 if family == "t5" else _load_decoder_only
+  target, drafts, heldout, input_len, max_decode_steps = load(path, info, dtype)
+  ngrams = {name: NgramDraft.load(os.path.join(path, f"{name}.npz")) for name in NGRAM_NAMES
+            if os.path.exists(os.path.join(path, f"{name}.npz"))}
   tokenizer = data.Tokenizer.load(os.path.join(path, "tokenizer.model"))
-  return DemoPair(tokenizer, models["target"], {n: models[n] for n in ("small", "tiny")},
-                  ngrams, heldout, info)
+  return DemoPair(family, tokenizer, target, drafts, ngrams, heldout, input_len,
+                  max_decode_steps, info)

@@ -1,4 +1,27 @@
 import os
 
+import pytest
+
 # Tests run on CPU in float32; keep XLA from grabbing every core for one test.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture
+def record_placements(monkeypatch):
+  """`record(family) -> placed`: from then on, `family.load` records in `placed` each
+  tensor's (param path, sharding) as its `place` callback puts it on the devices (the
+  sharded loaders pass one), so a test sees where every tensor went as it was read."""
+  def record(family):
+    placed = []
+    load = family.load
+
+    def recording_load(path, *, place=None, **kwargs):
+      def recording_place(key, array):
+        out = place(key, array)
+        placed.append((tuple(key), out.sharding))
+        return out
+      return load(path, place=recording_place, **kwargs)
+
+    monkeypatch.setattr(family, "load", recording_load)
+    return placed
+  return record

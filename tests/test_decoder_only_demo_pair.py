@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from specdec_jax import data
-from specdec_jax.decoder_only_demo_pair import DEFAULT_DIR, load_decoder_only_demo_pair
-from specdec_jax.decoder_only_generation import decoder_only_generate
+from specdec_jax.demo_pair import DIRS, load_demo_pair
+from specdec_jax.drafts import ModelDraft
+from specdec_jax.generation import generate
 
+DEFAULT_DIR = DIRS["decoder_only"]
 SHIPPED = os.path.exists(os.path.join(DEFAULT_DIR, "info.json"))
 needs_pair = pytest.mark.skipif(
     not SHIPPED, reason="demo_pair_decoder_only/ not trained yet "
@@ -22,37 +24,42 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def pair():
-  return load_decoder_only_demo_pair()
+  return load_demo_pair("decoder_only")
 
 
 @pytest.fixture(scope="module")
 def greedy_runs(pair):
   """Target-only and speculative greedy outputs on the first NUM_PROMPTS held-out prompts."""
-  prompts, lengths = pair.prompts[:NUM_PROMPTS], pair.prompt_lengths[:NUM_PROMPTS]
-  runs = {None: decoder_only_generate(pair.target, prompts, lengths,
-                                      max_decode_steps=NEW_TOKENS)}
-  for name, draft in (("draft", pair.draft), ("unigram", pair.ngrams["unigram"])):
-    runs[name] = decoder_only_generate(pair.target, prompts, lengths, max_decode_steps=NEW_TOKENS,
-                                       draft=draft, gamma=4)
+  prompts, lengths = pair.inputs(NUM_PROMPTS)
+  runs = {None: generate(pair.target, prompts, lengths, max_decode_steps=NEW_TOKENS)}
+  for name, draft in (("draft", ModelDraft(pair.drafts["draft"])),
+                      ("unigram", pair.ngrams["unigram"])):
+    runs[name] = generate(pair.target, prompts, lengths, max_decode_steps=NEW_TOKENS,
+                          draft=draft, gamma=4)
   return runs
 
 
 @needs_pair
 def test_pair_loads(pair):
-  target, draft = pair.target.config, pair.draft.config
+  assert pair.family == "decoder_only" and list(pair.drafts) == ["draft"]
+  target, draft = pair.target.config, pair.drafts["draft"].config
   assert (target.family, draft.family) == ("gpt2", "gpt2")
   assert target.vocab_size == draft.vocab_size == pair.tokenizer.vocab_size == 2048
   assert target.tie_word_embeddings and target.eos_id == data.EOS_ID
   assert draft.num_params * 5 < target.num_params
   leaves = jax.tree_util.tree_leaves(pair.target.params)
   assert all(x.dtype == np.float32 for x in leaves)
-  n, width = pair.prompts.shape
-  assert pair.prompt_lengths.shape == (n,) and pair.references.shape == (n, pair.new_tokens)
-  assert 1 <= pair.prompt_lengths.min() < pair.prompt_lengths.max() <= width
-  assert width + pair.new_tokens - 1 <= target.max_positions
+  prompts, lengths = pair.inputs()
+  n, width = prompts.shape
+  assert pair.max_decode_steps == pair.info["settings"]["new_tokens"]
+  assert lengths.shape == (n,) and pair.references().shape == (n, pair.max_decode_steps)
+  assert 1 <= lengths.min() < lengths.max() <= width
+  assert width + pair.max_decode_steps - 1 <= target.max_positions
   # Every prompt comes from a file the models never trained on.
   percent = pair.info["settings"]["heldout_percent"]
-  assert all(data.is_heldout(str(p), percent) for p in pair.prompt_paths)
+  assert all(data.is_heldout(row["path"], percent) for row in pair.heldout)
+  with pytest.raises(ValueError, match="lengths"):
+    pair.heldout_inputs(2)  # prompts without their lengths would decode the padding
   assert set(pair.info["stats"]["alpha"]["alpha"]) >= {"draft", "bigram", "unigram"}
 
 
@@ -65,7 +72,7 @@ def test_shipped_pair_fits_the_budget():
 
 def test_missing_pair_names_the_training_command(tmp_path):
   with pytest.raises(FileNotFoundError, match="train_decoder_only_pair"):
-    load_decoder_only_demo_pair(str(tmp_path))
+    load_demo_pair(str(tmp_path))
 
 
 @needs_pair

@@ -51,6 +51,21 @@ def test_missing_pair_is_a_clear_error(tmp_path):
 
 
 @needs_pair
+def test_pair_exposes_the_uniform_fields(pair):
+  assert pair.family == "t5" and sorted(pair.drafts) == ["small", "tiny"]
+  tokens, lengths = pair.inputs(3)
+  assert tokens.shape == (3, pair.input_len) and tokens.dtype == np.int32 and lengths is None
+  np.testing.assert_array_equal(pair.heldout_inputs(3), tokens)
+  assert pair.references(3).shape == (3, pair.max_decode_steps)
+  bf16 = load_demo_pair("t5", dtype="bfloat16")
+  assert bf16.target.config.dtype == "bfloat16"
+  import jax
+  for a, b in zip(jax.tree_util.tree_leaves(pair.target.params),
+                  jax.tree_util.tree_leaves(bf16.target.params)):
+    np.testing.assert_array_equal(np.asarray(b, np.float32), a)  # shipped bf16: lossless
+
+
+@needs_pair
 def test_shipped_size_budget():
   total = sum(os.path.getsize(os.path.join(DEFAULT_DIR, f)) for f in os.listdir(DEFAULT_DIR))
   assert total <= 25e6, f"demo_pair/ is {total / 1e6:.1f} MB"

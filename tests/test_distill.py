@@ -31,7 +31,7 @@ def trained_target():
   opt = train.make_optimizer("adafactor", 5e-2, schedule="constant", warmup_steps=5)
   state = train.create_train_state(init_params(TARGET, 0), opt)
   state, _ = train.fit(state, lambda s: task.take(data.batch_indices(256, 32, s, 0)),
-                       loss_fn=train.seq2seq_loss_fn(TARGET), optimizer=opt,
+                       loss_fn=train.loss_fn(TARGET), optimizer=opt,
                        cfg=train.TrainConfig(num_steps=60, progress_bar=False))
   return Model(TARGET, state.params)
 
@@ -86,6 +86,13 @@ def test_bad_input(trained_target):
   bad = data.Seq2SeqData(np.full((4, 3), VOCAB + 5, np.int32), np.ones((4, 2), np.int32))
   with pytest.raises(ValueError, match="outside the vocabulary"):
     distill.distill_drafts(trained_target, {"d": draft}, bad, steps=1)
+  from specdec_jax.loading import load_model
+  with pytest.raises(ValueError, match="the target's family"):
+    distill.distill_drafts(trained_target, {"d": load_model("llama_tiny_draft")}, _task(64, 1),
+                           steps=1)
+  with pytest.raises(ValueError, match="reference outputs"):
+    distill.distill_drafts(trained_target, {"d": draft}, _task(64, 1).inputs, steps=1,
+                           source="data")
 
 
 def test_ngram_from_target_samples_counts_the_targets_outputs():
@@ -101,3 +108,28 @@ def test_ngram_from_target_samples_counts_the_targets_outputs():
   expected = NgramDraft.fit(samples, 32, order=2, eos_id=target.config.eos_id,
                             pad_id=target.config.pad_id)
   np.testing.assert_array_equal(draft.dense_bigram_counts(), expected.dense_bigram_counts())
+
+
+def test_generate_targets_continue_decoder_only_prompts():
+  """Decoder-only targets are prompt + continuation rows learning only the continuation,
+  and the teacher's distributions line up with them."""
+  from specdec_jax.generation import generate
+  from specdec_jax.loading import load_model
+  model = load_model("llama_tiny_draft", seed=0)
+  lengths = np.array([3, 5, 1], np.int32)
+  prompts = np.random.default_rng(4).integers(3, 97, (3, 5)).astype(np.int32)
+  batch = distill.generate_targets(model, data.Prompts(prompts, lengths), max_decode_steps=4,
+                                   batch_size=4)
+  # The same program (4 rows: the last chunk is padded with copies of its first row).
+  out = generate(model, np.concatenate([prompts, prompts[:1]]),
+                 np.concatenate([lengths, lengths[:1]]), max_decode_steps=4)
+  assert batch["tokens"].shape == (3, 9)
+  for i, length in enumerate(lengths):
+    n = int(out.lengths[i])
+    np.testing.assert_array_equal(batch["tokens"][i, :length], prompts[i, :length])
+    np.testing.assert_array_equal(batch["tokens"][i, length:length + n],
+                                  np.asarray(out.sequences)[i, :n])
+    assert batch["weights"][i].tolist() == [0] * length + [1] * n + [0] * (9 - length - n)
+  probs = distill.teacher_probs(model, batch, temperature=1.0)
+  assert probs.shape == (3, 8, model.config.vocab_size)
+  np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, rtol=1e-5)

@@ -1,4 +1,9 @@
-"""Sharding: logical axes, rules, meshes, the memory planner, sharded generate.
+"""Sharding T5 through the generic partitioner: logical axes, rules, meshes, the
+memory planner, sharded generate, sharded checkpoint loading.
+
+tests/test_decoder_only_sharding.py proves the same for decoder-only models
+through the same functions (`Partitioner.param_shardings(params, family)`,
+`plan_memory`, `init_sharded_cache`, `load_sharded_model`, ...).
 
 The device count is fixed when JAX starts, so the tests named `multidevice`
 run in a subprocess with 8 CPU devices
@@ -16,9 +21,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from specdec_jax import generate, sharding
+from specdec_jax import generate, loading, sharding
+from specdec_jax.families.registry import family_of
 from specdec_jax.families.t5 import network as t5
+from specdec_jax.families.t5 import sharding as t5_sharding
 from specdec_jax.families.t5.config import get_config
+from specdec_jax.families.t5.family import FAMILY as T5
 from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +46,9 @@ MESHES = ["1,8", "2,4", "8,1"]
 # One device: axis names, rules, meshes, the planner.
 
 def test_param_logical_axes_cover_the_t5x_tree():
-  params = sharding.abstract_params(get_config("t5_1_1_small"))
-  axes = sharding.params_logical_axes(params)
+  assert family_of(get_config("t5_1_1_small")) is T5
+  params = T5.abstract_params(get_config("t5_1_1_small"))
+  axes = sharding.params_logical_axes(params, T5)
   assert axes["token_embedder"]["embedding"] == ("vocab", "embed")
   assert axes["decoder"]["logits_dense"]["kernel"] == ("embed", "vocab")
   layer = axes["decoder"]["layers_0"]
@@ -50,10 +59,12 @@ def test_param_logical_axes_cover_the_t5x_tree():
   assert layer["pre_mlp_layer_norm"]["scale"] == ("embed",)
   assert axes["encoder"]["relpos_bias"]["rel_embedding"] == ("heads", "relpos_buckets")
   # Original T5: single `wi`, tied logits.
-  t5 = sharding.params_logical_axes(sharding.abstract_params(get_config("t5_small")))
-  assert t5["encoder"]["layers_0"]["mlp"]["wi"]["kernel"] == ("embed", "mlp")
+  original = sharding.params_logical_axes(T5.abstract_params(get_config("t5_small")), T5)
+  assert original["encoder"]["layers_0"]["mlp"]["wi"]["kernel"] == ("embed", "mlp")
   with pytest.raises(ValueError, match="no logical axes known for parameter 'foo/bar'"):
-    sharding.params_logical_axes({"foo": {"bar": np.zeros(3)}})
+    sharding.params_logical_axes({"foo": {"bar": np.zeros(3)}}, T5)
+  with pytest.raises(ValueError, match="expected a T5 cache"):
+    T5.cache_logical_axes({"layers": []})
 
 
 def test_rules_to_partition_specs():
@@ -61,7 +72,7 @@ def test_rules_to_partition_specs():
   rules = sharding.DEFAULT_RULES
   assert sharding.logical_to_spec(("embed", "joined_kv"), (32, 64), rules, mesh) == P(None, "model")
   # The T5 cache is head-major: [batch, heads, length, kv].
-  assert sharding.logical_to_spec(sharding.CACHE_KV_AXES, (8, 8, 12, 8), rules, mesh) == \
+  assert sharding.logical_to_spec(t5_sharding.CACHE_KV_AXES, (8, 8, 12, 8), rules, mesh) == \
       P("data", "model")
   # A mesh axis is used once per array: the second 'heads' falls through to
   # the next rule naming it (none here), so it is replicated.
@@ -107,7 +118,7 @@ def test_gin_configures_the_partitioners():
 
 def test_planner_for_xxl_shards_every_big_weight():
   xxl = get_config("t5_1_1_xxl")
-  plan = sharding.plan_memory(xxl, batch=1, encoder_len=512, max_decode_len=128,
+  plan = sharding.plan_memory(xxl, batch=1, context_len=512, max_decode_len=128,
                               mesh_shape="1,4", dtype="bfloat16")
   assert plan.params_bytes == xxl.num_params * 2
   # Only the norm scales (bf16 [4096] each) are replicated.
@@ -125,6 +136,12 @@ def test_activation_axes_are_a_no_op_without_rules():
 
 # ---------------------------------------------------------------------------
 # Eight devices.
+
+def _at(tree, key):
+  for name in key:
+    tree = tree[name]
+  return tree
+
 
 def test_multidevice_in_subprocess():
   if MULTI:
@@ -164,8 +181,8 @@ def sharded_models(pair):
   out = {}
   for mesh_shape in MESHES:
     target_part, draft_part = sharding.make_partitioners(mesh_shape)
-    out[mesh_shape] = (target_part, draft_part, sharding.shard_model(target, target_part),
-                       sharding.shard_model(draft, draft_part))
+    out[mesh_shape] = (target_part, draft_part, loading.shard_model(target, target_part),
+                       loading.shard_model(draft, draft_part))
   return out
 
 
@@ -245,7 +262,7 @@ def test_multidevice_planner_matches_allocated_bytes(sharded_models, sharded_cac
   target_part, draft_part, target, draft = sharded_models[mesh_shape]
   for model, part, cache in zip((target, draft), (target_part, draft_part),
                                 sharded_caches[mesh_shape]):
-    plan = sharding.plan_memory(model.config, batch=BATCH, encoder_len=ENC_LEN,
+    plan = sharding.plan_memory(model.config, batch=BATCH, context_len=ENC_LEN,
                                 max_decode_len=STEPS, mesh_shape=part.mesh_shape,
                                 rules=part.rules)
     for device in target_part.mesh.devices.flat:
@@ -261,14 +278,13 @@ def test_multidevice_indivisible_replicate_mode_matches_planner(pair):
   # 6 heads: joined_kv (48) divides model=4, rel_embedding's 6 heads do not.
   config = target.config.replace(num_heads=6)
   part, _ = sharding.make_partitioners("2,4", on_indivisible="replicate")
-  host = jax.tree_util.tree_map(lambda s: np.ones(s.shape, s.dtype),
-                                sharding.abstract_params(config))
+  host = jax.tree_util.tree_map(lambda s: np.ones(s.shape, s.dtype), T5.abstract_params(config))
   with pytest.warns(UserWarning, match="rel_embedding"):
-    params = part.shard_params(host)
+    params = part.shard_params(host, T5)
   rel = params["decoder"]["relpos_bias"]["rel_embedding"]
   assert {s.data.shape for s in rel.addressable_shards} == {(6, 32)}
   with pytest.warns(UserWarning, match="rel_embedding"):
-    plan = sharding.plan_memory(config, batch=BATCH, encoder_len=ENC_LEN, max_decode_len=STEPS,
+    plan = sharding.plan_memory(config, batch=BATCH, context_len=ENC_LEN, max_decode_len=STEPS,
                                 mesh_shape="2,4", on_indivisible="replicate")
   assert sharding.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
 
@@ -281,13 +297,13 @@ def test_multidevice_bad_input_errors(pair):
   with pytest.raises(ValueError, match="does not divide the 8 devices"):
     sharding.make_partitioners("3,-1")
   part, _ = sharding.make_partitioners("1,8")
-  shapes = sharding.abstract_params(target.config.replace(vocab_size=60))
+  shapes = T5.abstract_params(target.config.replace(vocab_size=60))
   odd = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
   with pytest.raises(ValueError, match=r"params/.*: dimension \d \('vocab', size 60\) is not "
                      r"divisible by mesh axis model=8"):
-    part.shard_params(odd)
+    part.shard_params(odd, T5)
   part_2d, _ = sharding.make_partitioners("4,2")
-  with pytest.raises(ValueError, match=r"encoder_tokens: dimension 0 \('batch', size 6\) is not "
+  with pytest.raises(ValueError, match=r"inputs: dimension 0 \('batch', size 6\) is not "
                      r"divisible by mesh axis data=4"):
     generate(target, tokens[:6], max_decode_steps=STEPS, draft=draft, partitioner=part_2d)
   other_mesh, _ = sharding.make_partitioners("8,1")
@@ -312,19 +328,34 @@ def test_multidevice_activation_axes_constrain_under_jit():
 
 
 @multidevice
-def test_multidevice_checkpoint_loads_straight_into_shards(pair, tmp_path):
+def test_multidevice_checkpoint_loads_straight_into_shards(pair, tmp_path, record_placements):
   """A Hugging Face checkpoint lands sliced per device, with the same values."""
-  from specdec_jax.families.t5 import checkpoints
   target, _, _ = pair
-  checkpoints.export_hf(target, str(tmp_path / "hf"))
+  loading.export_hf(target, str(tmp_path / "hf"))
   target_part, _ = sharding.make_partitioners("2,4")
 
-  loaded = sharding.load_sharded_model(str(tmp_path / "hf"), target_part, dtype="float32")
+  placed = record_placements(T5)
+  loaded = loading.load_sharded_model(str(tmp_path / "hf"), target_part, dtype="float32")
+  expected = target_part.param_shardings(target.params, T5)
+  # Every tensor landed in its final sharding as it was read, not re-placed afterwards.
+  assert len(placed) == len(jax.tree_util.tree_leaves(target.params))
+  for key, sharding_ in placed:
+    assert sharding_ == _at(expected, key), key
   kernel = loaded.params["decoder"]["logits_dense"]["kernel"]
-  assert kernel.sharding.spec == target_part.param_specs(loaded.params)["decoder"][
-      "logits_dense"]["kernel"]
+  assert kernel.sharding.spec == P(None, "model")
   assert {s.data.shape for s in kernel.addressable_shards} == {
       (kernel.shape[0], kernel.shape[1] // 4)}
-  for got, want in zip(jax.tree_util.tree_leaves(loaded.params),
-                       jax.tree_util.tree_leaves(target.params)):
+  for got, want, sharding_ in zip(jax.tree_util.tree_leaves(loaded.params),
+                                  jax.tree_util.tree_leaves(target.params),
+                                  jax.tree_util.tree_leaves(expected)):
+    assert got.sharding == sharding_
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+  # Random weights are initialised straight into their shardings.
+  fresh = loading.load_sharded_model(target.config, target_part, seed=5)
+  want = loading.load_model(target.config, seed=5)
+  for got, ref, sharding_ in zip(jax.tree_util.tree_leaves(fresh.params),
+                                 jax.tree_util.tree_leaves(want.params),
+                                 jax.tree_util.tree_leaves(expected)):
+    assert got.sharding == sharding_
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))

@@ -37,14 +37,15 @@ def _setup(total_steps=40, lr=3e-2, name="adafactor"):
 
 
 def test_shift_right():
+  from specdec_jax.families.t5.family import shift_right
   targets = jnp.array([[5, 6, 1, 0]])
-  np.testing.assert_array_equal(train.shift_right(targets), [[0, 5, 6, 1]])
+  np.testing.assert_array_equal(shift_right(targets), [[0, 5, 6, 1]])
 
 
 @pytest.mark.parametrize("name", ["adafactor", "adamw"])
 def test_training_lowers_loss(name):
   task, optimizer, state, batch_at = _setup(lr=3e-2 if name == "adafactor" else 1e-2, name=name)
-  loss_fn = train.seq2seq_loss_fn(CONFIG)
+  loss_fn = train.loss_fn(CONFIG)
   eval_fn = jax.jit(functools.partial(train.eval_step, loss_fn=loss_fn))
   before = train.evaluate(state.params, [task.take(np.arange(128))], eval_fn)
   state, _ = train.fit(state, batch_at, loss_fn=loss_fn, optimizer=optimizer,
@@ -58,7 +59,7 @@ def test_training_lowers_loss(name):
 def test_padding_is_masked():
   """Appending padding to the targets changes neither loss nor token count."""
   task = copy_task(n=4)
-  loss_fn = train.seq2seq_loss_fn(CONFIG)
+  loss_fn = train.loss_fn(CONFIG)
   params = init_params(CONFIG, 0)
   batch = task.take(np.arange(4))
   padded = dict(batch, targets=np.pad(batch["targets"], ((0, 0), (0, 5))))
@@ -70,7 +71,7 @@ def test_padding_is_masked():
 
 def test_gradient_accumulation_matches_one_batch():
   _, optimizer, state, batch_at = _setup()
-  loss_fn = train.seq2seq_loss_fn(CONFIG)
+  loss_fn = train.loss_fn(CONFIG)
   batch = batch_at(0)
   # Jitted as train.fit runs it (op-by-op dispatch of the two steps took ~15 s).
   step = jax.jit(train.train_step, static_argnames=("loss_fn", "optimizer", "num_microbatches"))
@@ -85,7 +86,7 @@ def test_gradient_accumulation_matches_one_batch():
 
 def test_resume_is_bit_for_bit(tmp_path):
   _, optimizer, state, batch_at = _setup(total_steps=8)
-  loss_fn = train.seq2seq_loss_fn(CONFIG)
+  loss_fn = train.loss_fn(CONFIG)
   cfg = train.TrainConfig(num_steps=8, checkpoint_every=3, progress_bar=False, log_every=2)
   straight, _ = train.fit(state, batch_at, loss_fn=loss_fn, optimizer=optimizer, cfg=cfg,
                           workdir=str(tmp_path / "straight"))
@@ -117,8 +118,8 @@ def test_joint_training_matches_separate():
   # Jitted (as train_step runs it): op-by-op dispatch of the backward passes
   # took ~20 s; the comparison is the same.
   loss_and_grads = jax.jit(train.loss_and_grads, static_argnums=2)
-  loss, aux, grads = loss_and_grads(params, batch, train.joint_seq2seq_loss_fn(configs))
-  _, _, grads_b = loss_and_grads(params["b"], batch, train.seq2seq_loss_fn(other))
+  loss, aux, grads = loss_and_grads(params, batch, train.joint_loss_fn(configs))
+  _, _, grads_b = loss_and_grads(params["b"], batch, train.loss_fn(other))
   jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
                          grads["b"], grads_b)
   np.testing.assert_allclose(loss, aux["a/loss"] + aux["b/loss"], rtol=1e-6)

@@ -23,6 +23,7 @@ Vocabulary (shapes in every docstring):
 """
 
 import abc
+import dataclasses
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import flax.struct
@@ -81,6 +82,51 @@ def check_tokens(tokens, name: str = "encoder_tokens") -> Array:
   if shape[0] < 1 or shape[1] < 1:
     raise ValueError(f"{name} must be non-empty, got shape {tuple(shape)}")
   return jnp.asarray(tokens, jnp.int32)
+
+
+def replace_config(config, overrides: Mapping[str, Any]):
+  """`dataclasses.replace` that names unknown fields instead of a TypeError."""
+  known = {f.name for f in dataclasses.fields(config)}
+  unknown = sorted(set(overrides) - known)
+  if unknown:
+    raise ValueError(f"Unknown {type(config).__name__} field(s) {unknown}; known: "
+                     f"{sorted(known)}")
+  return dataclasses.replace(config, **overrides)
+
+
+def checked_axes(path: Sequence[str], axes: Optional[LogicalAxes], ndim: int,
+                 tree: str) -> LogicalAxes:
+  """A parameter's logical axes, or a ValueError naming the parameter (unknown to
+  the family's `tree`, or of the wrong rank)."""
+  name = "/".join(path)
+  if axes is None:
+    raise ValueError(f"no logical axes known for parameter {name!r}: expected {tree}")
+  if len(axes) != ndim:
+    raise ValueError(f"parameter {name!r} has rank {ndim}, expected {len(axes)} for logical "
+                     f"axes {axes}")
+  return axes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FamilyModel:
+  """A family's network config and its parameters (a family's `model_type` subclasses it).
+
+  Attributes:
+    config: the family's config.
+    params: the parameter tree, arrays in `config.dtype`.
+  """
+  config: Any
+  params: Any
+
+  network = None  # The family's flax module class, built from the config.
+
+  @property
+  def module(self):
+    return self.network(self.config)
+
+  @property
+  def variables(self):
+    return {"params": self.params}
 
 
 def path_names(path) -> Tuple[str, ...]:
@@ -180,6 +226,15 @@ class Family(abc.ABC):
     (logits [batch, L, vocab] float32, targets [batch, L] int32, weights
     [batch, L] float32, 1 = a token to learn). Traced."""
 
+  @abc.abstractmethod
+  def continuation_batch(self, config, tokens, lengths, sequences, sequence_lengths
+                         ) -> Mapping[str, np.ndarray]:
+    """The training batch (what `token_logits` reads) that teaches a model to
+    answer its inputs with what a decode generated, learning only the new tokens.
+    tokens [batch, C] int32 and lengths [batch] int32 as `check_inputs` returns
+    them; sequences [batch, N] int32 (0 after EOS) and sequence_lengths [batch]
+    int32 from `generate`. Host numpy arrays in and out (distillation data)."""
+
   # -- Sharding --------------------------------------------------------------
 
   @abc.abstractmethod
@@ -207,3 +262,8 @@ class Family(abc.ABC):
   def load(self, path: str, *, dtype: Optional[str] = None, place=None, **options):
     """A model from a checkpoint. `place(path_tuple, array) -> array` puts each
     tensor where it belongs (sharded loading) as it is read."""
+
+  def export_hf(self, model, directory) -> None:
+    """Writes `model` as a Hugging Face directory (config.json + model.safetensors)
+    that transformers and `load` read back. A family without one says so."""
+    raise NotImplementedError(f"the {self.name} family has no Hugging Face export")

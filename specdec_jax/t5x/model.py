@@ -41,8 +41,10 @@ from flax import traverse_util
 from specdec_jax.core import decoding
 from specdec_jax.core import sampling
 from specdec_jax.drafts import Draft, ModelDraft
-from specdec_jax.families.t5.model import Model
+from specdec_jax.families.base import Context
 from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
+from specdec_jax.families.t5.family import FAMILY as T5_FAMILY
+from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.network import T5
 
 
@@ -160,15 +162,27 @@ def params_axes(params: PyTree) -> Dict[str, Any]:
 
   T5X's partitioner reads every param's logical axis names from this
   collection (Flax's `param_with_axes` writes it in T5X's own network); the
-  names are `specdec_jax.sharding`'s, which are T5X's.
+  names are the T5 family's (`families/t5/sharding.py`), which are T5X's.
   """
   from flax.linen import partitioning as flax_partitioning
-  from specdec_jax import sharding
   flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
   return traverse_util.unflatten_dict({
       path[:-1] + (path[-1] + "_axes",): flax_partitioning.AxisMetadata(
-          names=sharding.param_logical_axes(path, np.ndim(value)))
+          names=T5_FAMILY.param_logical_axes(path, np.ndim(value)))
       for path, value in flat.items()})
+
+
+def encoder_context(encoder_tokens: Array, pad_id: int) -> Context:
+  """The drafts' view of T5X's encoder inputs [batch, enc_len], traceable.
+
+  T5X hands `predict_batch` `pad_id`-padded rows without lengths (under its
+  pjit, so no host check): a row's context ends after its last non-padding
+  token, as `T5Family.check_inputs` computes on the host.
+  """
+  real = encoder_tokens != pad_id
+  width = encoder_tokens.shape[1]
+  lengths = jnp.where(real.any(axis=1), width - jnp.argmax(real[:, ::-1], axis=1), 0)
+  return T5_FAMILY.context(encoder_tokens, lengths.astype(jnp.int32))
 
 
 def _as_config(config: Union[str, T5Config]) -> T5Config:
@@ -370,9 +384,12 @@ class SpeculativeEncoderDecoderModel(_BASE):
               decoder_inputs: Array, rng: Array, num_decodes: int, max_decode_steps):
     """Traced body: encode + cache, then the decode loop. See predict_batch_with_aux."""
     batch, length = decoder_inputs.shape
-    cache = self.module.apply({"params": target_params}, encoder_tokens, length,
-                              method=T5.init_cache)
-    target_fn = Model(self.target_config, target_params).block_fn(target_params)
+    context = encoder_context(encoder_tokens, self.target_config.pad_id)
+    # The family's start: the encoder output's cross-attention keys/values and
+    # room for `length` decoder positions. T5 loop positions are absolute (offset 0).
+    cache = T5_FAMILY.start(self.target_config, target_params, context.tokens, context.lengths,
+                            length).cache
+    target_fn = T5_FAMILY.block_fn(self.target_config, target_params)
     common = dict(eos_id=self.target_config.eos_id, decode_rng=rng,
                   temperature=self.temperature, topk=self.topk, topp=self.topp,
                   max_decode_steps=max_decode_steps)
@@ -381,7 +398,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
           decoder_inputs, cache, decoding.block_to_state_fn(target_fn, self.block_width),
           num_decodes=num_decodes, **common)
       return decodes, {"scores": log_prob}
-    draft_state = self.draft.init_state(draft_params, encoder_tokens, length)
+    draft_state = self.draft.init_state(draft_params, context, length)
     propose = self.draft.propose_fn(draft_params, self.gamma, self.temperature, self.topk,
                                     self.topp)
     decodes, stats = self._decode_fn(decoder_inputs, cache, target_fn, draft_state, None,

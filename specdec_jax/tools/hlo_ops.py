@@ -21,7 +21,7 @@ from typing import Callable, Dict, Optional
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.families.t5.config import T5Config
+from specdec_jax.families.registry import family_of
 
 # Instructions that move no data and launch nothing.
 FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
@@ -78,9 +78,9 @@ def count_ops(hlo_text: str) -> collections.Counter:
   return ops
 
 
-def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
-                        batch: int = 1, max_len: int = 64, enc_len: int = 16) -> str:
-  """Optimised HLO of `decode_block` scoring k tokens, as the decode loops run it.
+def compiled_block_text(config, k: int, block_fn_for: Callable,
+                        batch: int = 1, max_len: int = 64, context_len: int = 16) -> str:
+  """Optimised HLO of the block call scoring k tokens, as the decode loops run it.
 
   The block call sits in a while loop that carries the cache, the tokens
   (the argmax of the last logits) and the positions (advancing by one), as in
@@ -88,19 +88,22 @@ def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
   cache is then updated in place, and the loop body is the per-step work.
 
   Args:
-    config: the T5Config (shapes only: nothing is allocated).
+    config: a config of any registered family (shapes only: nothing is
+      allocated).
     k: tokens per row in the block.
-    block_fn_for: params -> block callback `(tokens [batch, k], positions
-      [batch], cache) -> (logits [batch, k, vocab], cache)`, e.g.
-      `lambda p: Model(config, p).block_fn(p)`.
-    batch / max_len / enc_len: shapes of the traced call.
+    block_fn_for: params -> block callback at absolute positions `(tokens
+      [batch, k], positions [batch], cache) -> (logits [batch, k, vocab],
+      cache)`, e.g. `lambda p: family.block_fn(config, p)`.
+    batch / max_len / context_len: shapes of the traced call (the context:
+      T5's encoder tokens, a decoder-only prompt; its cache is built by
+      `family.start` as `generate` builds it).
   """
-  from specdec_jax.families.t5.model import init_params
-  from specdec_jax.families.t5.network import T5
-  params = jax.eval_shape(lambda: init_params(config, 0))
-  encoder_tokens = jnp.ones((batch, enc_len), jnp.int32)
-  cache = jax.eval_shape(lambda p: T5(config).apply({"params": p}, encoder_tokens, max_len,
-                                                    method=T5.init_cache), params)
+  family = family_of(config)
+  params = jax.eval_shape(lambda: family.init_params(config, 0))
+  tokens = jnp.ones((batch, context_len), jnp.int32)
+  lengths = jnp.full((batch,), context_len, jnp.int32)
+  cache = jax.eval_shape(lambda p: family.start(config, p, tokens, lengths, max_len).cache,
+                         params)
 
   def run(params, tokens, positions, cache, calls):
     block_fn = block_fn_for(params)
@@ -124,26 +127,43 @@ def compiled_block_text(config: T5Config, k: int, block_fn_for: Callable,
   return jax.jit(run, donate_argnums=(3,)).lower(*args).compile().as_text()
 
 
-def ops_per_layer(config: T5Config, k: int, block_fn_for: Optional[Callable] = None,
-                  layers: int = 2, **shapes) -> Dict[str, int]:
+# The config field that holds the decoder's depth, per layout. The family
+# contract has no accessor for it, so the first of these that a config has is
+# the one varied (T5: num_decoder_layers; decoder-only: num_layers).
+DEPTH_FIELDS = ("num_decoder_layers", "num_layers")
+
+
+def depth_field(config) -> str:
+  """The name of `config`'s decoder-depth field (see DEPTH_FIELDS)."""
+  for name in DEPTH_FIELDS:
+    if hasattr(config, name):
+      return name
+  raise ValueError(f"{type(config).__name__} has none of the decoder-depth fields "
+                   f"{DEPTH_FIELDS}; pass depth=")
+
+
+def ops_per_layer(config, k: int, block_fn_for: Optional[Callable] = None,
+                  layers: int = 2, depth: Optional[str] = None, **shapes) -> Dict[str, int]:
   """Operations one more decoder layer adds to the compiled decode step.
 
   Args:
-    config: any T5Config; its decoder depth is replaced by `layers` and
-      `layers + 1`.
+    config: a config of any registered family; its decoder depth is replaced
+      by `layers` and `layers + 1`.
     k: tokens per row in the block.
     block_fn_for: config -> (params -> block callback); default: the
-      `Model.block_fn` decode_loops use.
-    shapes: batch / max_len / enc_len, see `compiled_block_text`.
+      family's `block_fn`, what the decode loops run
+      (`profiling.family_block_fn`).
+    depth: the config field of the decoder depth (default `depth_field(config)`).
+    shapes: batch / max_len / context_len, see `compiled_block_text`.
   Returns:
     {opcode: count difference} for opcodes whose count changed, plus 'total'.
   """
-  if block_fn_for is None:
-    from specdec_jax.families.t5.model import Model
-    block_fn_for = lambda cfg: (lambda p: Model(cfg, p).block_fn(p))
+  from specdec_jax.tools.profiling import family_block_fn
+  block_fn_for = family_block_fn if block_fn_for is None else block_fn_for
+  depth = depth_field(config) if depth is None else depth
   counts = []
-  for depth in (layers, layers + 1):
-    cfg = config.replace(num_decoder_layers=depth)
+  for n in (layers, layers + 1):
+    cfg = config.replace(**{depth: n})
     counts.append(count_ops(compiled_block_text(cfg, k, block_fn_for(cfg), **shapes)))
   before, after = counts
   diff = {op: after[op] - before[op] for op in sorted(set(before) | set(after))

@@ -4,97 +4,163 @@ c (draft step / target step) and the cost curve C(k) (target scoring k tokens
 in one call / one token) decide what speculative decoding can gain on a given
 machine (Theorem 3.8 assumes C(k) = 1). Every script that reports them uses
 these functions, so the numbers mean the same thing everywhere.
+
+Models of every registered family are timed through the family contract
+(`families/base.py`): `family.start` builds the cache as `generate` does and
+`family.block_fn` is the step the decode loops run. A `block_fn_for` hook
+(config -> (params -> block callback at absolute positions)) times another
+formulation of a family's step, e.g. T5's `attention=` variants:
+`lambda cfg: lambda p: t5_decode.block_fn(p, cfg, "dots")`.
 """
 
 import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.t5.model import Model
-from specdec_jax.families.t5 import decode as t5_decode
+from specdec_jax.families.base import BlockFn, shift_block_fn
+from specdec_jax.families.registry import family_of
+
+BlockFnFor = Callable[[Any], Callable[[Any], BlockFn]]
+
+
+def family_block_fn(config) -> Callable[[Any], BlockFn]:
+  """The default `block_fn_for`: params -> the family's block callback (what `generate` runs)."""
+  family = family_of(config)
+  return lambda params: family.block_fn(config, params)
 
 
 @functools.lru_cache(maxsize=None)
-def _repeated_block_calls(config, k: int, calls: int, attention: Optional[str] = None):
-  """jit: `calls` decode_block calls of k tokens in a fori_loop carrying the cache.
+def _start_fn(config, max_decode_steps: int):
+  """jit: (params, tokens, lengths) -> the family's `DecodeStart` (cache, first inputs, offset)."""
+  family = family_of(config)
+  return jax.jit(lambda params, tokens, lengths: family.start(config, params, tokens, lengths,
+                                                              max_decode_steps))
+
+
+@functools.lru_cache(maxsize=None)
+def _timing_programs(config, block_fn_for: BlockFnFor, ks: Tuple[int, ...], calls: int,
+                     batch: int, context_width: int, max_len: int):
+  """(prepare, {k: loop}): jitted programs timing `calls` block calls of k tokens.
+
+  A family's block callback may do params-only work when it is built (T5's
+  fused kernels are folded and stacked from the T5X tree) that a decode loop
+  does once per decode. `prepare(params, cache) -> prepared` runs that work
+  once, outside the timed loop, by `jax.closure_convert`: the arrays the
+  callback closes over become `prepared` (deduplicated over the ks, so the
+  folded weights are held once), and `loop[k](prepared, cache, positions
+  [batch], offset [batch]) -> [batch]` replays the callback on them.
 
   The loop carries the cache as the decoders do, so keys/values are written in
   place, and sums one logit per call so no call is dead code. Tokens and
   positions change every call, as in a decode loop: with fixed ones XLA would
   hoist the token-only work (embedding, position bias) out of the loop and a
-  small draft's step would read too cheap. The fused kernels are prepared
-  once, outside the timed loop (`prepare`), as a decode loop prepares them
-  once per decode.
+  small draft's step would read too cheap.
   """
+  del context_width, max_len  # Part of the cache's shape: one program set per shape.
+  converted = {}  # k -> (the callback as a function of its hoisted arrays, their slots)
 
-  def run(prepared, cache, positions):
-    block_fn = lambda tokens, positions, cache: t5_decode.decode_block(
-        prepared, config, tokens, positions, cache, attention)
+  def prepare(params, cache):
+    block_fn = block_fn_for(config)(params)
+    hoisted, slot_of = [], {}
+    for k in ks:
+      fn, consts = jax.closure_convert(block_fn, jnp.zeros((batch, k), jnp.int32),
+                                       jnp.zeros((batch,), jnp.int32), cache)
+      slots = []
+      for const in consts:
+        if id(const) not in slot_of:
+          slot_of[id(const)] = len(hoisted)
+          hoisted.append(const)
+        slots.append(slot_of[id(const)])
+      converted[k] = (fn, tuple(slots))
+    return hoisted
 
-    def body(i, carry):
-      cache, total = carry
-      tokens = jnp.full((positions.shape[0], k), 2, jnp.int32) + i % 3
-      logits, cache = block_fn(tokens, positions + i % 2, cache)
-      return cache, total + logits[:, -1, 0]
+  def loop(k):
+    def run(prepared, cache, positions, offset):
+      fn, slots = converted[k]
+      consts = [prepared[i] for i in slots]
+      block_fn = shift_block_fn(lambda tokens, pos, cache: fn(tokens, pos, cache, *consts),
+                                offset)
 
-    _, total = jax.lax.fori_loop(0, calls, body,
-                                 (cache, jnp.zeros((positions.shape[0],), jnp.float32)))
-    return total
+      def body(i, carry):
+        cache, total = carry
+        tokens = jnp.full((batch, k), 2, jnp.int32) + i % 3
+        logits, cache = block_fn(tokens, positions + i % 2, cache)
+        return cache, total + logits[:, -1, 0]
 
-  return jax.jit(run)
+      _, total = jax.lax.fori_loop(0, calls, body, (cache, jnp.zeros((batch,), jnp.float32)))
+      return total
+
+    return jax.jit(run)
+
+  return jax.jit(prepare), {k: loop(k) for k in ks}
 
 
-def time_block_calls(models: Dict[str, Model], encoder_tokens, max_len: int, ks: Sequence[int],
-                     repeats: int, calls: int = 8,
-                     attention: Optional[str] = None) -> Dict[str, Dict[int, float]]:
-  """Median ms of one `decode_block` call of k tokens, for each model and k.
+def time_block_calls(models: Dict[str, Any], inputs, max_len: int, ks: Sequence[int],
+                     repeats: int, calls: int = 8, lengths=None,
+                     block_fn_for: Optional[BlockFnFor] = None) -> Dict[str, Dict[int, float]]:
+  """Median ms of one block call of k tokens, for each model and k.
 
   Args:
-    models: name -> Model; all timed on the same encoder_tokens [batch, len].
-    max_len: cache length; blocks are scored half way into it.
+    models: name -> model of any registered family; all timed on the same
+      inputs.
+    inputs: [batch, C] int32, what `generate` takes (T5: encoder tokens;
+      decoder-only: right-padded prompts).
+    max_len: decode steps the cache is built for; blocks are scored half way
+      into them (loop positions).
     ks: block sizes.
     repeats: timed samples per (model, k), interleaved so drift hits all alike.
     calls: calls per sample, in one compiled loop (amortises dispatch).
-    attention: `t5_decode.decode_block`'s formulation (default: the
-      backend's, what the decode loops run).
+    lengths: [batch] int32 prompt lengths where the family reads them
+      (`generate`'s `prompt_lengths`), else None.
+    block_fn_for: config -> (params -> block callback at absolute positions);
+      default `family_block_fn`, the step the decode loops run.
   Returns:
     {model name: {k: ms}}.
   """
-  batch = encoder_tokens.shape[0]
-  caches = {name: m.init_cache(batch, max_len, encoder_tokens) for name, m in models.items()}
-  # One below the middle, so the loop's alternating +1 stays inside the cache.
-  positions = {k: jnp.full((batch,), max(0, max_len // 2 - k - 1), jnp.int32) for k in ks}
-  jobs = [(name, k) for name in models for k in ks]
-  prepared = {name: jax.jit(t5_decode.prepare_decode_params, static_argnums=1)(
-      m.params, m.config) for name, m in models.items()}
-  run = {(name, k): functools.partial(_repeated_block_calls(models[name].config, k, calls,
-                                                            attention),
-                                      prepared[name], caches[name], positions[k])
-         for name, k in jobs}
-  for job in jobs:
-    jax.block_until_ready(run[job]())  # Compile.
-  samples = {job: [] for job in jobs}
+  block_fn_for = family_block_fn if block_fn_for is None else block_fn_for
+  ks = tuple(ks)
+  if max(ks) + 1 > max_len:
+    # The loop alternates positions p and p + 1.
+    raise ValueError(f"blocks of up to {max(ks)} tokens need max_len >= {max(ks) + 1}, got "
+                     f"{max_len}")
+  run = {}
+  for name, model in models.items():
+    family, config = family_of(model), model.config
+    tokens, row_lengths = family.check_inputs(config, inputs, lengths, max_len)
+    start = _start_fn(config, max_len)(model.params, tokens, row_lengths)
+    batch, width = tokens.shape
+    prepare, loops = _timing_programs(config, block_fn_for, ks, calls, batch, width, max_len)
+    prepared = prepare(model.params, start.cache)
+    for k in ks:
+      # One below the middle, so the loop's alternating +1 stays inside the cache.
+      positions = jnp.full((batch,), max(0, max_len // 2 - k - 1), jnp.int32)
+      run[(name, k)] = functools.partial(loops[k], prepared, start.cache, positions,
+                                         start.offset)
+  for job in run.values():
+    jax.block_until_ready(job())  # Compile.
+  samples = {job: [] for job in run}
   for _ in range(repeats):
-    for job in jobs:
-      start = time.perf_counter()
-      jax.block_until_ready(run[job]())
-      samples[job].append((time.perf_counter() - start) / calls * 1e3)
+    for job, fn in run.items():
+      start_time = time.perf_counter()
+      jax.block_until_ready(fn())
+      samples[job].append((time.perf_counter() - start_time) / calls * 1e3)
   out = {name: {} for name in models}
   for (name, k), ms in samples.items():
     out[name][k] = statistics.median(ms)
   return out
 
 
-def block_step_seconds(model: Model, encoder_tokens, k: int, max_decode_len: int,
-                       repeats: int) -> float:
-  """Median seconds of one `decode_block` call scoring k tokens per row."""
-  ms = time_block_calls({"model": model}, encoder_tokens, max_decode_len, [k], repeats)
+def block_step_seconds(model, inputs, k: int, max_decode_len: int, repeats: int,
+                       lengths=None) -> float:
+  """Median seconds of one block call scoring k tokens per row (see time_block_calls)."""
+  ms = time_block_calls({"model": model}, inputs, max_decode_len, [k], repeats,
+                        lengths=lengths)
   return ms["model"][k] / 1e3
 
 
@@ -126,8 +192,8 @@ class PairedTimes:
                for r, s in zip(self.reference_outputs, self.spec_outputs))
 
 
-def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs,
-                        spec_kwargs) -> PairedTimes:
+def time_generate_pairs(target, inputs, repeats: int, base_kwargs, spec_kwargs,
+                        prompt_lengths=None) -> PairedTimes:
   """Times target-only and speculative `generate` on each input row at batch 1, paired.
 
   The baseline is the *fastest exact* target-only decoding: the target at the
@@ -141,10 +207,13 @@ def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs,
   the load of a shared machine hits every side alike.
 
   Args:
-    target: the target Model; inputs: [n, len] int32 encoder tokens.
+    target: the target, a model of any registered family.
+    inputs: [n, C] int32, what `generate` takes (T5: encoder tokens;
+      decoder-only: right-padded prompts).
     base_kwargs / spec_kwargs: `generate` keyword arguments of each side
       (spec_kwargs carries `draft` and `gamma`). A `block_width` in
       base_kwargs pins the baseline to that width alone.
+    prompt_lengths: [n] int32 where the family reads them (decoder-only), else None.
   Returns:
     PairedTimes.
   """
@@ -162,7 +231,7 @@ def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs,
 
   def timed(x, kwargs):
     start = time.perf_counter()
-    out = generate(target, x, **kwargs)
+    out = generate(target, *x, **kwargs)
     jax.block_until_ready(out.sequences)
     return time.perf_counter() - start, out
 
@@ -170,7 +239,7 @@ def time_generate_pairs(target: Model, inputs, repeats: int, base_kwargs,
   last = {side: [] for side in sides}
   order = list(sides)
   for i in range(len(inputs)):
-    x = inputs[i:i + 1]
+    x = (inputs[i:i + 1], None if prompt_lengths is None else prompt_lengths[i:i + 1])
     outs = {side: timed(x, kwargs)[1] for side, kwargs in sides.items()}
     times = {side: [] for side in sides}
     for repeat in range(repeats):

@@ -8,21 +8,23 @@ has an acceptance rate strictly inside (0, 1).
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.families.registry import family_of
 from specdec_jax.loading import load_model
-from specdec_jax.families.t5.model import Model
 
 
-def perturbed_model(model: Model, noise: float, seed: int = 1) -> Model:
-  """A copy of `model` with every weight w replaced by w * (1 + noise * N(0, 1))."""
+def perturbed_model(model, noise: float, seed: int = 1):
+  """A copy of `model` (any family) with every weight w replaced by w * (1 + noise * N(0, 1))."""
   leaves, treedef = jax.tree_util.tree_flatten(model.params)
   keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
   noisy = [w * (1 + noise * jax.random.normal(k, w.shape, w.dtype)) for w, k in zip(leaves, keys)]
-  return Model(model.config, jax.tree_util.tree_unflatten(treedef, noisy))
+  return family_of(model).model_type(model.config, jax.tree_util.tree_unflatten(treedef, noisy))
 
 
-def tiny_pair(vocab_size: int = 64, noise: float = 0.3, seed: int = 0, **overrides):
-  """(target, draft): a tiny random target and its noisy copy."""
-  target = load_model("tiny", vocab_size=vocab_size, seed=seed, dtype="float32", **overrides)
+def tiny_pair(vocab_size: int = 64, noise: float = 0.3, seed: int = 0, name: str = "tiny",
+              **overrides):
+  """(target, draft): a random target of the named config `name` (any family's, e.g.
+  'tiny' for T5, 'llama_tiny'), float32, and its noisy copy."""
+  target = load_model(name, vocab_size=vocab_size, seed=seed, dtype="float32", **overrides)
   return target, perturbed_model(target, noise, seed + 1)
 
 

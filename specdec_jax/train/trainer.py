@@ -1,9 +1,13 @@
-"""Training our T5 with optax: teacher-forced cross-entropy, accumulation, exact resume.
+"""Training with optax for every model family: cross-entropy, accumulation, exact resume.
 
 The pieces are pure functions over a `TrainState` pytree:
 
   state = create_train_state(params, optimizer)
-  state, metrics = train_step(state, batch, loss_fn=..., optimizer=..., num_microbatches=...)
+  state, metrics = train_step(state, batch, loss_fn=loss_fn(config), optimizer=...,
+                              num_microbatches=...)
+
+Losses reach a model only through its family's `token_logits` (the family
+contract), so one `loss_fn` / `joint_loss_fn` serves T5 and decoder-only.
 
 `fit` is the loop around them: batches come from a function of the step
 number (so resuming needs no iterator state), Orbax checkpoints hold the whole
@@ -24,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from specdec_jax.families.t5.config import T5Config
-from specdec_jax.families.t5.network import T5
+from specdec_jax.families.registry import family_of
 
 Array = jax.Array
 Batch = Dict[str, Array]
@@ -106,11 +109,6 @@ def make_optimizer(name: str = "adafactor", learning_rate: float = 1e-2, *,
 # Losses
 # ----------------------------------------------------------------------------
 
-def shift_right(targets: Array, start_id: int = 0) -> Array:
-  """Decoder inputs [batch, len]: targets shifted right by one, `start_id` first."""
-  return jnp.pad(targets, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
-
-
 def token_cross_entropy(logits: Array, targets: Array, mask: Array) -> Tuple[Array, Array]:
   """Summed cross-entropy and correct-argmax count over unmasked positions.
 
@@ -127,47 +125,62 @@ def token_cross_entropy(logits: Array, targets: Array, mask: Array) -> Tuple[Arr
   return jnp.sum(nll * mask), jnp.sum(correct * mask)
 
 
-def seq2seq_loss_fn(config: T5Config) -> LossFn:
-  """Teacher-forced cross-entropy of a T5 on batches {'inputs', 'targets'} (0 = padding)."""
-  module = T5(config)
+def loss_fn(config) -> LossFn:
+  """Teacher-forced cross-entropy of a model of any family on the family's batches
+  (`Family.token_logits`: T5 {'inputs', 'targets'}, decoder-only {'tokens', 'weights'}),
+  summed over weighted tokens; aux {'tokens', 'correct'}."""
+  family = family_of(config)
 
-  def loss_fn(params, batch):
-    targets = batch["targets"]
-    logits = module.apply({"params": params}, batch["inputs"],
-                          shift_right(targets, config.decoder_start_id))
-    mask = (targets != config.pad_id).astype(jnp.float32)
-    loss, correct = token_cross_entropy(logits, targets, mask)
-    return loss, dict(tokens=jnp.sum(mask), correct=correct)
-  return loss_fn
+  def fn(params, batch):
+    logits, targets, weights = family.token_logits(config, params, batch)
+    loss, correct = token_cross_entropy(logits, targets, weights)
+    return loss, dict(tokens=jnp.sum(weights), correct=correct)
+  return fn
 
 
-def joint_seq2seq_loss_fn(configs: Dict[str, T5Config]) -> LossFn:
-  """Trains several models on the same batches: params = {name: params}.
+def sum_of_models(loss_fns: Dict[str, LossFn]) -> LossFn:
+  """One loss over params {name: params}: the sum of each model's summed loss.
 
-  The loss is the sum of each model's summed cross-entropy, so the gradients
-  of different models are independent (each sees exactly its own loss), and
-  a per-parameter optimizer such as Adafactor updates each model as if it
-  were trained alone. Sharing batches lets cheap drafts train in lockstep
-  with their target for a fraction of the target's cost. Aux holds
-  '{name}/loss' and '{name}/correct' sums.
+  Each model's gradient is then exactly its own, so a per-parameter optimizer
+  such as Adafactor updates each model as if it were trained alone. Aux holds
+  '{name}/loss', '{name}/correct' and the shared 'tokens'.
   """
-  if not configs:
-    raise ValueError("joint_seq2seq_loss_fn needs at least one model config")
-  pad_ids = {c.pad_id for c in configs.values()}
-  if len(pad_ids) != 1:
-    raise ValueError(f"models disagree on the pad id: {pad_ids}")
-  loss_fns = {name: seq2seq_loss_fn(config) for name, config in configs.items()}
+  if not loss_fns:
+    raise ValueError("a joint loss needs at least one model")
 
-  def loss_fn(params, batch):
+  def fn(params, batch):
     total, aux = 0.0, {}
-    for name, fn in loss_fns.items():
-      loss, model_aux = fn(params[name], batch)
+    for name, model_loss in loss_fns.items():
+      loss, model_aux = model_loss(params[name], batch)
       total = total + loss
       aux[f"{name}/loss"] = loss
       aux[f"{name}/correct"] = model_aux["correct"]
       aux["tokens"] = model_aux["tokens"]
     return total, aux
-  return loss_fn
+  return fn
+
+
+def check_joint_configs(configs: Dict[str, Any]) -> None:
+  """Raises unless `configs` ({name: config}) can share batches: one family (one batch
+  format) and one pad id (so every model learns the same tokens of a batch)."""
+  if not configs:
+    raise ValueError("joint training needs at least one model config")
+  names = {family_of(c).name for c in configs.values()}
+  if len(names) != 1:
+    raise ValueError(f"models of different families {sorted(names)} cannot share batches")
+  pad_ids = {getattr(c, "pad_id", None) for c in configs.values()}
+  if len(pad_ids) != 1:
+    raise ValueError(f"models disagree on the pad id: {pad_ids}")
+
+
+def joint_loss_fn(configs: Dict[str, Any]) -> LossFn:
+  """Trains several models of one family on the same batches: params = {name: params}.
+
+  Sharing batches lets cheap drafts train in lockstep with their target for a
+  fraction of the target's cost (see `sum_of_models`).
+  """
+  check_joint_configs(configs)
+  return sum_of_models({name: loss_fn(config) for name, config in configs.items()})
 
 
 # ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 `load_hf_decoder_only(directory)` reads a `config.json` plus weights
 (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
 or `pytorch_model.bin`, optionally sharded with an index; the readers are
-`specdec_jax.families.t5.checkpoints`'), detects the architecture from
+`specdec_jax.families.tensor_io`'), detects the architecture from
 `config.json` (`architectures`, else `model_type`) and maps HF tensor names
 onto the tree of `families/decoder_only/network.py`:
 
@@ -47,7 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specdec_jax.families.t5.checkpoints import CheckpointError, _cast, _hf_weight_files, _Tensor
+from specdec_jax.families.tensor_io import CheckpointError, write_safetensors
+from specdec_jax.families.tensor_io import Tensor as _Tensor, cast as _cast
+from specdec_jax.families.tensor_io import hf_weight_files as _hf_weight_files
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.core.dtypes import default_dtype
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
@@ -382,7 +384,6 @@ def export_hf_decoder_only(model: DecoderOnlyModel, directory) -> None:
   Tensors keep the params' dtype; kernels are transposed back to HF Linear
   weights and GPT-2's q/k/v are fused into c_attn.
   """
-  from specdec_jax.families.t5.checkpoints import write_safetensors  # The T5 writer, reused.
   config = model.config
   hf_config = decoder_config_to_hf_config(config)
   directory = os.fspath(directory)

@@ -14,6 +14,8 @@ are realistic); their weights are random unless loaded from a directory.
 import dataclasses
 from typing import Optional, Tuple
 
+from specdec_jax.families.base import replace_config
+
 FAMILIES = ("llama", "qwen2", "gpt2")
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
 ROPE_SCALINGS = (None, "linear", "llama3")
@@ -134,11 +136,7 @@ class DecoderOnlyConfig:
     return self.num_heads // self.num_kv_heads
 
   def replace(self, **overrides) -> "DecoderOnlyConfig":
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
-    if unknown:
-      raise ValueError(f"Unknown DecoderOnlyConfig field(s) {unknown}; known: "
-                       f"{sorted(f.name for f in dataclasses.fields(self))}")
-    return dataclasses.replace(self, **overrides)
+    return replace_config(self, overrides)
 
   @property
   def num_params(self) -> int:

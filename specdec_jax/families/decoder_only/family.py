@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.families.base import Context, DecodeStart, Family
+from specdec_jax.families.decoder_only import batch as lm_data
 from specdec_jax.families.decoder_only import checkpoints
 from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
@@ -97,10 +98,14 @@ class DecoderOnlyFamily(Family):
 
   def token_logits(self, config: DecoderOnlyConfig, params, batch):
     """batch: {'tokens': [batch, T] int32, 'weights': [batch, T]}; predicts tokens
-    1..T-1 from the tokens before (`train.decoder_only.lm_batch`)."""
+    1..T-1 from the tokens before (`families.decoder_only.batch.lm_batch`)."""
     tokens = batch["tokens"]
     logits = DecoderOnly(config).apply({"params": params}, tokens[:, :-1])
     return logits, tokens[:, 1:], batch["weights"][:, 1:].astype(jnp.float32)
+
+  def continuation_batch(self, config, tokens, lengths, sequences, sequence_lengths):
+    """Prompt + continuation rows, learning the continuation (`batch.continuation_batch`)."""
+    return lm_data.continuation_batch(tokens, lengths, sequences, sequence_lengths)
 
   # -- Sharding --------------------------------------------------------------
 
@@ -132,6 +137,11 @@ class DecoderOnlyFamily(Family):
       raise ValueError(f"config overrides {sorted(options)} apply to random init only, not to "
                        "a checkpoint (its config.json defines the shapes)")
     return checkpoints.load_hf_decoder_only(path, dtype=dtype, place=place)
+
+  def export_hf(self, model, directory) -> None:
+    """A `LlamaForCausalLM` / `Qwen2ForCausalLM` / `GPT2LMHeadModel` directory, by
+    `config.family`."""
+    checkpoints.export_hf_decoder_only(model, directory)
 
 
 FAMILY = DecoderOnlyFamily()

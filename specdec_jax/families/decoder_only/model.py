@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.base import check_tokens
+from specdec_jax.families.base import FamilyModel, check_tokens
 from specdec_jax.families.decoder_only import network as decoder_only
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
@@ -48,8 +48,7 @@ def check_prompt_lengths(prompt_lengths, prompts: Array) -> Array:
   return jnp.asarray(lengths, jnp.int32)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DecoderOnlyModel:
+class DecoderOnlyModel(FamilyModel):
   """A decoder-only network with its parameters.
 
   Attributes:
@@ -57,16 +56,7 @@ class DecoderOnlyModel:
     params: the parameter tree of `families/decoder_only/network.py`, arrays in
       `config.dtype`.
   """
-  config: DecoderOnlyConfig
-  params: Any
-
-  @property
-  def module(self) -> DecoderOnly:
-    return DecoderOnly(self.config)
-
-  @property
-  def variables(self):
-    return {"params": self.params}
+  network = DecoderOnly
 
   def logits(self, tokens) -> Array:
     """Logits [batch, len, vocab] float32 of tokens [batch, len] at positions 0..len-1, no cache."""

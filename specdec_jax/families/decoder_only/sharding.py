@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.families.base import checked_axes
 from specdec_jax.families.decoder_only import network as decoder_only
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
@@ -49,13 +50,8 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
     axes = _KERNEL_AXES[parent][1:]  # A bias lies along the output dimension.
   elif leaf == "bias":
     axes = ("embed",)  # LayerNorm.
-  if axes is None:
-    raise ValueError(f"no logical axes known for parameter {'/'.join(path)!r}: expected the "
-                     f"decoder-only parameter tree (families/decoder_only/network.py)")
-  if len(axes) != ndim:
-    raise ValueError(f"parameter {'/'.join(path)!r} has rank {ndim}, expected {len(axes)} "
-                     f"for logical axes {axes}")
-  return axes
+  return checked_axes(path, axes, ndim,
+                      "the decoder-only parameter tree (families/decoder_only/network.py)")
 
 
 # Unlike T5's head-major cache (sharding.CACHE_KV_AXES), the decoder-only

@@ -48,7 +48,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,8 @@ from flax import traverse_util
 
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
+from specdec_jax.families.tensor_io import (  # noqa: F401 (CheckpointError, write_safetensors re-exported)
+    CheckpointError, Tensor, cast, hf_weight_files, write_json_atomic, write_safetensors)
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import T5
@@ -65,24 +67,6 @@ from specdec_jax.families.t5.network import T5
 SPECDEC_CONFIG = "specdec_config.json"
 SPECDEC_PARAMS = "params"
 _FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be loaded: the message names the file or keys."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-  """One tensor of a checkpoint, not yet read.
-
-  Attributes:
-    source: where it lives, for error messages ("model.safetensors: shared.weight").
-    shape: its shape in our (T5X) layout.
-    read: dtype -> np.ndarray of `shape` in that dtype (reads the file now).
-  """
-  source: str
-  shape: Tuple[int, ...]
-  read: Callable[[np.dtype], np.ndarray]
 
 
 # ----------------------------------------------------------------------------
@@ -135,7 +119,7 @@ def save_model(model: Model, path, *, overwrite: bool = False) -> None:
   ocp.PyTreeCheckpointer().save(os.path.join(path, SPECDEC_PARAMS), model.params)
   record = dict(format="specdec_jax", format_version=_FORMAT_VERSION,
                 config=dataclasses.asdict(model.config))
-  _write_json_atomic(os.path.join(path, SPECDEC_CONFIG), record)
+  write_json_atomic(os.path.join(path, SPECDEC_CONFIG), record)
 
 
 def detect_format(path: str) -> Tuple[str, str]:
@@ -198,7 +182,7 @@ def expected_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
   return {k: tuple(v.shape) for k, v in flat.items()}
 
 
-def _check_tensors(config: T5Config, tensors: Mapping[str, _Tensor], origin: str,
+def _check_tensors(config: T5Config, tensors: Mapping[str, Tensor], origin: str,
                    source_names: Optional[Mapping[str, str]] = None,
                    unexpected: Sequence[str] = ()):
   """Raises one CheckpointError listing every missing, unexpected or mis-shaped tensor.
@@ -238,7 +222,7 @@ def _device_put(key, array):
   return jax.device_put(array)
 
 
-def _assemble(config: T5Config, tensors: Mapping[str, _Tensor], origin: str, progress: bool,
+def _assemble(config: T5Config, tensors: Mapping[str, Tensor], origin: str, progress: bool,
               place, source_names: Optional[Mapping[str, str]] = None,
               unexpected: Sequence[str] = ()) -> Model:
   """Checks, then reads each tensor, casts it to config.dtype and puts it on the device."""
@@ -257,17 +241,6 @@ def _assemble(config: T5Config, tensors: Mapping[str, _Tensor], origin: str, pro
     flat[tuple(key.split("/"))] = place(tuple(key.split("/")), array)
     del array  # Free the host copy before reading the next tensor.
   return Model(config, traverse_util.unflatten_dict(flat))
-
-
-def _cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[float] = None):
-  """One C-contiguous copy of `array` (transposed, scaled) in `dtype`."""
-  if transpose:
-    array = array.T
-  if scale is not None:
-    array = array.astype(np.float32) * np.float32(scale)
-  out = np.empty(array.shape, dtype)  # C order: copyto transposes and casts in one pass.
-  np.copyto(out, array, casting="unsafe")
-  return out
 
 
 # ----------------------------------------------------------------------------
@@ -375,7 +348,7 @@ def _load_hf(directory: str, dtype: str, progress: bool, overrides, place) -> Mo
   except (OSError, json.JSONDecodeError) as e:
     raise CheckpointError(f"{config_path}: cannot read: {e}") from None
   config, scale = hf_config_to_t5config(hf, config_path)
-  files = _hf_weight_files(directory)
+  files = hf_weight_files(directory)
   has_lm_head = "lm_head.weight" in files
   if not config.logits_via_embedding or has_lm_head:
     config = config.replace(logits_via_embedding=False)
@@ -399,130 +372,10 @@ def _load_hf(directory: str, dtype: str, progress: bool, overrides, place) -> Mo
   return _assemble(config, tensors, directory, progress, place, source_names, unexpected)
 
 
-def _hf_tensor(stored: _Tensor, transpose: bool, scale: Optional[float] = None) -> _Tensor:
+def _hf_tensor(stored: Tensor, transpose: bool, scale: Optional[float] = None) -> Tensor:
   shape = tuple(reversed(stored.shape)) if transpose else tuple(stored.shape)
-  return _Tensor(stored.source, shape,
-                 lambda dtype: _cast(stored.read(None), dtype, transpose, scale))
-
-
-def _hf_weight_files(directory: str) -> Dict[str, _Tensor]:
-  """HF tensor name -> stored tensor (read(None) gives the stored dtype, HF layout)."""
-  def path(name):
-    return os.path.join(directory, name)
-
-  for index_name, reader in (("model.safetensors.index.json", _safetensors_tensors),
-                             ("pytorch_model.bin.index.json", _torch_tensors)):
-    if os.path.exists(path(index_name)):
-      try:
-        with open(path(index_name)) as f:
-          weight_map = json.load(f)["weight_map"]
-      except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{path(index_name)}: not a weight index ({e})") from None
-      tensors = {}
-      for shard in sorted(set(weight_map.values())):
-        if not os.path.exists(path(shard)):
-          raise CheckpointError(f"{path(index_name)} names shard {shard}, which is missing")
-        tensors.update(reader(path(shard)))
-      absent = sorted(k for k, shard in weight_map.items() if k not in tensors)
-      if absent:
-        raise CheckpointError(f"{path(index_name)} lists tensors that its shards lack: {absent}")
-      return tensors
-  if os.path.exists(path("model.safetensors")):
-    return _safetensors_tensors(path("model.safetensors"))
-  if os.path.exists(path("pytorch_model.bin")):
-    return _torch_tensors(path("pytorch_model.bin"))
-  raise CheckpointError(
-      f"{directory} has a config.json but no weights: expected model.safetensors, "
-      f"model.safetensors.index.json (+ shards), pytorch_model.bin or pytorch_model.bin.index.json; "
-      f"found {sorted(os.listdir(directory))}")
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-def _safetensors_tensors(filename: str) -> Dict[str, _Tensor]:
-  """Parses a .safetensors header; each tensor is read from the file on demand.
-
-  The format is an 8-byte little-endian header length, a JSON header
-  {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. Reading
-  with plain file reads (not mmap) keeps resident memory to one tensor at a time.
-  """
-  size = os.path.getsize(filename)
-  with open(filename, "rb") as f:
-    prefix = f.read(8)
-    if len(prefix) < 8:
-      raise CheckpointError(f"{filename}: truncated safetensors file ({size} bytes)")
-    header_len = int.from_bytes(prefix, "little")
-    if header_len > size - 8:
-      raise CheckpointError(f"{filename}: truncated or not a safetensors file (header of "
-                            f"{header_len} bytes, file of {size})")
-    try:
-      header = json.loads(f.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise CheckpointError(f"{filename}: unreadable safetensors header ({e})") from None
-  header.pop("__metadata__", None)
-  data_start = 8 + header_len
-  tensors = {}
-  for name, info in header.items():
-    if info.get("dtype") not in _SAFETENSORS_DTYPES:
-      raise CheckpointError(f"{filename}: tensor {name} has unsupported dtype {info.get('dtype')}")
-    stored = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
-    shape = tuple(int(d) for d in info["shape"])
-    begin, end = (int(x) for x in info["data_offsets"])
-    if end - begin != int(np.prod(shape)) * stored.itemsize:
-      raise CheckpointError(f"{filename}: tensor {name} has {end - begin} bytes for shape {shape}")
-    if data_start + end > size:
-      raise CheckpointError(f"{filename}: truncated: tensor {name} ends at byte "
-                            f"{data_start + end}, the file has {size}")
-
-    def read(dtype, stored=stored, shape=shape, offset=data_start + begin):
-      array = np.fromfile(filename, dtype=stored, count=int(np.prod(shape)), offset=offset)
-      array = array.reshape(shape)
-      return array if dtype is None else np.asarray(array, dtype=dtype)
-
-    tensors[name] = _Tensor(f"{os.path.basename(filename)}: {name}", shape, read)
-  return tensors
-
-
-def _torch_tensors(filename: str) -> Dict[str, _Tensor]:
-  """pytorch_model.bin via torch.load(weights_only=True), memory-mapped when possible."""
-  try:
-    import torch
-  except ImportError:
-    raise CheckpointError(f"{filename}: reading pytorch_model.bin needs torch (pip install "
-                          f"torch), or convert the directory to safetensors") from None
-  try:
-    state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
-  except RuntimeError:
-    # Files in torch's legacy (non-zip) format cannot be memory-mapped.
-    try:
-      state = torch.load(filename, map_location="cpu", weights_only=True)
-    except Exception as e:
-      raise CheckpointError(f"{filename}: cannot load with torch.load(weights_only=True): "
-                            f"{e}") from None
-  except Exception as e:
-    raise CheckpointError(f"{filename}: cannot load with torch.load(weights_only=True): "
-                          f"{e}") from None
-  if not isinstance(state, Mapping):
-    raise CheckpointError(f"{filename}: holds a {type(state).__name__}, not a state dict")
-  tensors = {}
-  for name, value in state.items():
-    if not isinstance(value, torch.Tensor):
-      raise CheckpointError(f"{filename}: entry {name} is a {type(value).__name__}, not a tensor")
-
-    def read(dtype, value=value):
-      if value.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits.
-        array = value.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-      else:
-        array = value.contiguous().numpy()
-      return array if dtype is None else np.asarray(array, dtype=dtype)
-
-    tensors[name] = _Tensor(f"{os.path.basename(filename)}: {name}", tuple(value.shape), read)
-  return tensors
+  return Tensor(stored.source, shape,
+                 lambda dtype: cast(stored.read(None), dtype, transpose, scale))
 
 
 def hf_tensor_layout(config: T5Config) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
@@ -562,41 +415,6 @@ def t5config_to_hf_config(config: T5Config) -> Dict[str, Any]:
       decoder_start_token_id=config.decoder_start_id)
 
 
-def write_safetensors(filename: str, tensors: Sequence[Tuple[str, Tuple[int, ...], Any,
-                                                             Callable[[], np.ndarray]]],
-                      metadata: Optional[Mapping[str, str]] = None) -> None:
-  """Streams tensors into a .safetensors file, computing one array at a time.
-
-  Args:
-    filename: output path (written to a temp file, then renamed).
-    tensors: (name, shape, numpy dtype, make_array) in file order; make_array()
-      returns the array, called once, right before it is written.
-    metadata: optional string -> string header metadata.
-  """
-  codes = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
-  header, offset = {}, 0
-  for name, shape, dtype, _ in tensors:
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    header[name] = dict(dtype=codes[np.dtype(dtype)], shape=list(shape),
-                        data_offsets=[offset, offset + nbytes])
-    offset += nbytes
-  if metadata:
-    header["__metadata__"] = dict(metadata)
-  encoded = json.dumps(header, separators=(",", ":")).encode()
-  encoded += b" " * (-len(encoded) % 8)  # Align the data to 8 bytes.
-  tmp = filename + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(len(encoded).to_bytes(8, "little"))
-    f.write(encoded)
-    for name, shape, dtype, make_array in tensors:
-      array = np.ascontiguousarray(make_array(), dtype=dtype)
-      if array.shape != tuple(shape):
-        raise ValueError(f"{name}: made shape {array.shape}, declared {tuple(shape)}")
-      f.write(array.tobytes())
-      del array
-  os.replace(tmp, filename)
-
-
 def export_hf(model: Model, directory) -> None:
   """Writes `model` as a Hugging Face directory (config.json + model.safetensors).
 
@@ -615,7 +433,7 @@ def export_hf(model: Model, directory) -> None:
       return array.T if transpose else array
     entries.append((theirs, shape, dtype, make))
   write_safetensors(os.path.join(directory, "model.safetensors"), entries, {"format": "pt"})
-  _write_json_atomic(os.path.join(directory, "config.json"),
+  write_json_atomic(os.path.join(directory, "config.json"),
                      t5config_to_hf_config(model.config))
 
 
@@ -752,13 +570,13 @@ def _t5x_relative_path(spec: Mapping[str, Any]) -> str:
   return str(relative).strip("/")
 
 
-def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -> _Tensor:
+def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -> Tensor:
   """A msgpack leaf: an inline array, or a TensorStore spec with a relative path."""
   if not _is_ts_spec((), leaf):
     array = np.asarray(leaf)
     if array.dtype == object or not np.issubdtype(array.dtype, np.number):
       raise CheckpointError(f"{origin}: param {key} is a {type(leaf).__name__}, not an array")
-    return _Tensor(f"{origin}: {key} (inline)", tuple(array.shape),
+    return Tensor(f"{origin}: {key} (inline)", tuple(array.shape),
                    lambda dtype: np.asarray(array, dtype=dtype))
   import tensorstore as ts
   relative = _t5x_relative_path(leaf)
@@ -788,7 +606,7 @@ def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -
     except Exception as e:
       raise CheckpointError(f"{source}: cannot read array for param {key} ({e})") from None
 
-  return _Tensor(source, shape, read)
+  return Tensor(source, shape, read)
 
 
 # T5X's chunk budget (t5x/checkpoints.py `_choose_chunk_shape`): reads of a
@@ -876,7 +694,7 @@ def _restore_orbax(location: str, prefix: Tuple[str, ...], config: T5Config, ori
   """Checks shapes from Orbax metadata, then restores only the params, cast on read."""
   import orbax.checkpoint as ocp
   flat = traverse_util.flatten_dict(metadata_params, sep="/")
-  tensors = {k: _Tensor(f"{origin}: {k}", tuple(getattr(v, "shape", ()) or ()), None)
+  tensors = {k: Tensor(f"{origin}: {k}", tuple(getattr(v, "shape", ()) or ()), None)
              for k, v in flat.items()}
   _check_tensors(config, tensors, origin)
   dtype = jnp.dtype(config.dtype)
@@ -935,7 +753,3 @@ def _load_specdec(directory: str, dtype: str, progress: bool, overrides, place) 
   params = _orbax_metadata_tree(location)
   return _restore_orbax(location, (), config, location, params, progress)
 
-
-def _write_json_atomic(path: str, record) -> None:
-  from specdec_jax.core import results
-  results.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True))

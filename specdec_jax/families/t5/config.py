@@ -9,6 +9,7 @@ import dataclasses
 from typing import Tuple
 
 from specdec_jax.core.dtypes import canonical_dtype
+from specdec_jax.families.base import replace_config
 
 # T5's SentencePiece vocabulary (cc_all.32000) plus 100 extra ids, padded to a
 # multiple of 128 as T5X does.
@@ -76,11 +77,7 @@ class T5Config:
       raise ValueError("relative_attention_num_buckets must be >= 4")
 
   def replace(self, **overrides) -> "T5Config":
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
-    if unknown:
-      raise ValueError(f"Unknown T5Config field(s) {unknown}; known: "
-                       f"{sorted(f.name for f in dataclasses.fields(self))}")
-    return dataclasses.replace(self, **overrides)
+    return replace_config(self, overrides)
 
   @property
   def num_params(self) -> int:

@@ -97,6 +97,10 @@ class T5Family(Family):
                               shift_right(targets, config.decoder_start_id))
     return logits, targets, (targets != config.pad_id).astype(jnp.float32)
 
+  def continuation_batch(self, config: T5Config, tokens, lengths, sequences, sequence_lengths):
+    """{'inputs': the encoder tokens, 'targets': the generated sequences (0 after EOS)}."""
+    return dict(inputs=np.asarray(tokens, np.int32), targets=np.asarray(sequences, np.int32))
+
   # -- Sharding --------------------------------------------------------------
 
   def param_logical_axes(self, path: Sequence[str], ndim: int):
@@ -128,6 +132,11 @@ class T5Family(Family):
 
   def load(self, path: str, *, dtype: Optional[str] = None, place=None, **options) -> Model:
     return checkpoints.load_checkpoint_model(path, dtype=dtype, place=place, **options)
+
+  def export_hf(self, model: Model, directory) -> None:
+    """A `T5ForConditionalGeneration` directory (T5X / Orbax: `checkpoints.export_t5x`,
+    `checkpoints.save_model`)."""
+    checkpoints.export_hf(model, directory)
 
 
 FAMILY = T5Family()

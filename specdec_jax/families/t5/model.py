@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.base import check_tokens  # noqa: F401 (re-exported)
+from specdec_jax.families.base import FamilyModel, check_tokens  # noqa: F401 (re-exported)
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5 import decode as t5_decode
 from specdec_jax.families.t5.network import T5
@@ -33,8 +33,7 @@ def _compiled_decode_block(config: T5Config):
       tokens, positions, cache))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Model:
+class Model(FamilyModel):
   """A T5 network with its parameters.
 
   Attributes:
@@ -42,16 +41,7 @@ class Model:
     params: T5X parameter tree (`{'token_embedder': ..., 'encoder': ...,
       'decoder': ...}`), arrays in `config.dtype`.
   """
-  config: T5Config
-  params: Any
-
-  @property
-  def module(self) -> T5:
-    return T5(self.config)
-
-  @property
-  def variables(self):
-    return {"params": self.params}
+  network = T5
 
   def encode(self, encoder_tokens) -> Array:
     """[batch, enc_len] int32 -> encoder output [batch, enc_len, emb]."""

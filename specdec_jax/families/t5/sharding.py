@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.base import path_names
+from specdec_jax.families.base import checked_axes, path_names
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import T5
 
@@ -52,13 +52,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
       axes = ("mlp", "embed")
     elif parent == "logits_dense":
       axes = ("embed", "vocab")
-  if axes is None:
-    raise ValueError(f"no logical axes known for parameter {'/'.join(path)!r}: "
-                     "sharding expects the T5X parameter tree")
-  if len(axes) != ndim:
-    raise ValueError(f"parameter {'/'.join(path)!r} has rank {ndim}, expected {len(axes)} "
-                     f"for logical axes {axes}")
-  return axes
+  return checked_axes(path, axes, ndim, "the T5X parameter tree (families/t5/network.py)")
 
 
 def params_logical_axes(params) -> Any:

@@ -1,0 +1,211 @@
+"""Family-neutral checkpoint tensor IO: lazy tensors, the safetensors / torch readers, the writer.
+
+Every family's checkpoint module builds on these: `hf_weight_files(directory)`
+lists a Hugging Face directory's tensors (single or sharded safetensors,
+`pytorch_model.bin`) as lazy `Tensor`s, each read from disk only when the
+loader asks, so a loader holds one tensor in host memory at a time;
+`cast` makes the C-contiguous copy in the model's dtype (transposed, scaled);
+`write_safetensors` streams tensors into a file one at a time. Nothing here
+knows a model family: tensor names and layouts are the families' business.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import ml_dtypes
+import numpy as np
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be loaded: the message names the file or keys."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One tensor of a checkpoint, not yet read.
+
+  Attributes:
+    source: where it lives, for error messages ("model.safetensors: shared.weight").
+    shape: its shape in the layout `read` returns (a family's view may transpose or
+      split the stored tensor).
+    read: dtype -> np.ndarray of `shape` in that dtype (reads the file now).
+  """
+  source: str
+  shape: Tuple[int, ...]
+  read: Callable[[np.dtype], np.ndarray]
+
+
+def cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[float] = None):
+  """One C-contiguous copy of `array` (transposed, scaled) in `dtype`."""
+  if transpose:
+    array = array.T
+  if scale is not None:
+    array = array.astype(np.float32) * np.float32(scale)
+  out = np.empty(array.shape, dtype)  # C order: copyto transposes and casts in one pass.
+  np.copyto(out, array, casting="unsafe")
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face weight files.
+
+def hf_weight_files(directory: str) -> Dict[str, Tensor]:
+  """HF tensor name -> stored tensor (read(None) gives the stored dtype, HF layout)."""
+  def path(name):
+    return os.path.join(directory, name)
+
+  for index_name, reader in (("model.safetensors.index.json", safetensors_tensors),
+                             ("pytorch_model.bin.index.json", torch_tensors)):
+    if os.path.exists(path(index_name)):
+      try:
+        with open(path(index_name)) as f:
+          weight_map = json.load(f)["weight_map"]
+      except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{path(index_name)}: not a weight index ({e})") from None
+      tensors = {}
+      for shard in sorted(set(weight_map.values())):
+        if not os.path.exists(path(shard)):
+          raise CheckpointError(f"{path(index_name)} names shard {shard}, which is missing")
+        tensors.update(reader(path(shard)))
+      absent = sorted(k for k, shard in weight_map.items() if k not in tensors)
+      if absent:
+        raise CheckpointError(f"{path(index_name)} lists tensors that its shards lack: {absent}")
+      return tensors
+  if os.path.exists(path("model.safetensors")):
+    return safetensors_tensors(path("model.safetensors"))
+  if os.path.exists(path("pytorch_model.bin")):
+    return torch_tensors(path("pytorch_model.bin"))
+  raise CheckpointError(
+      f"{directory} has a config.json but no weights: expected model.safetensors, "
+      f"model.safetensors.index.json (+ shards), pytorch_model.bin or pytorch_model.bin.index.json; "
+      f"found {sorted(os.listdir(directory))}")
+
+
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def safetensors_tensors(filename: str) -> Dict[str, Tensor]:
+  """Parses a .safetensors header; each tensor is read from the file on demand.
+
+  The format is an 8-byte little-endian header length, a JSON header
+  {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. Reading
+  with plain file reads (not mmap) keeps resident memory to one tensor at a time.
+  """
+  size = os.path.getsize(filename)
+  with open(filename, "rb") as f:
+    prefix = f.read(8)
+    if len(prefix) < 8:
+      raise CheckpointError(f"{filename}: truncated safetensors file ({size} bytes)")
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > size - 8:
+      raise CheckpointError(f"{filename}: truncated or not a safetensors file (header of "
+                            f"{header_len} bytes, file of {size})")
+    try:
+      header = json.loads(f.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{filename}: unreadable safetensors header ({e})") from None
+  header.pop("__metadata__", None)
+  data_start = 8 + header_len
+  tensors = {}
+  for name, info in header.items():
+    if info.get("dtype") not in SAFETENSORS_DTYPES:
+      raise CheckpointError(f"{filename}: tensor {name} has unsupported dtype {info.get('dtype')}")
+    stored = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+    shape = tuple(int(d) for d in info["shape"])
+    begin, end = (int(x) for x in info["data_offsets"])
+    if end - begin != int(np.prod(shape)) * stored.itemsize:
+      raise CheckpointError(f"{filename}: tensor {name} has {end - begin} bytes for shape {shape}")
+    if data_start + end > size:
+      raise CheckpointError(f"{filename}: truncated: tensor {name} ends at byte "
+                            f"{data_start + end}, the file has {size}")
+
+    def read(dtype, stored=stored, shape=shape, offset=data_start + begin):
+      array = np.fromfile(filename, dtype=stored, count=int(np.prod(shape)), offset=offset)
+      array = array.reshape(shape)
+      return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    tensors[name] = Tensor(f"{os.path.basename(filename)}: {name}", shape, read)
+  return tensors
+
+
+def torch_tensors(filename: str) -> Dict[str, Tensor]:
+  """pytorch_model.bin via torch.load(weights_only=True), memory-mapped when possible."""
+  try:
+    import torch
+  except ImportError:
+    raise CheckpointError(f"{filename}: reading pytorch_model.bin needs torch (pip install "
+                          f"torch), or convert the directory to safetensors") from None
+  try:
+    state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
+  except RuntimeError:
+    # Files in torch's legacy (non-zip) format cannot be memory-mapped.
+    try:
+      state = torch.load(filename, map_location="cpu", weights_only=True)
+    except Exception as e:
+      raise CheckpointError(f"{filename}: cannot load with torch.load(weights_only=True): "
+                            f"{e}") from None
+  except Exception as e:
+    raise CheckpointError(f"{filename}: cannot load with torch.load(weights_only=True): "
+                          f"{e}") from None
+  if not isinstance(state, Mapping):
+    raise CheckpointError(f"{filename}: holds a {type(state).__name__}, not a state dict")
+  tensors = {}
+  for name, value in state.items():
+    if not isinstance(value, torch.Tensor):
+      raise CheckpointError(f"{filename}: entry {name} is a {type(value).__name__}, not a tensor")
+
+    def read(dtype, value=value):
+      if value.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits.
+        array = value.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+      else:
+        array = value.contiguous().numpy()
+      return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    tensors[name] = Tensor(f"{os.path.basename(filename)}: {name}", tuple(value.shape), read)
+  return tensors
+
+
+def write_safetensors(filename: str, tensors: Sequence[Tuple[str, Tuple[int, ...], Any,
+                                                             Callable[[], np.ndarray]]],
+                      metadata: Optional[Mapping[str, str]] = None) -> None:
+  """Streams tensors into a .safetensors file, computing one array at a time.
+
+  Args:
+    filename: output path (written to a temp file, then renamed).
+    tensors: (name, shape, numpy dtype, make_array) in file order; make_array()
+      returns the array, called once, right before it is written.
+    metadata: optional string -> string header metadata.
+  """
+  codes = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
+  header, offset = {}, 0
+  for name, shape, dtype, _ in tensors:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    header[name] = dict(dtype=codes[np.dtype(dtype)], shape=list(shape),
+                        data_offsets=[offset, offset + nbytes])
+    offset += nbytes
+  if metadata:
+    header["__metadata__"] = dict(metadata)
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)  # Align the data to 8 bytes.
+  tmp = filename + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(len(encoded).to_bytes(8, "little"))
+    f.write(encoded)
+    for name, shape, dtype, make_array in tensors:
+      array = np.ascontiguousarray(make_array(), dtype=dtype)
+      if array.shape != tuple(shape):
+        raise ValueError(f"{name}: made shape {array.shape}, declared {tuple(shape)}")
+      f.write(array.tobytes())
+      del array
+  os.replace(tmp, filename)
+
+
+def write_json_atomic(path: str, record) -> None:
+  from specdec_jax.core import results
+  results.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True))
