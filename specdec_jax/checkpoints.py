@@ -299,8 +299,11 @@ def hf_config_to_t5config(hf: Mapping[str, Any], origin: str = "config.json") ->
   """
   model_type = hf.get("model_type")
   if model_type not in _HF_MODEL_TYPES:
-    raise CheckpointError(f"{origin}: model_type {model_type!r} is not a T5 encoder-decoder "
-                          f"(supported: {', '.join(_HF_MODEL_TYPES)})")
+    # Imported here: checkpoints_decoder_only imports this module.
+    from specdec_jax.checkpoints_decoder_only import supported_architectures
+    raise CheckpointError(f"{origin}: model_type {model_type!r} (architectures "
+                          f"{hf.get('architectures')}) is not supported; load_model reads "
+                          f"{supported_architectures()}")
   proj = hf.get("feed_forward_proj", "relu")
   if proj not in _HF_ACTIVATIONS:
     raise CheckpointError(f"{origin}: feed_forward_proj {proj!r} is not supported (exact-erf "

@@ -308,9 +308,9 @@ def _write_config(directory, config):
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):
-  path = _write_config(tmp_path / "mistral", {"architectures": ["MistralForCausalLM"],
-                                              "model_type": "mistral"})
-  with pytest.raises(CheckpointError, match="MistralForCausalLM.*supports.*GPT2LMHeadModel"):
+  path = _write_config(tmp_path / "phi", {"architectures": ["PhiForCausalLM"],
+                                          "model_type": "phi"})
+  with pytest.raises(CheckpointError, match="PhiForCausalLM.*supports.*GPT2LMHeadModel"):
     load_decoder_only_model(path)
   path = _write_config(tmp_path / "bert", {"model_type": "bert"})
   with pytest.raises(CheckpointError, match="'bert'"):
