@@ -229,8 +229,8 @@ def _text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
       hf.get("model_type") != "gemma3"):
     return hf
   ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-  return dict(ids, **(hf.get("text_config") or {}), architectures=["Gemma3ForCausalLM"],
-              model_type="gemma3_text")
+  return {**ids, **(hf.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"],
+          "model_type": "gemma3_text"}
 
 
 def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.json",
@@ -548,7 +548,7 @@ def _check_exportable(config: DecoderOnlyConfig) -> None:
                         "sliding_window", "layer_types"},
              "gemma3": {"query_pre_attn_scalar", "final_logit_softcap", "sliding_window",
                         "layer_types", "sliding_rope_theta"},
-             "mistral": {"sliding_window"}}.get(family, set())
+             "mistral": {"sliding_window", "layer_types"}}.get(family, set())
   unsupported = [k for k in ("query_pre_attn_scalar", "attn_logit_softcap",
                              "final_logit_softcap", "sliding_window", "layer_types",
                              "sliding_rope_theta")
@@ -602,8 +602,12 @@ def _mistral_gemma_hf_config(config: DecoderOnlyConfig, ids: Dict[str, Any]) -> 
                      "None (or uniform and matching sliding_window)")
   if family in ("gemma2", "gemma3"):
     hf["layer_types"] = list(config.attention_types)
-    hf["query_pre_attn_scalar"] = (config.head_dim if config.query_pre_attn_scalar is None
-                                   else config.query_pre_attn_scalar)
+    scalar = (config.head_dim if config.query_pre_attn_scalar is None
+              else config.query_pre_attn_scalar)
+    if not float(scalar).is_integer():  # transformers' config validates it as an int.
+      raise ValueError(f"query_pre_attn_scalar {scalar} is not an integer, which "
+                       f"{architecture}'s config requires")
+    hf["query_pre_attn_scalar"] = int(scalar)
     hf["final_logit_softcapping"] = config.final_logit_softcap
   if family == "gemma2":
     hf["attn_logit_softcapping"] = config.attn_logit_softcap

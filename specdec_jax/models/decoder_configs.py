@@ -12,6 +12,7 @@ are realistic); their weights are random unless loaded from a directory.
 """
 
 import dataclasses
+import re
 from typing import Optional, Tuple
 
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "gemma", "gemma2", "gemma3")
@@ -385,8 +386,10 @@ DECODER_CONFIGS = _named_configs()
 
 
 def canonical_name(name: str) -> str:
-  """'qwen2-0.5b' -> 'qwen2_0_5b': hyphens and dots spell underscores."""
-  return name.lower().replace("-", "_").replace(".", "_")
+  """'qwen2-0.5b' -> 'qwen2_0_5b': hyphens and dots spell underscores; the hub's
+  'gemma-2-9b' / 'gemma-3-1b' spell gemma2_9b / gemma3_1b."""
+  name = name.lower().replace("-", "_").replace(".", "_")
+  return re.sub(r"^gemma_([23])_", r"gemma\1_", name)
 
 
 def get_decoder_config(name: str, **overrides) -> DecoderOnlyConfig:
