@@ -57,8 +57,9 @@ class DecoderOnlyConfig:
       max_position_embeddings, the context the model was trained for; kept for
       reference and not enforced (rotary positions extend past it, as in HF).
     norm_epsilon: RMSNorm / LayerNorm epsilon.
-    activation: MLP activation ('silu' for Llama/Qwen2, 'gelu_new' = tanh GELU
-      for GPT-2, 'gelu' = exact erf GELU, 'relu').
+    activation: MLP activation ('silu' for Llama/Qwen2/Mistral, 'gelu_new' =
+      tanh GELU for GPT-2 and (gated) Gemma, HF's gelu_pytorch_tanh, 'gelu' =
+      exact erf GELU, 'relu').
     rope_theta: rotary base (rotary families only).
     rope_scaling: None, 'linear' (positions divided by rope_factor) or
       'llama3' (Llama 3.1's frequency-dependent scaling with rope_factor,
