@@ -103,7 +103,8 @@ def main(argv):
   outputs = [b.sequences[0] for b in timing.reference_outputs]
 
   for i in range(min(SHOWN.value, len(inputs))):
-    context = pair.tokenizer.decode(pair.heldout[i]["input_ids"]).rstrip("\n").splitlines()[-3:]
+    context = pair.tokenizer.decode(pair.heldout[i]["input_ids"]).rstrip("\n")
+    context = context.splitlines()[-3:]
     completion = pair.tokenizer.decode(
         [t for t in np.asarray(outputs[i]).tolist() if t not in (0, 1)])
     print(f"\n--- input {i} (last lines) ---\n" + "\n".join(context))

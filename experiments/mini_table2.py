@@ -40,7 +40,8 @@ from specdec_jax.core import theory
 from specdec_jax.demo_pair import load_demo_pair
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("demo_pair_dir", None, "Demo pair directory (default: the repository's).")
+flags.DEFINE_string("demo_pair_dir", None, "Demo pair directory, or a family name (t5, "
+                    "decoder_only) for its shipped pair (default: the T5 pair).")
 flags.DEFINE_integer("num_inputs", 12, "Held-out inputs, each decoded at batch 1.")
 flags.DEFINE_integer("repeats", 3, "Timed repeats per input (median taken).")
 flags.DEFINE_list("drafts", ["small", "tiny", "bigram", "unigram"], "Drafts to run.")
@@ -66,7 +67,8 @@ def paper_rows_markdown() -> str:
 
 def run(output_dir: str) -> Dict:
   pair = load_demo_pair(FLAGS.demo_pair_dir)
-  inputs = pair.heldout_inputs(FLAGS.num_inputs)
+  inputs, lengths = pair.inputs(FLAGS.num_inputs)
+  first = None if lengths is None else lengths[:1]
   steps = pair.max_decode_steps
   target = pair.target
   drafts = {**pair.drafts, **pair.ngrams}
@@ -76,9 +78,10 @@ def run(output_dir: str) -> Dict:
 
   # Cost curve: one target call scoring k tokens, relative to k = 1.
   max_k = FLAGS.max_gamma + 1
-  target_step = [block_step_seconds(target, inputs[:1], k, steps, 20) for k in range(1, max_k + 1)]
+  target_step = [block_step_seconds(target, inputs[:1], k, steps, 20, lengths=first)
+                 for k in range(1, max_k + 1)]
   block_cost = [t / target_step[0] for t in target_step]
-  c = {name: block_step_seconds(m, inputs[:1], 1, steps, 20) / target_step[0]
+  c = {name: block_step_seconds(m, inputs[:1], 1, steps, 20, lengths=first) / target_step[0]
        for name, m in pair.drafts.items()}
   logging.info("block cost %s, c %s", block_cost, c)
 
@@ -90,8 +93,8 @@ def run(output_dir: str) -> Dict:
       is_model = name in pair.drafts
       sweep = [int(g) for g in (FLAGS.gammas if is_model else FLAGS.ngram_gammas)]
       # alpha does not depend on gamma (per-position acceptance); measure it at gamma = 4.
-      probe = time_generate_pairs(target, inputs, 0, kwargs,
-                                  dict(kwargs, draft=draft, gamma=4)).spec_outputs
+      probe = time_generate_pairs(target, inputs, 0, kwargs, dict(kwargs, draft=draft, gamma=4),
+                                  prompt_lengths=lengths).spec_outputs
       alpha = pooled_alpha(probe)
       draft_c = c.get(name, 0.0)  # n-gram proposals cost ~nothing next to a T5 step.
       gamma_theory = theory.optimal_gamma(min(alpha, 0.999), draft_c, FLAGS.max_gamma)
@@ -106,7 +109,8 @@ def run(output_dir: str) -> Dict:
         # Summed per-input medians: the time to complete all inputs.
         # block_width g + 1: the narrowest exact width, the cheapest on CPU.
         timing = time_generate_pairs(target, inputs, FLAGS.repeats, kwargs,
-                                     dict(kwargs, draft=draft, gamma=g, block_width=g + 1))
+                                     dict(kwargs, draft=draft, gamma=g, block_width=g + 1),
+                                     prompt_lengths=lengths)
         outs = timing.spec_outputs
         base_time, seconds = sum(timing.base_seconds), sum(timing.spec_seconds)
         base_tokens = sum(int(o.lengths[0]) for o in timing.reference_outputs)

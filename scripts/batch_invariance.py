@@ -25,7 +25,6 @@ import numpy as np
 
 import specdec_jax as sj
 from specdec_jax.core import decoding
-from specdec_jax.families.t5.model import Model
 from specdec_jax.core.results import write_json_atomic
 
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 32, "Held-out inputs checked.")
@@ -33,11 +32,6 @@ BATCH = flags.DEFINE_integer("batch_size", 16, "Batch each row is also decoded i
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of the demo pair.")
 GAMMA = flags.DEFINE_integer("gamma", 4, "Drafted tokens for the speculative rows.")
 OUTPUT = flags.DEFINE_string("output", "", "JSON result path (atomic write).")
-
-
-def cast(model: Model, dtype: str) -> Model:
-  return Model(model.config.replace(dtype=dtype),
-               jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
 
 
 def invariance(decode, inputs: np.ndarray, batch: int) -> dict:
@@ -68,8 +62,8 @@ def _median_seconds(fn, repeats: int = 3) -> float:
 
 def main(argv):
   del argv
-  pair = sj.load_demo_pair()
-  target, draft = cast(pair.target, DTYPE.value), cast(pair.drafts["small"], DTYPE.value)
+  pair = sj.load_demo_pair(dtype=DTYPE.value)
+  target, draft = pair.target, pair.drafts["small"]
   inputs = pair.heldout_inputs(NUM_INPUTS.value)
   steps = pair.max_decode_steps
   result = dict(

@@ -313,7 +313,8 @@ def load_demo(name: str, dtype: str) -> Model:
   from specdec_jax.demo_pair import load_demo_pair
   base, _, shape = name.partition("@")
   role = base.partition(":")[2] or "target"
-  pair = load_demo_pair()
+  # Embedding reads the float32 weights; unembedded models load in `dtype` (lossless).
+  pair = load_demo_pair(dtype="float32" if shape else dtype)
   models = dict(pair.drafts, target=pair.target)
   if not (base == "demo" or base.startswith("demo:")) or role not in models:
     raise ValueError(f"unknown demo model {name!r}: use demo, demo:small or demo:tiny, "
@@ -321,8 +322,7 @@ def load_demo(name: str, dtype: str) -> Model:
   model = models[role]
   if shape:
     return embed.embed_model(model, shape, dtype=dtype)
-  return Model(model.config.replace(dtype=dtype),
-               jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
+  return model
 
 
 def load(name_or_path: str, vocab_size: int, seed: int, dtype: str = "") -> Model:

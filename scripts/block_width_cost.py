@@ -9,11 +9,8 @@ target-only `generate` at block_width 1 and 8 (batch 1, 40 tokens, median of
 """
 import statistics, time, jax, specdec_jax as sj
 from specdec_jax.tools import profiling
-from specdec_jax.families.t5.model import Model
-pair = sj.load_demo_pair(); x = pair.heldout_inputs(1)
-cast = lambda m, d: Model(m.config.replace(dtype=d), jax.tree_util.tree_map(lambda a: a.astype(d), m.params))
 for dtype in ("float32", "bfloat16"):
-  m = cast(pair.target, dtype)
+  pair = sj.load_demo_pair(dtype=dtype); x = pair.heldout_inputs(1); m = pair.target
   ms = profiling.time_block_calls({"t": m}, x, 40, [1, 5, 8], repeats=7)["t"]
   run = {w: (lambda w=w: jax.block_until_ready(sj.generate(m, x, max_decode_steps=40, eos_id=-1, block_width=w).sequences)) for w in (1, 8)}
   for f in run.values(): f()

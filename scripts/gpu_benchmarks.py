@@ -256,7 +256,7 @@ def run_ours() -> Dict[str, Any]:
            for k in formulation_ks}
     models = {"target": target} if DRY_RUN.value else {"target": target, **cost_only}
     step_ms = profiling.time_block_calls(models, enc, max_len, formulation_ks, REPEATS.value,
-                                         attention=attention)
+                                         block_fn_for=block_fn_for)
     formulations[attention] = dict(
         ops_per_layer={str(k): v for k, v in ops.items()},
         step_ms={name: {str(k): v for k, v in ms.items()} for name, ms in step_ms.items()})

@@ -18,10 +18,11 @@ from specdec_jax import sharding
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 from specdec_jax.families.base import Family
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
+from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.families.registry import (families, family_of, find_family, is_model,
                                           supported_architectures)
 
-class UnsupportedCheckpoint(ValueError):
+class UnsupportedCheckpoint(CheckpointError):
   """No registered family reads this checkpoint."""
 
 

@@ -49,6 +49,25 @@ def test_predict_batch_equals_generate(pair, temperature, speculative):
     assert aux["scores"].shape == (3,)
 
 
+def test_prompt_lookup_reads_the_encoder_context_as_generate_does(pair):
+  """The adapter builds the drafts' `Context` itself (T5X passes no lengths, under its
+  pjit): prompt lookup, which reads it, drafts exactly as under `generate`."""
+  from specdec_jax.drafts import PromptLookupDraft
+  target, _ = pair
+  batch = _batch(target)
+  # Rows repeat a pattern so lookups hit; random lengths make the padding matter.
+  batch["encoder_input_tokens"] = np.asarray(batch["encoder_input_tokens"]).copy()
+  batch["encoder_input_tokens"][:, :4] = [5, 6, 5, 6]
+  draft = PromptLookupDraft(target.config.vocab_size, max_ngram=2)
+  model = SpeculativeEncoderDecoderModel(target.config, draft=draft,
+                                         decode_fn=decoding.speculative_sample, gamma=3)
+  decodes, aux = model.predict_batch_with_aux(target.params, batch)
+  expected = generation.generate(target, batch["encoder_input_tokens"],
+                                 max_decode_steps=MAX_DECODE, draft=draft, gamma=3)
+  np.testing.assert_array_equal(np.asarray(decodes), np.asarray(expected.sequences))
+  np.testing.assert_array_equal(np.asarray(aux["accepted"]), expected.stats.accepted)
+
+
 def test_bad_arguments(pair):
   target, draft = pair
   with pytest.raises(ValueError, match="needs a draft"):

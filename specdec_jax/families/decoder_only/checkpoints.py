@@ -18,6 +18,17 @@ onto the tree of `families/decoder_only/network.py`:
                                                -> layers_{i}/mlp/{gate,up,down}_proj/{kernel,bias}
     model.norm.weight                          -> norm/scale
     lm_head.weight                             -> lm_head/kernel (untied only)
+  Mistral / Gemma (`MistralForCausalLM`, `GemmaForCausalLM`,
+  `Gemma2ForCausalLM`, `Gemma3ForCausalLM`): the same names, plus
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight (Gemma 2/3)
+                                               -> layers_{i}/{pre,post}_feedforward_layernorm/scale
+    model.layers.{i}.self_attn.{q,k}_norm.weight (Gemma 3)
+                                               -> layers_{i}/self_attn/{q,k}_norm/scale
+  Gemma norm weights are stored around 0 (HF computes 1 + w) and copied as
+  they are; `norm_offset` adds the 1. A multimodal
+  `Gemma3ForConditionalGeneration` directory loads its text model: the
+  `text_config`, tensors under `language_model.model.` / `model.language_model.`
+  (and `language_model.lm_head.`), the vision tower and projector skipped.
   GPT-2 (`GPT2LMHeadModel`; Conv1D weights are already [in, out]; the
   `transformer.` prefix is optional, as in the original hub files):
     transformer.wte.weight / wpe.weight        -> embed_tokens / embed_positions embedding
@@ -52,13 +63,41 @@ from specdec_jax.families.tensor_io import Tensor as _Tensor, cast as _cast
 from specdec_jax.families.tensor_io import hf_weight_files as _hf_weight_files
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.core.dtypes import default_dtype
-from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.config import (FAMILY_CONVENTIONS, DecoderOnlyConfig,
+                                                      sliding_pattern)
 from specdec_jax.families.decoder_only.network import DecoderOnly
 
 # HF architecture class -> our family; model_type is the fallback.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "GPT2LMHeadModel": "gpt2"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
+                 "GPT2LMHeadModel": "gpt2", "MistralForCausalLM": "mistral",
+                 "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3",
+                 # Multimodal Gemma 3: its text model only.
+                 "Gemma3ForConditionalGeneration": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "mistral": "mistral",
+               "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+# transformers' config-class defaults for the fields a config.json may omit
+# (the hub's multimodal Gemma 3 text_config omits most of them), so a missing
+# field means what it means to transformers 5.24.
+_GEMMA_DEFAULTS = dict(rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0,
+                       eos_token_id=1, bos_token_id=2, attention_bias=False)
+_HF_DEFAULTS = {
+    "gemma": dict(_GEMMA_DEFAULTS, vocab_size=256000, head_dim=256,
+                  hidden_act="gelu_pytorch_tanh", max_position_embeddings=8192),
+    "gemma2": dict(_GEMMA_DEFAULTS, vocab_size=256000, hidden_size=2304,
+                   intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0),
+    "gemma3": dict(_GEMMA_DEFAULTS, vocab_size=262208, hidden_size=2304,
+                   intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=131072, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=None),
+    "mistral": dict(sliding_window=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+}
 
 # HF activation names -> ours. HF's "gelu" is the exact erf GELU; "gelu_new"
 # and "gelu_pytorch_tanh" are the tanh approximation.
@@ -69,8 +108,13 @@ _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_new",
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
+def supported_architectures() -> str:
+  """The architectures this family reads (the registry lists every family's)."""
+  return f"{', '.join(sorted(ARCHITECTURES))} (model_type {', '.join(sorted(MODEL_TYPES))})"
+
+
 def detect_family(hf: Mapping[str, Any], origin: str = "config.json") -> str:
-  """'llama' / 'qwen2' / 'gpt2' from a config.json dict; CheckpointError otherwise."""
+  """Our family ('llama', 'gemma2', ...) from a config.json dict; CheckpointError otherwise."""
   architectures = hf.get("architectures") or []
   for name in architectures:
     if name in ARCHITECTURES:
@@ -80,8 +124,7 @@ def detect_family(hf: Mapping[str, Any], origin: str = "config.json") -> str:
     return MODEL_TYPES[model_type]
   raise CheckpointError(
       f"{origin}: unsupported architecture (architectures={architectures}, "
-      f"model_type={model_type!r}); decoder-only loading supports "
-      f"{', '.join(sorted(ARCHITECTURES))} (model_type {', '.join(sorted(MODEL_TYPES))})")
+      f"model_type={model_type!r}); decoder-only loading supports {supported_architectures()}")
 
 
 def _token_id(value, origin: str, name: str) -> Optional[int]:
@@ -117,10 +160,82 @@ def _rope_fields(hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
                         f"linear, llama3)")
 
 
+def _gemma3_rope_fields(hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
+  """Gemma 3's two rotary tables: full layers (rope_theta, default 1M, and any
+  scaling) and sliding layers (10k by default, never scaled).
+
+  transformers 5 writes `rope_parameters` keyed by layer type; 4 wrote
+  rope_theta, rope_local_base_freq and rope_scaling (which applies to the full
+  layers only).
+  """
+  params = hf.get("rope_parameters") or {}
+  if "full_attention" in params or "sliding_attention" in params:
+    full = dict(params.get("full_attention") or {})
+    sliding = dict(params.get("sliding_attention") or {})
+  else:
+    full = dict(hf.get("rope_scaling") or {})
+    full["rope_theta"] = hf.get("rope_theta", 1000000.0)
+    sliding = dict(rope_theta=hf.get("rope_local_base_freq", 10000.0))
+  full.setdefault("rope_theta", 1000000.0)
+  sliding.setdefault("rope_theta", 10000.0)
+  if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+    raise CheckpointError(f"{origin}: rope scaling on Gemma 3's sliding layers "
+                          f"({sliding}) is not supported")
+  if "type" in full and "rope_type" not in full:
+    full["rope_type"] = full["type"]
+  full.setdefault("rope_type", "default")
+  return dict(_rope_fields(dict(rope_parameters=full), origin),
+              sliding_rope_theta=float(sliding["rope_theta"]))
+
+
+def _layout_fields(family: str, hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
+  """Mistral / Gemma fields beyond Llama's: conventions, window, layer types, caps."""
+  fields = dict(FAMILY_CONVENTIONS[family])
+  if family.startswith("gemma") and hf.get("use_bidirectional_attention"):
+    raise CheckpointError(f"{origin}: use_bidirectional_attention (an encoder use of Gemma) "
+                          f"is not supported")
+  num_layers = int(hf["num_hidden_layers"])
+  window = hf.get("sliding_window") if family != "gemma" else None
+  if family in ("gemma2", "gemma3") and window is not None:
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # Hub configs: the pattern (HF's default when absent).
+      layer_types = sliding_pattern(num_layers,
+                                    2 if family == "gemma2" else
+                                    int(hf.get("sliding_window_pattern", 6)))
+    fields["layer_types"] = tuple(layer_types)
+  # Mistral: layer_types None = the window on every layer (HF ignores
+  # layer_types for Mistral). A null window (Mistral v0.2+, or Gemma 2/3 set
+  # so) makes every layer full, as HF's masks do.
+  if window is not None:
+    fields["sliding_window"] = int(window)
+  if family in ("gemma2", "gemma3"):
+    fields["query_pre_attn_scalar"] = float(hf["query_pre_attn_scalar"])
+    cap = hf.get("final_logit_softcapping")
+    fields["final_logit_softcap"] = None if cap is None else float(cap)
+  if family == "gemma2":
+    # Gemma 3 configs may carry attn_logit_softcapping too; transformers 5.24's
+    # Gemma 3 attention never applies it, so neither do we.
+    cap = hf.get("attn_logit_softcapping")
+    fields["attn_logit_softcap"] = None if cap is None else float(cap)
+  return fields
+
+
+def _text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+  """A multimodal Gemma 3 config's text model: its text_config over the
+  top-level token ids."""
+  if "Gemma3ForConditionalGeneration" not in (hf.get("architectures") or []) and (
+      hf.get("model_type") != "gemma3"):
+    return hf
+  ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+  return {**ids, **(hf.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"],
+          "model_type": "gemma3_text"}
+
+
 def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.json",
                                 dtype: str = "float32") -> DecoderOnlyConfig:
   """Our `DecoderOnlyConfig` from a Hugging Face config.json dict."""
   family = detect_family(hf, origin)
+  hf = dict(_HF_DEFAULTS.get(family, {}), **_text_config(hf))
   try:
     if family == "gpt2":
       if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
@@ -141,7 +256,14 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
         raise CheckpointError(f"{origin}: sliding-window attention (use_sliding_window) is not "
                               f"supported")
       emb, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-      activation = hf.get("hidden_act", "silu")
+      if family in ("gemma2", "gemma3"):  # transformers reads hidden_activation only.
+        activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+      else:
+        activation = hf.get("hidden_act", "silu")
+      if family == "gemma" and activation == "gelu":
+        # transformers' GemmaConfig: the released configs' "gelu" means the
+        # tanh approximation, and it is converted to gelu_pytorch_tanh.
+        activation = "gelu_pytorch_tanh"
       attention_bias = bool(hf.get("attention_bias", False))
       fields = dict(family=family, vocab_size=int(hf["vocab_size"]), emb_dim=emb,
                     num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
@@ -155,7 +277,10 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
                     qkv_bias=family == "qwen2" or attention_bias,
                     out_bias=family != "qwen2" and attention_bias,
                     mlp_bias=bool(hf.get("mlp_bias", False)),
-                    **_rope_fields(hf, origin))
+                    **(_gemma3_rope_fields(hf, origin) if family == "gemma3" else
+                       _rope_fields(hf, origin)))
+      if family not in ("llama", "qwen2"):
+        fields.update(_layout_fields(family, hf, origin))
   except KeyError as e:
     raise CheckpointError(f"{origin}: missing field {e.args[0]!r} for a {family} config") from None
   if activation not in _HF_ACTIVATIONS:
@@ -212,8 +337,13 @@ def hf_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[str, str, Optional[in
   mlp = ("gate_proj", "up_proj", "down_proj")
   for i in range(config.num_layers):
     ours, theirs = f"layers_{i}/", f"model.layers.{i}."
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-      names[f"{ours}{norm}/scale"] = (f"{theirs}{norm}.weight", "copy", None)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.sandwich_norms:
+      norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if config.qk_norm:
+      norms += ["self_attn/q_norm", "self_attn/k_norm"]
+    for norm in norms:
+      names[f"{ours}{norm}/scale"] = (f"{theirs}{norm.replace('/', '.')}.weight", "copy", None)
     projections = [(f"self_attn/{p}", f"self_attn.{p}", bias) for p, bias in biases.items()]
     projections += [(f"mlp/{p}", f"mlp.{p}", config.mlp_bias) for p in mlp]
     for ours_proj, theirs_proj, bias in projections:
@@ -252,6 +382,28 @@ def _mapped_tensor(stored: _Tensor, transform: str, part: Optional[int]) -> _Ten
   return _Tensor(stored.source, shape, read)
 
 
+# Multimodal Gemma 3: where its text model's tensors live (transformers 4 hub
+# files, then transformers >= 4.52 / 5 saves) and what belongs to the vision side.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def _text_model_tensors(files: Dict[str, _Tensor]) -> Dict[str, _Tensor]:
+  """A multimodal checkpoint's tensors renamed as its text model's, vision ones dropped."""
+  out = {}
+  for name, tensor in files.items():
+    if name.startswith(_VISION_PREFIXES):
+      continue
+    for prefix, replacement in _TEXT_PREFIXES:
+      if name.startswith(prefix):
+        name = replacement + name[len(prefix):]
+        break
+    out[name] = tensor
+  return out
+
+
 def _describe(config: DecoderOnlyConfig) -> str:
   return (f"({config.family}: vocab {config.vocab_size}, emb {config.emb_dim}, layers "
           f"{config.num_layers}, heads {config.num_heads}/{config.num_kv_heads} kv x "
@@ -261,7 +413,7 @@ def _describe(config: DecoderOnlyConfig) -> str:
 def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
                          place: Optional[Callable[[Tuple[str, ...], np.ndarray], Any]] = None,
                          progress: bool = False) -> DecoderOnlyModel:
-  """Loads a HF LlamaForCausalLM / Qwen2ForCausalLM / GPT2LMHeadModel directory.
+  """Loads a HF decoder-only directory (any of `ARCHITECTURES`).
 
   Args:
     directory: holding config.json and the weights.
@@ -288,6 +440,8 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
     # The original hub GPT-2 files name tensors without the `transformer.` prefix.
     files = {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in files.items()}
 
+  if "text_config" in hf:
+    files = _text_model_tensors(files)
   wanted = hf_names(config)
   tensors = {ours: _mapped_tensor(files[theirs], transform, part)
              for ours, (theirs, transform, part) in wanted.items() if theirs in files}
@@ -338,6 +492,7 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
   """
   ids = dict(bos_token_id=config.bos_id, eos_token_id=config.eos_id, pad_token_id=config.pad_id,
              vocab_size=config.vocab_size, tie_word_embeddings=config.tie_word_embeddings)
+  _check_exportable(config)
   if config.family == "gpt2":
     if not (config.qkv_bias and config.out_bias and config.mlp_bias):
       raise ValueError("GPT-2 has biases on every projection: qkv_bias, out_bias and mlp_bias "
@@ -350,6 +505,8 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
                 n_positions=config.max_positions, n_ctx=config.max_positions,
                 layer_norm_epsilon=config.norm_epsilon,
                 activation_function=_EXPORT_ACTIVATIONS[config.activation], **ids)
+  if config.family in ("mistral", "gemma", "gemma2", "gemma3"):
+    return _mistral_gemma_hf_config(config, ids)
   if config.family == "qwen2":
     if not config.qkv_bias or config.out_bias or config.mlp_bias:
       raise ValueError("Qwen2 has q/k/v biases only: qkv_bias must be True, out_bias and "
@@ -368,6 +525,93 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
             rms_norm_eps=config.norm_epsilon,
             hidden_act=_EXPORT_ACTIVATIONS[config.activation], rope_theta=config.rope_theta,
             **bias_fields, **ids)
+  if config.rope_scaling == "linear":
+    hf["rope_scaling"] = dict(rope_type="linear", factor=config.rope_factor)
+  elif config.rope_scaling == "llama3":
+    hf["rope_scaling"] = dict(rope_type="llama3", factor=config.rope_factor,
+                              low_freq_factor=config.rope_low_freq_factor,
+                              high_freq_factor=config.rope_high_freq_factor,
+                              original_max_position_embeddings=config.rope_original_max_positions)
+  return hf
+
+
+def _check_exportable(config: DecoderOnlyConfig) -> None:
+  """ValueError unless the family's HF class computes what `config` computes."""
+  family = config.family
+  wrong = {k: getattr(config, k) for k, v in FAMILY_CONVENTIONS[family].items()
+           if getattr(config, k) != v}
+  if wrong:
+    raise ValueError(f"{family} fixes {FAMILY_CONVENTIONS[family]}; this config has {wrong}")
+  allowed = {"gemma2": {"query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                        "sliding_window", "layer_types"},
+             "gemma3": {"query_pre_attn_scalar", "final_logit_softcap", "sliding_window",
+                        "layer_types", "sliding_rope_theta"},
+             "mistral": {"sliding_window", "layer_types"}}.get(family, set())
+  unsupported = [k for k in ("query_pre_attn_scalar", "attn_logit_softcap",
+                             "final_logit_softcap", "sliding_window", "layer_types",
+                             "sliding_rope_theta")
+                 if getattr(config, k) is not None and k not in allowed]
+  if unsupported:
+    raise ValueError(f"{family}'s Hugging Face class has no counterpart of "
+                     f"{', '.join(unsupported)}")
+  if family == "gemma3" and config.rope_scaling is not None and config.sliding_rope_theta is None:
+    raise ValueError("Gemma 3 scales the full layers' rotary only: set sliding_rope_theta to "
+                     "export rope scaling")
+
+
+_HF_CLASSES = {"mistral": ("MistralForCausalLM", "mistral"),
+               "gemma": ("GemmaForCausalLM", "gemma"),
+               "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+               "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+
+
+def _mistral_gemma_hf_config(config: DecoderOnlyConfig, ids: Dict[str, Any]) -> Dict[str, Any]:
+  family = config.family
+  if config.mlp_bias or (config.qkv_bias and family == "mistral"):
+    raise ValueError(f"{family} has no MLP biases{' nor attention biases' * (family == 'mistral')}")
+  if config.qkv_bias != config.out_bias:
+    raise ValueError("Gemma's attention_bias covers q/k/v and o together: qkv_bias and "
+                     "out_bias must be equal")
+  architecture, model_type = _HF_CLASSES[family]
+  hf = dict(architectures=[architecture], model_type=model_type, hidden_size=config.emb_dim,
+            intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+            head_dim=config.head_dim, max_position_embeddings=config.max_positions,
+            rms_norm_eps=config.norm_epsilon, rope_theta=config.rope_theta, **ids)
+  activation = _EXPORT_ACTIVATIONS[config.activation]
+  if activation == "gelu_new":
+    activation = "gelu_pytorch_tanh"  # The same function, under Gemma's name.
+  if family in ("gemma2", "gemma3"):
+    hf["hidden_activation"] = activation
+  else:
+    # Gemma 1 converts "gelu" to the tanh approximation; exact GELU cannot be said.
+    if family == "gemma" and config.activation == "gelu":
+      raise ValueError("GemmaConfig reads hidden_act 'gelu' as the tanh approximation: exact "
+                       "GELU cannot be exported as Gemma")
+    hf["hidden_act"] = activation
+  if family != "mistral":
+    hf["attention_bias"] = config.qkv_bias
+  if family == "mistral" or config.sliding_window is not None:
+    hf["sliding_window"] = config.sliding_window
+  if family == "mistral" and config.layer_types is not None and (
+      len(set(config.attention_types)) != 1 or (config.attention_types[0] == "full_attention")
+      != (config.sliding_window is None)):
+    raise ValueError("MistralForCausalLM has one window on every layer: layer_types must be "
+                     "None (or uniform and matching sliding_window)")
+  if family in ("gemma2", "gemma3"):
+    hf["layer_types"] = list(config.attention_types)
+    scalar = (config.head_dim if config.query_pre_attn_scalar is None
+              else config.query_pre_attn_scalar)
+    if not float(scalar).is_integer():  # transformers' config validates it as an int.
+      raise ValueError(f"query_pre_attn_scalar {scalar} is not an integer, which "
+                       f"{architecture}'s config requires")
+    hf["query_pre_attn_scalar"] = int(scalar)
+    hf["final_logit_softcapping"] = config.final_logit_softcap
+  if family == "gemma2":
+    hf["attn_logit_softcapping"] = config.attn_logit_softcap
+  if family == "gemma3":
+    hf["rope_local_base_freq"] = (config.rope_theta if config.sliding_rope_theta is None
+                                  else config.sliding_rope_theta)
   if config.rope_scaling == "linear":
     hf["rope_scaling"] = dict(rope_type="linear", factor=config.rope_factor)
   elif config.rope_scaling == "llama3":

@@ -1,4 +1,4 @@
-"""Decoder-only (GPT-2, Llama, Qwen2) size configurations as data.
+"""Decoder-only (GPT-2, Llama, Qwen2, Mistral, Gemma 1/2/3) size configurations as data.
 
 `DecoderOnlyConfig` holds every field that determines a parameter shape or a
 numerical convention of `families/decoder_only/network.py`; named configs are plain
@@ -12,13 +12,28 @@ are realistic); their weights are random unless loaded from a directory.
 """
 
 import dataclasses
+import re
 from typing import Optional, Tuple
 
 from specdec_jax.families.base import replace_config
 
-FAMILIES = ("llama", "qwen2", "gpt2")
+FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "gemma", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
 ROPE_SCALINGS = (None, "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# The numerical conventions each Hugging Face layout fixes (beyond shapes). The
+# HF loader sets them from the family and the exporter checks them, so a config
+# that claims a family but differs in one of these cannot be written as it.
+_GEMMA = dict(norm_offset=1.0, scale_embeddings=True)
+FAMILY_CONVENTIONS = {
+    "gemma": dict(_GEMMA, sandwich_norms=False, qk_norm=False),
+    "gemma2": dict(_GEMMA, sandwich_norms=True, qk_norm=False),
+    "gemma3": dict(_GEMMA, sandwich_norms=True, qk_norm=True),
+}
+_PLAIN = dict(norm_offset=0.0, scale_embeddings=False, sandwich_norms=False, qk_norm=False)
+FAMILY_CONVENTIONS.update({family: dict(_PLAIN) for family in ("llama", "qwen2", "gpt2",
+                                                                "mistral")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +41,12 @@ class DecoderOnlyConfig:
   """Shapes and conventions of a decoder-only Transformer.
 
   Attributes:
-    family: 'llama' and 'qwen2' (RMSNorm, rotary positions, SwiGLU MLP
-      gate/up/down) or 'gpt2' (LayerNorm with bias, learned positions, plain
-      MLP up/down). Also names the Hugging Face layout the loader reads.
+    family: 'llama', 'qwen2', 'mistral', 'gemma', 'gemma2', 'gemma3' (RMSNorm,
+      rotary positions, gated MLP gate/up/down) or 'gpt2' (LayerNorm with
+      bias, learned positions, plain MLP up/down). Names the Hugging Face
+      layout the loader reads and the exporter writes; the numerical
+      differences between the rotary families are the fields below
+      (`FAMILY_CONVENTIONS` lists what each family fixes).
     vocab_size: rows of the token embedding (and columns of the logits).
     emb_dim: width of the residual stream (HF hidden_size / n_embd).
     num_layers: decoder layers.
@@ -41,8 +59,9 @@ class DecoderOnlyConfig:
       max_position_embeddings, the context the model was trained for; kept for
       reference and not enforced (rotary positions extend past it, as in HF).
     norm_epsilon: RMSNorm / LayerNorm epsilon.
-    activation: MLP activation ('silu' for Llama/Qwen2, 'gelu_new' = tanh GELU
-      for GPT-2, 'gelu' = exact erf GELU, 'relu').
+    activation: MLP activation ('silu' for Llama/Qwen2/Mistral, 'gelu_new' =
+      tanh GELU for GPT-2 and (gated) Gemma, HF's gelu_pytorch_tanh, 'gelu' =
+      exact erf GELU, 'relu').
     rope_theta: rotary base (rotary families only).
     rope_scaling: None, 'linear' (positions divided by rope_factor) or
       'llama3' (Llama 3.1's frequency-dependent scaling with rope_factor,
@@ -56,6 +75,32 @@ class DecoderOnlyConfig:
     bos_id / eos_id / pad_id: token conventions; eos_id None means no token
       ends a row early. pad_id only fills right-padded prompts (its value never
       matters, those positions are masked and overwritten).
+    norm_offset: RMSNorm multiplies by (norm_offset + scale); Gemma stores its
+      scales around 0 and uses 1 + w (and computes the product in float32
+      before casting back, as every norm here does). 0 elsewhere.
+    scale_embeddings: multiply token embeddings by sqrt(emb_dim), the factor
+      first rounded to the compute dtype, as HF does (Gemma; in bf16
+      sqrt(3072) = 55.43 becomes 55.5).
+    query_pre_attn_scalar: attention scores are scaled by
+      query_pre_attn_scalar ** -0.5 (Gemma 2/3); None: head_dim ** -0.5.
+    attn_logit_softcap: scores -> cap * tanh(scores / cap) after scaling and
+      before the mask (Gemma 2); None: no capping.
+    final_logit_softcap: logits -> cap * tanh(logits / cap) (Gemma 2; Gemma 3
+      configs may set it); None: no capping.
+    sandwich_norms: Gemma 2/3 layer: x + post_attention_layernorm(attn(
+      input_layernorm(x))), then x + post_feedforward_layernorm(mlp(
+      pre_feedforward_layernorm(x))). False: the pre-norm layer, whose
+      post_attention_layernorm is the norm before the MLP.
+    qk_norm: RMSNorm (q_norm, k_norm, [head_dim] scales) on each query and key
+      head after the projection and before rotary (Gemma 3).
+    sliding_window: W; a layer of type 'sliding_attention' lets the query at
+      absolute position i see keys j with i - W < j <= i. None: no window.
+    layer_types: per layer 'full_attention' or 'sliding_attention' (len =
+      num_layers); None: every layer sliding when sliding_window is set
+      (Mistral), else every layer full.
+    sliding_rope_theta: rotary base of the sliding layers, which then get no
+      rope scaling (Gemma 3: 10k local, rope_theta and rope_scaling on the full
+      layers); None: every layer uses rope_theta and rope_scaling.
   """
   family: str = "llama"
   vocab_size: int = 32000
@@ -82,6 +127,16 @@ class DecoderOnlyConfig:
   bos_id: Optional[int] = 1
   eos_id: Optional[int] = 2
   pad_id: int = 0
+  norm_offset: float = 0.0
+  scale_embeddings: bool = False
+  query_pre_attn_scalar: Optional[float] = None
+  attn_logit_softcap: Optional[float] = None
+  final_logit_softcap: Optional[float] = None
+  sandwich_norms: bool = False
+  qk_norm: bool = False
+  sliding_window: Optional[int] = None
+  layer_types: Optional[Tuple[str, ...]] = None
+  sliding_rope_theta: Optional[float] = None
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -114,6 +169,34 @@ class DecoderOnlyConfig:
       if value is not None and not 0 <= value < self.vocab_size:
         raise ValueError(f"DecoderOnlyConfig.{field} {value} lies outside the vocabulary "
                          f"[0, {self.vocab_size})")
+    for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                  "sliding_rope_theta"):
+      value = getattr(self, field)
+      if value is not None and not value > 0:
+        raise ValueError(f"DecoderOnlyConfig.{field} must be None or > 0, got {value!r}")
+    if self.sliding_window is not None and (
+        not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or
+        self.sliding_window < 1):
+      raise ValueError(f"DecoderOnlyConfig.sliding_window must be None or a positive int, got "
+                       f"{self.sliding_window!r}")
+    if self.layer_types is not None:
+      if not isinstance(self.layer_types, tuple):
+        # A list would make the (hashed, jit-cached) config unhashable.
+        raise ValueError(f"DecoderOnlyConfig.layer_types must be a tuple, got "
+                         f"{type(self.layer_types).__name__}")
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f"DecoderOnlyConfig.layer_types has {len(self.layer_types)} entries "
+                         f"but num_layers is {self.num_layers}: give one per layer (or "
+                         f"layer_types=None for uniform layers)")
+      bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if bad:
+        raise ValueError(f"DecoderOnlyConfig.layer_types entries must be in {LAYER_TYPES}, "
+                         f"got {bad}")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        raise ValueError("DecoderOnlyConfig.layer_types has sliding_attention layers but "
+                         "sliding_window is None")
+    if not self.uses_rotary and (self.qk_norm or self.sliding_rope_theta is not None):
+      raise ValueError("qk_norm and sliding_rope_theta need a rotary family (not gpt2)")
 
   @property
   def uses_rotary(self) -> bool:
@@ -129,6 +212,14 @@ class DecoderOnlyConfig:
   def gated_mlp(self) -> bool:
     """SwiGLU-style gate_proj * up_proj (Llama, Qwen2) rather than up_proj alone (GPT-2)."""
     return self.family != "gpt2"
+
+  @property
+  def attention_types(self) -> Tuple[str, ...]:
+    """'full_attention' / 'sliding_attention' per layer, layer_types resolved."""
+    if self.layer_types is not None:
+      return self.layer_types
+    uniform = "full_attention" if self.sliding_window is None else "sliding_attention"
+    return (uniform,) * self.num_layers
 
   @property
   def num_groups(self) -> int:
@@ -151,8 +242,11 @@ class DecoderOnlyConfig:
     mlp = (3 if self.gated_mlp else 2) * e * m
     if self.mlp_bias:
       mlp += (2 if self.gated_mlp else 1) * m + e
+    if self.qk_norm:
+      attn += 2 * d
     norm = 2 * e if self.uses_layer_norm else e  # LayerNorm has a bias.
-    total = v * e + self.num_layers * (attn + mlp + 2 * norm) + norm
+    norms_per_layer = 4 if self.sandwich_norms else 2
+    total = v * e + self.num_layers * (attn + mlp + norms_per_layer * norm) + norm
     if not self.uses_rotary:
       total += self.max_positions * e
     if not self.tie_word_embeddings:
@@ -171,6 +265,29 @@ _LLAMA3_ROPE = dict(rope_theta=500000.0, rope_scaling="llama3",
                     rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                     rope_original_max_positions=8192, vocab_size=128256, bos_id=128000,
                     eos_id=128001, max_positions=131072)
+# Gemma / Mistral conventions shared by every size (hub config.json files).
+_GEMMA_COMMON = dict(vocab_size=256000, norm_epsilon=1e-6, tie_word_embeddings=True,
+                     rope_theta=10000.0, bos_id=2, eos_id=1, pad_id=0, max_positions=8192)
+# Gemma's activation is HF's gelu_pytorch_tanh, the same tanh approximation our
+# 'gelu_new' computes.
+_GEMMA_COMMON["activation"] = "gelu_new"
+_GEMMA1 = dict(_GEMMA_COMMON, family="gemma", **FAMILY_CONVENTIONS["gemma"])
+_GEMMA2 = dict(_GEMMA_COMMON, family="gemma2", sliding_window=4096, attn_logit_softcap=50.0,
+               final_logit_softcap=30.0, **FAMILY_CONVENTIONS["gemma2"])
+_GEMMA3 = dict(_GEMMA_COMMON, family="gemma3", vocab_size=262208, rope_theta=1000000.0,
+               sliding_rope_theta=10000.0, sliding_window=1024, max_positions=131072,
+               **FAMILY_CONVENTIONS["gemma3"])
+_MISTRAL = dict(family="mistral", activation="silu", sliding_window=4096,
+                **FAMILY_CONVENTIONS["mistral"])
+
+
+def sliding_pattern(num_layers: int, every: int) -> Tuple[str, ...]:
+  """HF's `sliding_window_pattern`: layer i is full when (i + 1) % every == 0, else sliding.
+
+  Gemma 2 is every=2 (layer 0 sliding), Gemma 3 every=6 (5 sliding : 1 full).
+  """
+  return tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
+               for i in range(num_layers))
 
 
 def _named_configs():
@@ -204,6 +321,45 @@ def _named_configs():
         vocab_size=vocab, emb_dim=emb, num_layers=layers, num_heads=heads, num_kv_heads=kv,
         head_dim=emb // heads, mlp_dim=mlp, max_positions=32768, tie_word_embeddings=tied,
         **_QWEN2)
+  # Gemma 1: google/gemma-2b and gemma-7b config.json (Feb 2024 release):
+  # (emb, layers, heads, kv heads, mlp); head_dim 256 for both.
+  for name, (emb, layers, heads, kv, mlp) in {"gemma_2b": (2048, 18, 8, 1, 16384),
+                                              "gemma_7b": (3072, 28, 16, 16, 24576)}.items():
+    configs[name] = DecoderOnlyConfig(emb_dim=emb, num_layers=layers, num_heads=heads,
+                                      num_kv_heads=kv, head_dim=256, mlp_dim=mlp, **_GEMMA1)
+  # Gemma 2: google/gemma-2-{2b,9b,27b} config.json (Jun/Jul 2024 release):
+  # (emb, layers, heads, kv heads, head_dim, mlp, query_pre_attn_scalar); 27b
+  # scales by (emb / heads) ** -0.5 = 144 ** -0.5, not head_dim 128.
+  for name, (emb, layers, heads, kv, hd, mlp, qpas) in {
+      "gemma2_2b": (2304, 26, 8, 4, 256, 9216, 256),
+      "gemma2_9b": (3584, 42, 16, 8, 256, 14336, 256),
+      "gemma2_27b": (4608, 46, 32, 16, 128, 36864, 144)}.items():
+    configs[name] = DecoderOnlyConfig(
+        emb_dim=emb, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        mlp_dim=mlp, query_pre_attn_scalar=float(qpas),
+        layer_types=sliding_pattern(layers, 2), **_GEMMA2)
+  # Gemma 3 (text): google/gemma-3-1b-pt config.json and the text_config of
+  # google/gemma-3-{4b,12b,27b}-pt (Mar 2025 release): sliding_window_pattern 6,
+  # rope_local_base_freq 10k, rope_theta 1M; 1b: window 512, vocab 262144, no
+  # rope scaling, 32k context; 4b+: window 1024, linear rope factor 8 on the
+  # full layers. (emb, layers, heads, kv, head_dim, mlp, query_pre_attn_scalar).
+  configs["gemma3_1b"] = DecoderOnlyConfig(**{
+      **_GEMMA3, "vocab_size": 262144, "sliding_window": 512, "max_positions": 32768},
+      emb_dim=1152, num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, mlp_dim=6912,
+      query_pre_attn_scalar=256.0, layer_types=sliding_pattern(26, 6))
+  for name, (emb, layers, heads, kv, hd, mlp, qpas) in {
+      "gemma3_4b": (2560, 34, 8, 4, 256, 10240, 256),
+      "gemma3_12b": (3840, 48, 16, 8, 256, 15360, 256),
+      "gemma3_27b": (5376, 62, 32, 16, 128, 21504, 168)}.items():
+    configs[name] = DecoderOnlyConfig(
+        emb_dim=emb, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        mlp_dim=mlp, query_pre_attn_scalar=float(qpas), layer_types=sliding_pattern(layers, 6),
+        rope_scaling="linear", rope_factor=8.0, **_GEMMA3)
+  # Mistral: mistralai/Mistral-7B-v0.1 config.json (Sep 2023): window 4096 on
+  # every layer, rope 10k, eps 1e-5, 32k positions.
+  configs["mistral_7b"] = DecoderOnlyConfig(
+      vocab_size=32000, emb_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+      head_dim=128, mlp_dim=14336, max_positions=32768, norm_epsilon=1e-5, **_MISTRAL)
   # Test shapes: a small shared vocabulary per family, every layout feature on
   # (GQA, untied head for Llama; biases, tied head for Qwen2).
   tiny = dict(vocab_size=97, max_positions=128, bos_id=1, eos_id=2, pad_id=0)
@@ -229,8 +385,10 @@ DECODER_CONFIGS = _named_configs()
 
 
 def canonical_name(name: str) -> str:
-  """'qwen2-0.5b' -> 'qwen2_0_5b': hyphens and dots spell underscores."""
-  return name.lower().replace("-", "_").replace(".", "_")
+  """'qwen2-0.5b' -> 'qwen2_0_5b': hyphens and dots spell underscores; the hub's
+  'gemma-2-9b' / 'gemma-3-1b' spell gemma2_9b / gemma3_1b."""
+  name = name.lower().replace("-", "_").replace(".", "_")
+  return re.sub(r"^gemma_([23])_", r"gemma\1_", name)
 
 
 def get_decoder_config(name: str, **overrides) -> DecoderOnlyConfig:

@@ -1,4 +1,5 @@
-"""A decoder-only Transformer (Llama / Qwen2 / GPT-2 layouts) scoring token blocks from a KV cache.
+"""A decoder-only Transformer (Llama / Qwen2 / Mistral / Gemma 1-3 / GPT-2 layouts) scoring token
+blocks from a KV cache.
 
 The block contract is the T5 decoder's (families/t5/network.py), so the decode loops in
 `specdec_jax.core.decoding` run either family unchanged:
@@ -12,6 +13,10 @@ The block contract is the T5 decoder's (families/t5/network.py), so the decode l
   row's right-padded prompt at positions 0..P-1 and returns the logits at each
   row's last prompt token. Padding positions get junk keys/values, which the
   causal mask hides from the real prompt and generation overwrites.
+* Sliding-window layers mask by absolute position: the query at position i
+  sees key j iff i - W < j <= i, in the uncached forward, the prefill and every
+  block. The cache stays full length (no ring buffer), so a block at any
+  per-row positions, and a roll-back after rejected drafts, need nothing more.
 
 Layouts (`DecoderOnlyConfig.family`):
 * llama / qwen2: RMSNorm, rotary positions (HF `rotate_half` convention:
@@ -19,6 +24,12 @@ Layouts (`DecoderOnlyConfig.family`):
   SwiGLU MLP, tied or untied output; Qwen2 adds q/k/v biases.
 * gpt2: LayerNorm with bias, learned absolute positions, GELU (tanh) MLP,
   biases everywhere, tied output.
+* mistral: the Llama layout with a sliding window on every layer.
+* gemma / gemma2 / gemma3: (1 + w) RMSNorm, embeddings scaled by sqrt(emb),
+  tanh-GELU gated MLP, tied output; Gemma 2/3 add sandwich norms, attention
+  scaled by query_pre_attn_scalar, sliding layers by layer_types and (Gemma 2)
+  soft-capped scores and logits; Gemma 3 adds per-head q/k norms and a
+  separate rotary base on sliding layers.
 
 Parameter tree (kernels are [in, out], Flax's convention; HF Linear weights are
 their transpose; `checkpoints_decoder_only` holds the name mapping):
@@ -29,7 +40,9 @@ their transpose; `checkpoints_decoder_only` holds the name mapping):
   layers_{i}/self_attn/k_proj/kernel (+ bias)  [emb, kv_heads * head_dim]
   layers_{i}/self_attn/v_proj/kernel (+ bias)  [emb, kv_heads * head_dim]
   layers_{i}/self_attn/o_proj/kernel (+ bias)  [heads * head_dim, emb]
+  layers_{i}/self_attn/{q,k}_norm/scale        [head_dim]             qk_norm (Gemma 3) only
   layers_{i}/post_attention_layernorm/scale (+ bias)
+  layers_{i}/{pre,post}_feedforward_layernorm/scale [emb]             sandwich_norms (Gemma 2/3)
   layers_{i}/mlp/gate_proj/kernel (+ bias)     [emb, mlp]             gated (Llama, Qwen2) only
   layers_{i}/mlp/up_proj/kernel (+ bias)       [emb, mlp]
   layers_{i}/mlp/down_proj/kernel (+ bias)     [mlp, emb]
@@ -81,13 +94,19 @@ def _axes(x: Array, logical_axes: Tuple[str, ...]) -> Array:
   return nn.with_logical_constraint(x, logical_axes)
 
 
-def rotary_inv_freq(config: DecoderOnlyConfig) -> np.ndarray:
+def rotary_inv_freq(config: DecoderOnlyConfig, sliding: bool = False) -> np.ndarray:
   """Rotary inverse frequencies [head_dim // 2] float32, with the config's scaling.
+
+  sliding: for a sliding-window layer; with `sliding_rope_theta` set (Gemma 3)
+  that base, unscaled, else the same table as full layers.
 
   Computed in float64 on the host (static per config) and rounded once; HF
   computes them in float32, a difference far below the logits tolerance.
   """
   d = config.head_dim
+  if sliding and config.sliding_rope_theta is not None:
+    return (1.0 / (config.sliding_rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+            ).astype(np.float32)
   inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
   if config.rope_scaling == "linear":
     inv_freq = inv_freq / config.rope_factor
@@ -105,9 +124,11 @@ def rotary_inv_freq(config: DecoderOnlyConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def rotary_tables(positions: Array, config: DecoderOnlyConfig) -> Tuple[Array, Array]:
+def rotary_tables(positions: Array, config: DecoderOnlyConfig,
+                  sliding: bool = False) -> Tuple[Array, Array]:
   """cos, sin [batch|1, q, 1, head_dim] float32 for positions [batch|1, q]."""
-  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(rotary_inv_freq(config))
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(
+      rotary_inv_freq(config, sliding))
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
   return jnp.cos(angles), jnp.sin(angles)
 
@@ -139,13 +160,19 @@ class Dense(nn.Module):
 
 
 class Norm(nn.Module):
-  """RMSNorm (`scale`) or, for GPT-2, LayerNorm (`scale`, `bias`), in float32."""
+  """RMSNorm (`scale`) or, for GPT-2, LayerNorm (`scale`, `bias`), in float32.
+
+  RMSNorm multiplies by (norm_offset + scale) in float32 and casts the product
+  (Gemma's (1 + w), HF `GemmaRMSNorm`; Llama's offset is 0). Init makes the
+  multiplier 1 either way.
+  """
   config: DecoderOnlyConfig
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     cfg = self.config
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    init = nn.initializers.constant(1.0 - cfg.norm_offset)
+    scale = self.param("scale", init, (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
     if cfg.uses_layer_norm:
       bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), jnp.float32)
@@ -154,6 +181,9 @@ class Norm(nn.Module):
                                     cfg.norm_epsilon)
       return (x32 * scale + bias).astype(_dtype(cfg))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_epsilon)
+    if cfg.norm_offset:
+      # Gemma: (1 + w) formed in float32 (w may be stored in bf16).
+      return (x32 * (cfg.norm_offset + scale.astype(jnp.float32))).astype(_dtype(cfg))
     return (x32 * scale).astype(_dtype(cfg))
 
 
@@ -183,22 +213,29 @@ def _set_block(cache: Array, block: Array, positions: Array) -> Array:
   return cache.at[jnp.arange(batch)[:, None], index].set(block.astype(cache.dtype), mode="drop")
 
 
-def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: int) -> Array:
-  """Grouped-query dot-product attention scaled by 1/sqrt(head_dim).
+def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: int,
+            scale: float, softcap: Optional[float] = None) -> Array:
+  """Grouped-query dot-product attention, scores multiplied by `scale`.
 
   Query head h reads key/value head h // (heads / kv_heads), as HF's
-  `repeat_kv` does, without materialising the repeated keys.
+  `repeat_kv` does, without materialising the repeated keys. With `softcap`
+  (Gemma 2) scaled scores become softcap * tanh(scores / softcap) before the
+  mask is added, HF's order.
 
   Args:
     query: [batch, q, heads, head_dim]; key, value: [batch, k, kv_heads, head_dim].
     bias: [batch|1, 1, q, k] float32 (the mask folded in).
+    scale: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5.
   Returns:
     [batch, q, heads, head_dim] in the value's dtype.
   """
   batch, q_len, heads, head_dim = query.shape
   grouped = query.reshape(batch, q_len, num_kv_heads, heads // num_kv_heads, head_dim)
   scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key, preferred_element_type=jnp.float32)
-  scores = scores * np.float32(head_dim ** -0.5) + bias[:, :, None]
+  scores = scores * np.float32(scale)
+  if softcap is not None:
+    scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
+  scores = scores + bias[:, :, None]
   weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value)
   return out.reshape(batch, q_len, heads, head_dim)
@@ -214,6 +251,9 @@ class Attention(nn.Module):
     self.k_proj = Dense(cfg.num_kv_heads * cfg.head_dim, cfg, cfg.qkv_bias)
     self.v_proj = Dense(cfg.num_kv_heads * cfg.head_dim, cfg, cfg.qkv_bias)
     self.o_proj = Dense(cfg.emb_dim, cfg, cfg.out_bias)
+    if cfg.qk_norm:
+      self.q_norm = Norm(cfg)
+      self.k_norm = Norm(cfg)
 
   def _split(self, x: Array, heads: int) -> Array:
     x = x.reshape(x.shape[:-1] + (heads, self.config.head_dim))
@@ -226,6 +266,9 @@ class Attention(nn.Module):
     query = self._split(self.q_proj(x), cfg.num_heads)
     key = self._split(self.k_proj(x), cfg.num_kv_heads)
     value = self._split(self.v_proj(x), cfg.num_kv_heads)
+    if cfg.qk_norm:  # Per head, over head_dim, before rotary (HF Gemma 3).
+      query = self.q_norm(query)
+      key = self.k_norm(key)
     if rotary is not None:
       query = apply_rotary(query, *rotary)
       key = apply_rotary(key, *rotary)
@@ -234,7 +277,9 @@ class Attention(nn.Module):
       key = _set_block(layer_cache["self_key"], key, positions)
       value = _set_block(layer_cache["self_value"], value, positions)
       new_cache = dict(layer_cache, self_key=key, self_value=value)
-    heads = _attend(query, key, value, bias, cfg.num_kv_heads)
+    scalar = cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
+    heads = _attend(query, key, value, bias, cfg.num_kv_heads, scalar ** -0.5,
+                    cfg.attn_logit_softcap)
     return self.o_proj(heads.reshape(heads.shape[:-2] + (-1,))), new_cache
 
 
@@ -256,7 +301,12 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(x)); one code path, cached or not."""
+  """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(x)); one code path, cached or not.
+
+  With sandwich_norms (Gemma 2/3) each sub-block's output is normed too:
+  x + post_attention_layernorm(attn(input_layernorm(x))), then
+  x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
+  """
   config: DecoderOnlyConfig
 
   def setup(self):
@@ -264,13 +314,20 @@ class DecoderLayer(nn.Module):
     self.input_layernorm = Norm(cfg)
     self.self_attn = Attention(cfg)
     self.post_attention_layernorm = Norm(cfg)
+    if cfg.sandwich_norms:
+      self.pre_feedforward_layernorm = Norm(cfg)
+      self.post_feedforward_layernorm = Norm(cfg)
     self.mlp = Mlp(cfg)
 
   def __call__(self, x, bias, rotary, layer_cache=None, positions=None):
     attended, new_cache = self.self_attn(self.input_layernorm(x), bias, rotary, layer_cache,
                                          positions)
-    x = x + attended
-    x = x + self.mlp(self.post_attention_layernorm(x))
+    if self.config.sandwich_norms:
+      x = x + self.post_attention_layernorm(attended)
+      x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    else:
+      x = x + attended
+      x = x + self.mlp(self.post_attention_layernorm(x))
     return _axes(x, ("batch", "length", "embed")), new_cache
 
 
@@ -283,7 +340,7 @@ def init_cache(config: DecoderOnlyConfig, batch: int, max_len: int) -> Cache:
 
 
 class DecoderOnly(nn.Module):
-  """A decoder-only language model (Llama, Qwen2 or GPT-2 layout, by config)."""
+  """A decoder-only language model (Llama, Qwen2, Mistral, Gemma or GPT-2 layout, by config)."""
   config: DecoderOnlyConfig
 
   def setup(self):
@@ -311,29 +368,50 @@ class DecoderOnly(nn.Module):
     """
     cfg = self.config
     x = self.embed_tokens(tokens)
+    if cfg.scale_embeddings:
+      # HF multiplies by sqrt(hidden) cast to the weights' dtype first.
+      x = x * jnp.asarray(cfg.emb_dim ** 0.5, x.dtype)
     if not cfg.uses_rotary:
       x = x + self.embed_positions(query_positions)
     if cache is None:
       key_positions = query_positions
     else:
       key_positions = jnp.arange(cache["layers"][0]["self_key"].shape[1])[None]
-    causal = key_positions[:, None, None, :] <= query_positions[:, None, :, None]
-    bias = jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)
-    rotary = rotary_tables(query_positions, cfg) if cfg.uses_rotary else None
+    # Masks by absolute positions [batch|1, 1, q, k]: exact for any block of
+    # any row, whatever the cache holds past a row's length or before its window.
+    query_at = query_positions[:, None, :, None]
+    key_at = key_positions[:, None, None, :]
+    causal = key_at <= query_at
+    types = cfg.attention_types
+    biases = {"full_attention": jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)}
+    rotaries = {"full_attention": rotary_tables(query_positions, cfg) if cfg.uses_rotary
+                else None}
+    if "sliding_attention" in types:
+      in_window = causal & (key_at > query_at - cfg.sliding_window)
+      biases["sliding_attention"] = jnp.where(in_window, 0.0, _MASK_VALUE).astype(jnp.float32)
+      rotaries["sliding_attention"] = (
+          rotary_tables(query_positions, cfg, sliding=True)
+          if cfg.uses_rotary and cfg.sliding_rope_theta is not None else
+          rotaries["full_attention"])
     x = _axes(x, ("batch", "length", "embed"))
     new_layers = []
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else cache["layers"][i]
-      x, new_layer = layer(x, bias, rotary, layer_cache, positions)
+      x, new_layer = layer(x, biases[types[i]], rotaries[types[i]], layer_cache, positions)
       new_layers.append(new_layer)
     return self.norm(x), (None if cache is None else new_layers)
 
   def project_logits(self, hidden: Array) -> Array:
-    """hidden [..., emb] -> logits [..., vocab] float32."""
+    """hidden [..., emb] -> logits [..., vocab] float32 (soft-capped with final_logit_softcap)."""
+    cap = self.config.final_logit_softcap
     if self.config.tie_word_embeddings:
       embedding = self.embed_tokens.embedding.astype(hidden.dtype)
-      return jnp.dot(hidden, embedding.T, preferred_element_type=jnp.float32)
-    return self.lm_head(hidden)
+      logits = jnp.dot(hidden, embedding.T, preferred_element_type=jnp.float32)
+    else:
+      logits = self.lm_head(hidden)
+    if cap is not None:
+      logits = np.float32(cap) * jnp.tanh(logits / np.float32(cap))
+    return logits
 
   def __call__(self, tokens: Array) -> Array:
     """Logits [batch, len, vocab] float32 of tokens [batch, len] at positions 0..len-1, no cache."""
