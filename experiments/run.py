@@ -50,7 +50,7 @@ from specdec_jax.core import theory
 from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.drafts import Draft, ModelDraft
 from specdec_jax.core.outputs import SpeculativeStats, sequence_lengths
-from specdec_jax.loading import load_model
+from specdec_jax.loading import load_model, shard_model
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
@@ -278,9 +278,9 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     # Params go onto the mesh leaf by leaf; the compiled decode follows their
     # shardings (GSPMD), the batch is split over `data`.
     target_part, draft_part = partitioners
-    target = sharding.shard_model(target, target_part)
+    target = shard_model(target, target_part)
     if isinstance(draft, ModelDraft):
-      draft = ModelDraft(sharding.shard_model(draft.model, draft_part),
+      draft = ModelDraft(shard_model(draft.model, draft_part),
                          draft.confidence_threshold)
   draft_model = draft.model if isinstance(draft, ModelDraft) else None
 

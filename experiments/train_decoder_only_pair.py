@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from experiments.train_stages import check_stages, run_stages
+from experiments.train_stages import check_stages, read_json, run_stages, write_json
 from specdec_jax import data
 from specdec_jax.families.decoder_only.batch import lm_batch
 from specdec_jax.train import distill
@@ -119,17 +119,6 @@ def _settings() -> PairSettings:
   return dataclasses.replace(PairSettings(), **overrides)
 
 
-def _write_json(path, obj):
-  data.write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _read_json(path, default=None):
-  if not os.path.exists(path):
-    return default
-  with open(path) as f:
-    return json.load(f)
-
-
 def _save_npz(path, **arrays):
   import io
   buf = io.BytesIO()
@@ -139,9 +128,9 @@ def _save_npz(path, **arrays):
 
 def _update_stats(workdir, key, value):
   path = os.path.join(workdir, "stats.json")
-  stats = _read_json(path, {})
+  stats = read_json(path, {})
   stats[key] = value
-  _write_json(path, stats)
+  write_json(path, stats)
 
 
 def _save_params(path, params):
@@ -244,7 +233,7 @@ def stage_pretrain(s: PairSettings, workdir: str):
       state, batch_at, loss_fn=train.joint_loss_fn(configs),
       optimizer=optimizer, cfg=cfg, workdir=os.path.join(workdir, "pretrain"),
       eval_batches=_eval_batches(d["eval_windows"]), description="pretrain")
-  stats = _read_json(os.path.join(workdir, "stats.json"), {}).get("pretrain", {})
+  stats = read_json(os.path.join(workdir, "stats.json"), {}).get("pretrain", {})
   seconds = stats.get("seconds", 0.0) + time.time() - t0
   _update_stats(workdir, "pretrain", dict(
       steps=s.pretrain_steps, batch=s.pretrain_batch, tokens_seen=s.pretrain_steps *
@@ -367,9 +356,9 @@ def stage_export(s: PairSettings, workdir: str, out_dir: str):
   _save_npz(os.path.join(out_dir, "heldout.npz"),
             **{k: d[k] for k in ("prompts", "prompt_lengths", "references", "prompt_paths")})
   info = dict(settings=json.loads(json.dumps(dataclasses.asdict(s))),
-              stats=_read_json(os.path.join(workdir, "stats.json"), {}),
+              stats=read_json(os.path.join(workdir, "stats.json"), {}),
               params={n: models[n].config.num_params for n in ("target", "draft")})
-  _write_json(os.path.join(out_dir, "info.json"), info)
+  write_json(os.path.join(out_dir, "info.json"), info)
   data.write_bytes_atomic(os.path.join(out_dir, "MODEL_CARD.md"), model_card(info).encode())
   total = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(out_dir)
               for f in fs)
@@ -390,9 +379,9 @@ def model_card(info) -> str:
   lines = [
       "# Decoder-only demo pair: a GPT-like target and its drafts (Table 3 in miniature)", "",
       "Trained by `python -m experiments.train_decoder_only_pair` on one shared 2-core CPU;",
-      "loaded by `specdec_jax.load_decoder_only_demo_pair()` (bf16 on disk, float32 in memory).",
+      "loaded by `specdec_jax.load_demo_pair("decoder_only")` (bf16 on disk, float32 in memory).",
       "`target/` and `draft/` are Hugging Face `GPT2LMHeadModel` directories (bf16",
-      "safetensors): `load_decoder_only_model(path)` and transformers read them as they are.", "",
+      "safetensors): `specdec_jax.load_model(path)` and transformers read them as they are.", "",
       "## Data", "",
       f"- Corpus: {prov.get('corpus')}, CPython {prov.get('python_version')} "
       f"({prov.get('num_files')} files), split by file exactly as the T5 demo pair "
@@ -485,12 +474,12 @@ def main(argv):
                 export=lambda: stage_export(s, workdir, FLAGS.out_dir))
   check_stages(stages, FLAGS.stages)
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  recorded = _read_json(os.path.join(FLAGS.workdir, "settings.json"))
+  recorded = read_json(os.path.join(FLAGS.workdir, "settings.json"))
   current = json.loads(json.dumps(dataclasses.asdict(s)))
   if recorded is not None and recorded != current:
     raise ValueError(f"{FLAGS.workdir} was made with other settings ({recorded}); use a new "
                      "--workdir to change them")
-  _write_json(os.path.join(FLAGS.workdir, "settings.json"), current)
+  write_json(os.path.join(FLAGS.workdir, "settings.json"), current)
   run_stages(stages, FLAGS.stages)
 
 

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from experiments import gin_flags
-from experiments.train_stages import check_stages, run_stages
+from experiments.train_stages import check_stages, read_json, run_stages, write_json
 from specdec_jax import data
 from specdec_jax.train import trainer as train
 from specdec_jax.families.t5.model import Model, init_params
@@ -102,17 +102,6 @@ def _paths(workdir):
               provenance=os.path.join(d, "provenance.json"))
 
 
-def _write_json(path, obj):
-  data.write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _read_json(path, default=None):
-  if not os.path.exists(path):
-    return default
-  with open(path) as f:
-    return json.load(f)
-
-
 # ----------------------------------------------------------------------------
 # Stages
 # ----------------------------------------------------------------------------
@@ -155,7 +144,7 @@ def stage_data(s: DemoPairSettings, workdir: str):
               heldout_examples_total=len(texts), eval_examples=len(heldout_data),
               shipped_examples=len(rows), task=dataclasses.asdict(task),
               vocab_size=tokenizer.vocab_size, seconds=time.time() - t0)
-  _write_json(paths["provenance"], prov)
+  write_json(paths["provenance"], prov)
   logging.info("data: %s", prov)
 
 
@@ -192,12 +181,12 @@ def stage_pretrain(s: DemoPairSettings, workdir: str):
                                   optimizer=optimizer, cfg=cfg,
                                   workdir=os.path.join(workdir, "pretrain"),
                                   eval_batches=_eval_batches(heldout), description="pretrain")
-  stats = _read_json(os.path.join(workdir, "stats.json"), {})
+  stats = read_json(os.path.join(workdir, "stats.json"), {})
   stats["pretrain"] = dict(steps=s.pretrain_steps, batch=s.pretrain_batch,
                            examples_seen=s.pretrain_steps * s.pretrain_batch,
                            seconds_this_session=time.time() - t0, heldout=eval_metrics,
                            params={n: c.num_params for n, c in configs.items()})
-  _write_json(os.path.join(workdir, "stats.json"), stats)
+  write_json(os.path.join(workdir, "stats.json"), stats)
   logging.info("pretrain done: %s", eval_metrics)
 
 
@@ -222,7 +211,7 @@ def stage_distill(s: DemoPairSettings, workdir: str):
   target = models["target"]
   drafts = {name: models[name] for name in ("small", "tiny")}
   prompts = heldout.inputs[:64]
-  stats = _read_json(os.path.join(workdir, "stats.json"), {})
+  stats = read_json(os.path.join(workdir, "stats.json"), {})
   result = distill.distill_drafts(
       target, drafts, train_data, steps=s.distill_steps, batch_size=s.distill_batch,
       learning_rate=s.distill_lr, divergence=s.distill_divergence,
@@ -230,7 +219,7 @@ def stage_distill(s: DemoPairSettings, workdir: str):
       workdir=os.path.join(workdir, "distill"), eval_prompts=prompts,
       max_decode_steps=s.target_len, eval_data=heldout)
   stats["distill"] = result.summary()
-  _write_json(os.path.join(workdir, "stats.json"), stats)
+  write_json(os.path.join(workdir, "stats.json"), stats)
   logging.info("distill done: %s", stats["distill"])
 
 
@@ -268,9 +257,9 @@ def stage_ngram(s: DemoPairSettings, workdir: str):
     alphas[name] = {str(t): distill.measure_alpha(target, draft, heldout.inputs[:64],
                                                   max_decode_steps=s.target_len, temperature=t,
                                                   seed=s.seed) for t in (0.0, 1.0)}
-  stats = _read_json(os.path.join(workdir, "stats.json"), {})
+  stats = read_json(os.path.join(workdir, "stats.json"), {})
   stats["ngram"] = dict(fitted_on=f"{len(train_data)} training targets", alpha=alphas)
-  _write_json(os.path.join(workdir, "stats.json"), stats)
+  write_json(os.path.join(workdir, "stats.json"), stats)
   logging.info("ngram: %s", stats["ngram"])
 
 
@@ -292,10 +281,10 @@ def stage_export(s: DemoPairSettings, workdir: str, out_dir: str):
   shutil.copyfile(paths["heldout_jsonl"], os.path.join(out_dir, "heldout.jsonl"))
   info = dict(models={n: demo_pair.config_to_json(m.config) for n, m in models.items()},
               params={n: m.config.num_params for n, m in models.items()},
-              settings=dataclasses.asdict(s), provenance=_read_json(paths["provenance"]),
-              stats=_read_json(os.path.join(workdir, "stats.json"), {}),
-              mini_table2=_read_json(FLAGS.mini_table2_json) if FLAGS.mini_table2_json else None)
-  _write_json(os.path.join(out_dir, "config.json"), json.loads(json.dumps(info)))
+              settings=dataclasses.asdict(s), provenance=read_json(paths["provenance"]),
+              stats=read_json(os.path.join(workdir, "stats.json"), {}),
+              mini_table2=read_json(FLAGS.mini_table2_json) if FLAGS.mini_table2_json else None)
+  write_json(os.path.join(out_dir, "config.json"), json.loads(json.dumps(info)))
   data.write_bytes_atomic(os.path.join(out_dir, "MODEL_CARD.md"), model_card(info).encode())
   total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
   logging.info("export: %s (weights %s bytes, %.1f MB in all)", out_dir, sizes, total / 1e6)
@@ -307,11 +296,11 @@ def stage_card(out_dir: str):
   """Rewrites out_dir's config.json 'mini_table2' entry and MODEL_CARD.md from the latest
   mini Table 2 results, leaving the weights untouched."""
   path = os.path.join(out_dir, "config.json")
-  info = _read_json(path)
+  info = read_json(path)
   if info is None:
     raise ValueError(f"{path} does not exist: run the export stage first")
-  info["mini_table2"] = _read_json(FLAGS.mini_table2_json) if FLAGS.mini_table2_json else None
-  _write_json(path, info)
+  info["mini_table2"] = read_json(FLAGS.mini_table2_json) if FLAGS.mini_table2_json else None
+  write_json(path, info)
   data.write_bytes_atomic(os.path.join(out_dir, "MODEL_CARD.md"), model_card(info).encode())
 
 
@@ -436,7 +425,7 @@ def main(argv):
                 card=lambda: stage_card(FLAGS.out_dir))
   check_stages(stages, FLAGS.stages)
   os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, "settings.json"),
+  write_json(os.path.join(workdir, "settings.json"),
               json.loads(json.dumps(dataclasses.asdict(s))))
   run_stages(stages, FLAGS.stages)
 

@@ -1,9 +1,27 @@
-"""The stage runner of the pair-training scripts (`train_demo_pair`, `train_decoder_only_pair`)."""
+"""What the pair-training scripts (`train_demo_pair`, `train_decoder_only_pair`) share:
+the stage runner and the run directory's JSON files."""
 
+import json
+import os
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from absl import logging
+
+from specdec_jax import data
+
+
+def write_json(path: str, obj) -> None:
+  """Writes `obj` as sorted, indented JSON, atomically (a reader never sees half a file)."""
+  data.write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: str, default=None) -> Any:
+  """The JSON in `path`, or `default` when there is no such file."""
+  if not os.path.exists(path):
+    return default
+  with open(path) as f:
+    return json.load(f)
 
 
 def check_stages(known: Iterable[str], selected: Sequence[str]) -> None:

@@ -1,7 +1,7 @@
 r"""specdec_jax next to Hugging Face transformers on the same weights (batch 1), any family.
 
 Builds a random target (and draft) of one family from our named configs,
-writes them as Hugging Face directories (the family's exporter) and loads
+writes them as Hugging Face directories (`specdec_jax.export_hf`) and loads
 those files in transformers (PyTorch), so both frameworks run identical
 weights. Then, in one process and interleaved repeats, times:
 
@@ -40,9 +40,7 @@ import numpy as np
 
 from specdec_jax import generation
 from specdec_jax.core.results import write_json_atomic
-from specdec_jax.families.decoder_only.checkpoints import export_hf_decoder_only
-from specdec_jax.families.t5.checkpoints import export_hf
-from specdec_jax.loading import load_model
+from specdec_jax.loading import export_hf, load_model
 from specdec_jax.tools.testing import perturbed_model
 
 
@@ -51,7 +49,6 @@ class Peer:
   """What differs between families on the two sides.
 
   config / draft_noise: the defaults of --config / --draft_noise.
-  export: our model -> a Hugging Face directory.
   auto_class: the transformers Auto class that loads it.
   lowest_id: random input ids lie in [lowest_id, vocab) (T5: 0 pads the
     encoder input, 1 is EOS).
@@ -61,7 +58,6 @@ class Peer:
   """
   config: str
   draft_noise: float
-  export: Callable[[Any, str], None]
   auto_class: str
   lowest_id: int
   input_field: str
@@ -69,10 +65,10 @@ class Peer:
 
 
 PEERS = {
-    "t5": Peer("t5_1_1_small", 0.1, export_hf, "AutoModelForSeq2SeqLM", 2, "encoder_length",
+    "t5": Peer("t5_1_1_small", 0.1, "AutoModelForSeq2SeqLM", 2, "encoder_length",
                lambda length: 1),
-    "decoder_only": Peer("gpt2", 0.05, export_hf_decoder_only, "AutoModelForCausalLM", 0,
-                         "prompt_length", lambda length: length),
+    "decoder_only": Peer("gpt2", 0.05, "AutoModelForCausalLM", 0, "prompt_length",
+                         lambda length: length),
 }
 
 FLAGS = flags.FLAGS
@@ -126,8 +122,8 @@ def run(family: str, config_name: str, draft_config_name: str, noise: Optional[f
     draft = perturbed_model(target, noise, seed + 1)
   auto = getattr(transformers, peer.auto_class)
   with tempfile.TemporaryDirectory() as tmp:
-    peer.export(target, os.path.join(tmp, "target"))
-    peer.export(draft, os.path.join(tmp, "draft"))
+    export_hf(target, os.path.join(tmp, "target"))
+    export_hf(draft, os.path.join(tmp, "draft"))
     # Float32 files load as float32 (no dtype argument: its name differs
     # across transformers versions).
     hf_target = auto.from_pretrained(os.path.join(tmp, "target")).eval()

@@ -126,7 +126,7 @@ def load_sharded_model(source, partitioner: sharding.Partitioner, *, dtype=None,
 
 def shard_model(model, partitioner: sharding.Partitioner):
   """The same model with its params placed by `partitioner`'s rules."""
-  family = find_family(model)
+  family = family_of(model)  # A TypeError naming the known model types, not AttributeError.
   return family.model_type(model.config, partitioner.shard_params(model.params, family))
 
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from flax import serialization, traverse_util
 
-from specdec_jax.families.t5 import checkpoints
 from specdec_jax import loading
+from specdec_jax.families import tensor_io
+from specdec_jax.families.t5 import checkpoints
 from specdec_jax.families.t5.config import get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,7 +137,7 @@ def test_t5x_missing_array_names_the_file(tmp_path, tiny):
   _write_t5x(directory, tiny.params)
   name = "target.decoder.layers_1.mlp.wo.kernel"
   os.rename(directory / name, tmp_path / "moved")
-  with pytest.raises(checkpoints.CheckpointError, match=name):
+  with pytest.raises(tensor_io.CheckpointError, match=name):
     checkpoints.load_checkpoint_model(directory, dtype="float32")
 
 
@@ -146,7 +147,7 @@ def test_t5x_overrides_and_conflicting_override(tmp_path, tiny):
   loaded = checkpoints.load_checkpoint_model(directory, dtype="float32",
                                              relative_attention_max_distance=64)
   assert loaded.config.relative_attention_max_distance == 64
-  with pytest.raises(checkpoints.CheckpointError, match="shape mismatch"):
+  with pytest.raises(tensor_io.CheckpointError, match="shape mismatch"):
     checkpoints.load_checkpoint_model(directory, dtype="float32", mlp_dim=100)
 
 
@@ -203,13 +204,29 @@ def test_hf_export_round_trip(tmp_path, tiny, tiny_relu):
     _assert_same_params(loaded.params, model.params)
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama_tiny", "qwen2_tiny", "gpt2_tiny"])
+def test_one_export_hf_for_every_family(tmp_path, name):
+  """`sj.export_hf` writes any family's model as the HF architecture `load_model` detects."""
+  import specdec_jax as sj
+  model = loading.load_model(name, vocab_size=64, dtype="float32", seed=2)
+  sj.export_hf(model, tmp_path)
+  with open(tmp_path / "config.json") as f:
+    architecture = json.load(f)["architectures"][0]
+  assert architecture in " ".join(sj.family_of(model).architectures)
+  loaded = loading.load_model(str(tmp_path), dtype="float32")
+  assert type(loaded) is type(model) and loaded.config == model.config
+  _assert_same_params(loaded.params, model.params)
+  with pytest.raises(TypeError, match="export_hf takes a model"):
+    sj.export_hf(model.config, tmp_path)
+
+
 def _edit_safetensors(filename, edit):
-  tensors = checkpoints._safetensors_tensors(str(filename))
+  tensors = tensor_io.safetensors_tensors(str(filename))
   arrays = {name.split(": ", 1)[1]: t.read(None) for name, t in
             ((t.source, t) for t in tensors.values())}
   edit(arrays)
-  checkpoints.write_safetensors(str(filename), [(k, v.shape, v.dtype, lambda v=v: v)
-                                                for k, v in arrays.items()])
+  tensor_io.write_safetensors(str(filename), [(k, v.shape, v.dtype, lambda v=v: v)
+                                              for k, v in arrays.items()])
 
 
 def test_missing_unexpected_and_mis_shaped_tensors_in_one_error(tmp_path, tiny):
@@ -221,7 +238,7 @@ def test_missing_unexpected_and_mis_shaped_tensors_in_one_error(tmp_path, tiny):
     arrays["decoder.final_layer_norm.weight"] = np.ones(5, np.float32)
 
   _edit_safetensors(tmp_path / "model.safetensors", edit)
-  with pytest.raises(checkpoints.CheckpointError) as info:
+  with pytest.raises(tensor_io.CheckpointError) as info:
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
   message = str(info.value)
   assert "missing (1)" in message and "encoder.block.1.layer.0.SelfAttention.k.weight" in message
@@ -236,22 +253,22 @@ def test_truncated_safetensors(tmp_path, tiny):
   size = os.path.getsize(filename)
   with open(filename, "r+b") as f:
     f.truncate(size - 100)
-  with pytest.raises(checkpoints.CheckpointError, match=r"model\.safetensors: truncated"):
+  with pytest.raises(tensor_io.CheckpointError, match=r"model\.safetensors: truncated"):
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
   with open(filename, "r+b") as f:
     f.truncate(4)
-  with pytest.raises(checkpoints.CheckpointError, match=r"model\.safetensors: truncated"):
+  with pytest.raises(tensor_io.CheckpointError, match=r"model\.safetensors: truncated"):
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
 
 
 def test_directory_without_weights(tmp_path, tiny):
   checkpoints.export_hf(tiny, tmp_path)
   os.remove(tmp_path / "model.safetensors")
-  with pytest.raises(checkpoints.CheckpointError, match="config.json but no weights"):
+  with pytest.raises(tensor_io.CheckpointError, match="config.json but no weights"):
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
   empty = tmp_path / "empty"
   empty.mkdir()
-  with pytest.raises(checkpoints.CheckpointError, match="not a checkpoint directory"):
+  with pytest.raises(tensor_io.CheckpointError, match="not a checkpoint directory"):
     checkpoints.load_checkpoint_model(empty, dtype="float32")
 
 
@@ -262,7 +279,7 @@ def test_other_architecture(tmp_path, tiny):
   config["model_type"] = "gpt2"
   with open(tmp_path / "config.json", "w") as f:
     json.dump(config, f)
-  with pytest.raises(checkpoints.CheckpointError, match=r"config\.json: model_type 'gpt2'"):
+  with pytest.raises(tensor_io.CheckpointError, match=r"config\.json: model_type 'gpt2'"):
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
 
 
@@ -274,7 +291,7 @@ def test_sharded_index_naming_a_missing_shard(tmp_path, tiny):
   index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"
   with open(tmp_path / "model.safetensors.index.json", "w") as f:
     json.dump(index, f)
-  with pytest.raises(checkpoints.CheckpointError, match="model-00002-of-00002.safetensors"):
+  with pytest.raises(tensor_io.CheckpointError, match="model-00002-of-00002.safetensors"):
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
 
 
@@ -284,7 +301,7 @@ def test_pickled_object_is_refused(tmp_path, tiny):
   os.remove(tmp_path / "model.safetensors")
   torch.save({"shared.weight": torch.zeros(2, 2), "payload": _NotATensor()},
              tmp_path / "pytorch_model.bin")
-  with pytest.raises(checkpoints.CheckpointError, match="pytorch_model.bin"):
+  with pytest.raises(tensor_io.CheckpointError, match="pytorch_model.bin"):
     checkpoints.load_checkpoint_model(tmp_path, dtype="float32")
 
 

@@ -7,7 +7,6 @@ import re
 import numpy as np
 import pytest
 
-from specdec_jax import data
 from specdec_jax.demo_pair import DEFAULT_DIR, load_demo_pair, load_weights_bf16, \
     save_weights_bf16
 from specdec_jax.generation import generate

@@ -53,7 +53,16 @@ def test_prompt_lookup_reads_the_encoder_context_as_generate_does(pair):
   """The adapter builds the drafts' `Context` itself (T5X passes no lengths, under its
   pjit): prompt lookup, which reads it, drafts exactly as under `generate`."""
   from specdec_jax.drafts import PromptLookupDraft
+  from specdec_jax.families.t5.family import FAMILY
+  from specdec_jax.t5x.model import encoder_context
   target, _ = pair
+  # Right padding, an inner 0 and an empty row: the lengths `generate` computes.
+  tokens = np.array([[5, 0, 7, 0, 0], [3, 4, 5, 6, 7], [0, 0, 0, 0, 0]], np.int32)
+  context = jax.jit(lambda t: encoder_context(t, target.config.pad_id))(tokens)
+  want = FAMILY.check_inputs(target.config, tokens, None, MAX_DECODE)[1]
+  np.testing.assert_array_equal(np.asarray(context.lengths), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(context.lengths), [3, 5, 0])
+  assert not context.continued
   batch = _batch(target)
   # Rows repeat a pattern so lookups hit; random lengths make the padding matter.
   batch["encoder_input_tokens"] = np.asarray(batch["encoder_input_tokens"]).copy()

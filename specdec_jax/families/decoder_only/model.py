@@ -1,7 +1,7 @@
 """`DecoderOnlyModel`: a decoder-only config, its params and jit-compiled entry points.
 
 The decoder-only counterpart of `specdec_jax.families.t5.model.Model` (T5). Build one with
-`specdec_jax.load_model` / `loading.load_decoder_only_model` (name,
+`specdec_jax.load_model` (name,
 DecoderOnlyConfig or Hugging Face directory).
 """
 
