@@ -1,11 +1,13 @@
 r"""Whole-call decode speed through the public API, for comparing checkouts.
 
-Times `specdec_jax.generate` (greedy, batch 1, EOS off) on the demo target and
-on random-weight named shapes: target-only at block width 1 and at the default
-width, and speculative with the demo `small` draft (demo target only). Only
-public API is used, so the same file times an older checkout when that
-checkout comes first on PYTHONPATH (a checkout from before issue 13 has no
-`block_width`: its target-only decoding is width 1, and it has no other):
+Times `specdec_jax.generate` (greedy, batch 1, EOS off) on the demo targets
+of both families and on random-weight named shapes of either family:
+target-only at block width 1 and at the default width, and speculative with
+the demo pair's draft (demo targets only). Only public API is used, so the
+same file times an older checkout when that checkout comes first on
+PYTHONPATH (a checkout from before issue 13 has no `block_width`: its
+target-only decoding is width 1, and it has no other; one from before issue
+20 loads the decoder-only pair with `load_decoder_only_demo_pair`):
 
   git worktree add /tmp/base <commit>
   for i in 1 2 3; do
@@ -35,11 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import specdec_jax as sj
-from specdec_jax import demo_pair
-from specdec_jax.core.results import write_json_atomic
 
-MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
-                           "demo_target (the shipped 9.7M target) or config names (random weights).")
+MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small", "demo_decoder_only"],
+                           "demo_target (the shipped 9.7M T5 target), demo_decoder_only (the "
+                           "shipped 2.2M GPT-2-layout target) or config names of either family "
+                           "(random weights).")
 STEPS = flags.DEFINE_integer("steps", 64, "Tokens per decode.")
 REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement.")
 GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length for the speculative row.")
@@ -62,21 +64,44 @@ def _timed(fn, repeats: int):
 
 
 def _cast(model, dtype: str):
-  """The model with its config and params in `dtype` (any checkout's public `Model`)."""
-  return sj.Model(model.config.replace(dtype=dtype),
-                  jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), model.params))
+  """The model with its config and params in `dtype` (any checkout's public model types)."""
+  return type(model)(model.config.replace(dtype=dtype),
+                     jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), model.params))
+
+
+def _write_json_atomic(path: str, record) -> None:
+  # Written here, not imported: the module moved between the checkouts compared.
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def _demo(name: str, dtype: str):
+  """(target, draft, tokens [1, C], lengths [1] or None) of a shipped demo pair."""
+  if name == "demo_target":
+    pair = sj.load_demo_pair()
+    return (_cast(pair.target, dtype), _cast(pair.drafts["small"], dtype),
+            jnp.asarray(pair.heldout_inputs(1)), None)
+  if hasattr(sj, "load_decoder_only_demo_pair"):  # Before issue 20.
+    pair = sj.load_decoder_only_demo_pair()
+    tokens, lengths, draft = pair.prompts[:1], pair.prompt_lengths[:1], pair.draft
+  else:
+    pair = sj.load_demo_pair("decoder_only")
+    (tokens, lengths), draft = pair.inputs(1), pair.drafts["draft"]
+  return (_cast(pair.target, dtype), _cast(draft, dtype), jnp.asarray(tokens),
+          jnp.asarray(lengths))
 
 
 def measure(name: str, steps: int, repeats: int, gamma: int, dtype: str = "float32"):
   """{measurement: [seconds per token, per repeat]} for one model."""
-  if name == "demo_target":
-    pair = demo_pair.load_demo_pair()
-    target, draft = _cast(pair.target, dtype), _cast(pair.drafts["small"], dtype)
-    tokens = jnp.asarray(pair.heldout_inputs(1))
+  if name.startswith("demo_"):
+    target, draft, tokens, lengths = _demo(name, dtype)
   else:
-    target, draft = sj.load_model(sj.get_config(name, dtype=dtype), seed=0), None
+    target, draft, lengths = sj.load_model(name, dtype=dtype, seed=0), None, None
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, target.config.vocab_size,
                                                            (1, 32)), jnp.int32)
+    if not hasattr(target.config, "relative_attention_num_buckets"):  # Decoder-only.
+      lengths = jnp.asarray([32], jnp.int32)
   spec = dict(draft=draft, gamma=gamma)
   if "block_width" in inspect.signature(sj.generate).parameters:
     runs = {"target_only_w1": dict(block_width=1), "target_only_default_width": dict()}
@@ -89,7 +114,7 @@ def measure(name: str, steps: int, repeats: int, gamma: int, dtype: str = "float
       runs[f"speculative_gamma{gamma}_width{gamma + 1}"] = spec
   out = {}
   for what, kwargs in runs.items():
-    call = lambda: sj.generate(target, tokens, max_decode_steps=steps, eos_id=-1,
+    call = lambda: sj.generate(target, tokens, lengths, max_decode_steps=steps, eos_id=-1,
                                **kwargs).sequences
     out[what] = [s / steps for s in _timed(call, repeats)]
   return out
@@ -140,7 +165,7 @@ def main(argv):
       print(f"{result['label']} {name} {what}: {min(seconds) * 1e3:.3f} ms/token (fastest), "
             f"{statistics.median(seconds) * 1e3:.3f} (median)")
   if OUTPUT.value:
-    write_json_atomic(OUTPUT.value, result)
+    _write_json_atomic(OUTPUT.value, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraf
                                 PromptLookupDraft, as_draft)
 from specdec_jax.families.base import Context, DecodeStart, Family
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).
-from specdec_jax.families.decoder_only.checkpoints import export_hf_decoder_only
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       get_decoder_config)
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel

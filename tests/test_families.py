@@ -38,7 +38,7 @@ def test_registry_finds_each_family():
 
 def test_load_model_reads_a_decoder_only_hf_directory(tmp_path):
   model = sj.load_model("qwen2_tiny", dtype="float32", seed=3)
-  sj.export_hf_decoder_only(model, str(tmp_path))
+  sj.export_hf(model, str(tmp_path))
   loaded = sj.load_model(str(tmp_path), dtype="float32")
   assert isinstance(loaded, sj.DecoderOnlyModel) and loaded.config == model.config
   for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(loaded.params)):

@@ -409,8 +409,10 @@ def test_t5x_infer_demo_pair_end_to_end(tmp_path):
   from specdec_jax.t5x import tasks as t5x_tasks
   paths = prepare(str(tmp_path / "checkpoints"))
   speculative = _t5x_infer(tmp_path, paths, "speculative")
+  # A --gin flag names the configurable by its module path: the gin files'
+  # `t5x_model` alias is their own import, unknown to the flags.
   plain = _t5x_infer(tmp_path, paths, "plain",
-                     "--gin.t5x_model.SpeculativeEncoderDecoderModel.decode_fn="
+                     "--gin.specdec_jax.t5x.model.SpeculativeEncoderDecoderModel.decode_fn="
                      "@decoding.temperature_sample")
   # T5X's own EncoderDecoderModel + example network + temperature_sample.
   t5x_own = _t5x_infer(tmp_path, paths, "t5x_own",
@@ -463,7 +465,7 @@ def test_xxl_small_gin_parses():
       f"gin.add_config_file_search_path({REPO!r})\n"
       "gin.parse_config_files_and_bindings(['configs/t5x/t5_1_1_xxl_small_infer.gin'],\n"
       "    [\"MIXTURE_OR_TASK_NAME='task'\", \"INFER_OUTPUT_DIR='/tmp/out'\"])\n"
-      "print(gin.query_parameter('t5x_model.SpeculativeEncoderDecoderModel.gamma'),\n"
+      "print(gin.query_parameter('specdec_jax.t5x.model.SpeculativeEncoderDecoderModel.gamma'),\n"
       "      gin.query_parameter('configs.get_config.name'))\n")
   site = os.path.join(REPO, "experiments", "t5x_demo", "site")
   result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,

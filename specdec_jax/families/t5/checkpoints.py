@@ -58,7 +58,7 @@ from flax import traverse_util
 
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
-from specdec_jax.families.tensor_io import (  # noqa: F401 (CheckpointError, write_safetensors re-exported)
+from specdec_jax.families.tensor_io import (
     CheckpointError, Tensor, cast, hf_weight_files, write_json_atomic, write_safetensors)
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
@@ -84,7 +84,7 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
       default `core.dtypes.default_dtype()` (float32 on CPU).
     progress: show a tqdm bar while reading tensors.
     place: `(key tuple, numpy array) -> array` putting one tensor where it
-      belongs (default `jax.device_put`); `sharding.load_sharded_model` passes
+      belongs (default `jax.device_put`); `loading.load_sharded_model` passes
       one that sends each device only its slice. Hugging Face and T5X formats
       call it tensor by tensor; Orbax checkpoints are restored whole.
     **config_overrides: `T5Config` fields to set on top of the inferred config
