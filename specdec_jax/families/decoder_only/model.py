@@ -1,13 +1,10 @@
 """`DecoderOnlyModel`: a decoder-only config, its params and jit-compiled entry points.
 
-The decoder-only counterpart of `specdec_jax.families.t5.model.Model` (T5). Build one with
-`specdec_jax.load_model` (name,
-DecoderOnlyConfig or Hugging Face directory).
+Build one with `specdec_jax.load_model` (a named config, a `DecoderOnlyConfig` or
+a Hugging Face directory).
 """
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp

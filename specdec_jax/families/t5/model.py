@@ -4,13 +4,10 @@ Build one with `specdec_jax.load_model` (loading.py: named configs, configs,
 checkpoints of every family).
 """
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specdec_jax.families.base import FamilyModel, check_tokens  # noqa: F401 (re-exported)
 from specdec_jax.families.t5.config import T5Config
