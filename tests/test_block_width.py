@@ -101,18 +101,20 @@ def test_every_target_call_has_width_w(monkeypatch):
   monkeypatch.setattr(generation, "_COMPILED", _TraceOnly())
   monkeypatch.setattr(t5x_model, "_COMPILED", _TraceOnly())
   seen = []
-  original = Model.block_fn
+  # Every target and draft call goes through the family's block callback.
+  family = type(sj.family_of(sj.get_config("tiny")))
+  original = family.block_fn
 
-  def recording_block_fn(self, params=None):
-    fn = original(self, params)
+  def recording_block_fn(self, config, params):
+    fn = original(self, config, params)
 
     def block_fn(tokens, positions, cache):
-      seen.append((self.config, tokens.shape[1]))
+      seen.append((config, tokens.shape[1]))
       return fn(tokens, positions, cache)
 
     return block_fn
 
-  monkeypatch.setattr(Model, "block_fn", recording_block_fn)
+  monkeypatch.setattr(family, "block_fn", recording_block_fn)
   # A shape no other test uses, so `generate` traces afresh here.
   # One layer per stack: this test compiles many programs.
   target = sj.load_model("tiny", vocab_size=48, emb_dim=40, num_encoder_layers=1,
