@@ -84,6 +84,30 @@ def check_tokens(tokens, name: str = "encoder_tokens") -> Array:
   return jnp.asarray(tokens, jnp.int32)
 
 
+def check_block(tokens, positions, max_len: int) -> Tuple[Array, Array]:
+  """Validates a block [batch, k] at positions [batch] against a cache of `max_len`
+  positions (the positions' range only when they are concrete); returns int32 arrays."""
+  tokens = check_tokens(tokens, "tokens")
+  positions = jnp.asarray(positions, jnp.int32)
+  if positions.shape != (tokens.shape[0],):
+    raise ValueError(f"positions must be [batch] = ({tokens.shape[0]},), got {positions.shape}")
+  if tokens.shape[1] > max_len:
+    raise ValueError(f"a block of {tokens.shape[1]} tokens is longer than the cache "
+                     f"({max_len} positions)")
+  if not isinstance(positions, jax.core.Tracer):
+    end = int(jnp.max(positions)) + tokens.shape[1]
+    if int(jnp.min(positions)) < 0 or end > max_len:
+      raise ValueError(f"block positions [{int(jnp.min(positions))}, {end}) fall outside the "
+                       f"cache of {max_len} positions")
+  return tokens, positions
+
+
+def leaf_and_parent(path: Sequence[str]) -> Tuple[str, str]:
+  """A parameter path's last two names ('' where the path is shorter)."""
+  path = tuple(path)
+  return (path[-1] if path else ""), (path[-2] if len(path) > 1 else "")
+
+
 def replace_config(config, overrides: Mapping[str, Any]):
   """`dataclasses.replace` that names unknown fields instead of a TypeError."""
   known = {f.name for f in dataclasses.fields(config)}

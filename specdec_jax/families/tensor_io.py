@@ -209,3 +209,17 @@ def write_safetensors(filename: str, tensors: Sequence[Tuple[str, Tuple[int, ...
 def write_json_atomic(path: str, record) -> None:
   from specdec_jax.core import results
   results.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True))
+
+
+def raise_on_mismatch(header: str, missing: Sequence[str], unexpected: Sequence[str],
+                      mismatched: Sequence[str]) -> None:
+  """One CheckpointError listing every missing, unexpected and mis-shaped tensor, if any."""
+  if not (missing or unexpected or mismatched):
+    return
+  lines = [header]
+  for title, items in (("missing", missing), ("unexpected", unexpected),
+                       ("shape mismatch", mismatched)):
+    if items:
+      lines.append(f"  {title} ({len(items)}):")
+      lines.extend(f"    {item}" for item in items)
+  raise CheckpointError("\n".join(lines))

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specdec_jax.families.tensor_io import CheckpointError, write_safetensors
+from specdec_jax.families.tensor_io import CheckpointError, raise_on_mismatch, write_safetensors
 from specdec_jax.families.tensor_io import Tensor as _Tensor, cast as _cast
 from specdec_jax.families.tensor_io import hf_weight_files as _hf_weight_files
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
@@ -454,14 +454,8 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
                 if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
   mismatched = [f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]} "
                 f"(for {k})" for k in want if k in tensors and tensors[k].shape != want[k]]
-  if missing or unexpected or mismatched:
-    lines = [f"Checkpoint {directory} does not match its config {_describe(config)}:"]
-    for title, items in (("missing", missing), ("unexpected", unexpected),
-                         ("shape mismatch", mismatched)):
-      if items:
-        lines.append(f"  {title} ({len(items)}):")
-        lines.extend(f"    {item}" for item in items)
-    raise CheckpointError("\n".join(lines))
+  raise_on_mismatch(f"Checkpoint {directory} does not match its config {_describe(config)}:",
+                    missing, unexpected, mismatched)
 
   place = place or (lambda key, array: jax.device_put(array))
   np_dtype = jnp.dtype(config.dtype)
@@ -481,6 +475,19 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
 # Export: our model -> a Hugging Face directory transformers loads.
 
 _EXPORT_ACTIVATIONS = {"silu": "silu", "gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}
+
+
+def _rope_scaling_fields(config: DecoderOnlyConfig) -> Dict[str, Any]:
+  """config.json's `rope_scaling` for our rope settings ({} without scaling)."""
+  if config.rope_scaling == "linear":
+    return dict(rope_scaling=dict(rope_type="linear", factor=config.rope_factor))
+  if config.rope_scaling == "llama3":
+    return dict(rope_scaling=dict(
+        rope_type="llama3", factor=config.rope_factor,
+        low_freq_factor=config.rope_low_freq_factor,
+        high_freq_factor=config.rope_high_freq_factor,
+        original_max_position_embeddings=config.rope_original_max_positions))
+  return {}
 
 
 def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
@@ -525,13 +532,7 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
             rms_norm_eps=config.norm_epsilon,
             hidden_act=_EXPORT_ACTIVATIONS[config.activation], rope_theta=config.rope_theta,
             **bias_fields, **ids)
-  if config.rope_scaling == "linear":
-    hf["rope_scaling"] = dict(rope_type="linear", factor=config.rope_factor)
-  elif config.rope_scaling == "llama3":
-    hf["rope_scaling"] = dict(rope_type="llama3", factor=config.rope_factor,
-                              low_freq_factor=config.rope_low_freq_factor,
-                              high_freq_factor=config.rope_high_freq_factor,
-                              original_max_position_embeddings=config.rope_original_max_positions)
+  hf.update(_rope_scaling_fields(config))
   return hf
 
 
@@ -612,13 +613,7 @@ def _mistral_gemma_hf_config(config: DecoderOnlyConfig, ids: Dict[str, Any]) -> 
   if family == "gemma3":
     hf["rope_local_base_freq"] = (config.rope_theta if config.sliding_rope_theta is None
                                   else config.sliding_rope_theta)
-  if config.rope_scaling == "linear":
-    hf["rope_scaling"] = dict(rope_type="linear", factor=config.rope_factor)
-  elif config.rope_scaling == "llama3":
-    hf["rope_scaling"] = dict(rope_type="llama3", factor=config.rope_factor,
-                              low_freq_factor=config.rope_low_freq_factor,
-                              high_freq_factor=config.rope_high_freq_factor,
-                              original_max_position_embeddings=config.rope_original_max_positions)
+  hf.update(_rope_scaling_fields(config))
   return hf
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.base import FamilyModel, check_tokens
+from specdec_jax.families.base import FamilyModel, check_block, check_tokens
 from specdec_jax.families.decoder_only import network as decoder_only
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
@@ -98,20 +98,8 @@ class DecoderOnlyModel(FamilyModel):
 
     Returns logits [batch, k, vocab] float32 and the updated cache.
     """
-    tokens = check_tokens(tokens, "tokens")
-    positions = jnp.asarray(positions, jnp.int32)
-    self._check_batch(tokens.shape[0], cache)
-    max_len = cache_length(cache)
-    if positions.shape != (tokens.shape[0],):
-      raise ValueError(f"positions must be [batch] = ({tokens.shape[0]},), got {positions.shape}")
-    if tokens.shape[1] > max_len:
-      raise ValueError(f"a block of {tokens.shape[1]} tokens is longer than the cache "
-                       f"({max_len} positions)")
-    if not isinstance(positions, jax.core.Tracer):
-      end = int(jnp.max(positions)) + tokens.shape[1]
-      if int(jnp.min(positions)) < 0 or end > max_len:
-        raise ValueError(f"block positions [{int(jnp.min(positions))}, {end}) fall outside the "
-                         f"cache of {max_len} positions")
+    self._check_batch(np.shape(tokens)[0], cache)
+    tokens, positions = check_block(tokens, positions, cache_length(cache))
     return _compiled(self.config, "decode_block")(self.variables, tokens, positions, cache)
 
   def block_fn(self, params=None):

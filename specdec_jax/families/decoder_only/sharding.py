@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.families.base import checked_axes
+from specdec_jax.families.base import checked_axes, leaf_and_parent
 from specdec_jax.families.decoder_only import network as decoder_only
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
@@ -36,9 +36,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
   Raises:
     ValueError: an unknown parameter, or a rank that does not match its name.
   """
-  path = tuple(path)
-  leaf = path[-1] if path else ""
-  parent = path[-2] if len(path) > 1 else ""
+  leaf, parent = leaf_and_parent(path)
   axes = None
   if leaf == "embedding":
     axes = ("vocab", "embed") if parent == "embed_tokens" else (None, "embed")

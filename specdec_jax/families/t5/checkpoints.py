@@ -59,7 +59,8 @@ from flax import traverse_util
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
 from specdec_jax.families.tensor_io import (
-    CheckpointError, Tensor, cast, hf_weight_files, write_json_atomic, write_safetensors)
+    CheckpointError, Tensor, cast, hf_weight_files, raise_on_mismatch, write_json_atomic,
+    write_safetensors)
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import T5
@@ -199,15 +200,8 @@ def _check_tensors(config: T5Config, tensors: Mapping[str, Tensor], origin: str,
   unexpected = list(unexpected) + [f"{tensors[k].source}" for k in tensors if k not in want]
   mismatched = [f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]}"
                 for k in want if k in tensors and tuple(tensors[k].shape) != want[k]]
-  if not (missing or unexpected or mismatched):
-    return
-  lines = [f"Checkpoint {origin} does not match the model config {_describe(config)}:"]
-  for title, items in (("missing", missing), ("unexpected", unexpected),
-                       ("shape mismatch", mismatched)):
-    if items:
-      lines.append(f"  {title} ({len(items)}):")
-      lines.extend(f"    {item}" for item in items)
-  raise CheckpointError("\n".join(lines))
+  raise_on_mismatch(f"Checkpoint {origin} does not match the model config {_describe(config)}:",
+                    missing, unexpected, mismatched)
 
 
 def _describe(config: T5Config) -> str:

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.families.base import FamilyModel, check_tokens  # noqa: F401 (re-exported)
+from specdec_jax.families.base import FamilyModel, check_block, check_tokens  # noqa: F401 (re-exported)
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5 import decode as t5_decode
 from specdec_jax.families.t5.network import T5
@@ -74,19 +74,7 @@ class Model(FamilyModel):
 
     Returns logits [batch, k, vocab] float32 and the updated cache.
     """
-    tokens = check_tokens(tokens, "tokens")
-    positions = jnp.asarray(positions, jnp.int32)
-    max_len = cache["layers"][0]["self_key"].shape[2]
-    if positions.shape != (tokens.shape[0],):
-      raise ValueError(f"positions must be [batch] = ({tokens.shape[0]},), got {positions.shape}")
-    if tokens.shape[1] > max_len:
-      raise ValueError(f"a block of {tokens.shape[1]} tokens is longer than the cache "
-                       f"({max_len} positions)")
-    if not isinstance(positions, jax.core.Tracer):
-      end = int(jnp.max(positions)) + tokens.shape[1]
-      if int(jnp.min(positions)) < 0 or end > max_len:
-        raise ValueError(f"block positions [{int(jnp.min(positions))}, {end}) fall outside the "
-                         f"cache of {max_len} positions")
+    tokens, positions = check_block(tokens, positions, cache["layers"][0]["self_key"].shape[2])
     return _compiled_decode_block(self.config)(self.params, tokens, positions, cache)
 
   def block_fn(self, params=None):

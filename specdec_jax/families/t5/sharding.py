@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.base import checked_axes, path_names
+from specdec_jax.families.base import checked_axes, leaf_and_parent, path_names
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import T5
 
@@ -31,9 +31,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
   Raises:
     ValueError: an unknown parameter, or a rank that does not match its name.
   """
-  path = tuple(path)
-  leaf = path[-1] if path else ""
-  parent = path[-2] if len(path) > 1 else ""
+  leaf, parent = leaf_and_parent(path)
   axes = None
   if leaf == "embedding":
     axes = ("vocab", "embed")
