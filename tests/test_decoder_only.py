@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import assert_matches_rows, hf_greedy
 from flax.traverse_util import flatten_dict
 
 from specdec_jax.families.t5.checkpoints import CheckpointError
@@ -135,33 +136,14 @@ def test_logits_match_transformers(hf_pair):
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def _hf_greedy(hf, prompts, lengths, steps):
-  """HF greedy generate one row at a time (no padding conventions involved)."""
-  torch = pytest.importorskip("torch")
-  rows = []
-  for row, n in zip(prompts, lengths):
-    with torch.no_grad():
-      out = hf.generate(torch.tensor(row[None, :n], dtype=torch.long), do_sample=False,
-                        max_new_tokens=steps, eos_token_id=EOS, pad_token_id=0)
-    rows.append(out[0, n:].numpy().tolist())
-  return rows
-
-
-def _assert_matches_rows(sequences, rows):
-  sequences = np.asarray(sequences)
-  for got, want in zip(sequences, rows):
-    assert got[:len(want)].tolist() == want
-    assert (got[len(want):] == 0).all()
-
-
 def test_greedy_generation_matches_transformers_with_ragged_prompts(hf_pair):
   _, hf, model, _ = hf_pair
   lengths = [5, 11, 2, 8]
   prompts = _random_prompts(lengths, seed=2)
   steps = 12
-  want = _hf_greedy(hf, prompts, lengths, steps)
+  want = hf_greedy(hf, prompts, lengths, steps, EOS)
   out = generate(model, prompts, lengths, max_decode_steps=steps)
-  _assert_matches_rows(out.sequences, want)
+  assert_matches_rows(out.sequences, want)
   assert np.asarray(out.lengths).tolist() == [len(w) for w in want]
   assert any(len(set(w)) >= 4 for w in want), "degenerate outputs prove nothing"
 
@@ -184,7 +166,7 @@ def test_greedy_speculative_matches_target_and_transformers(layout, hf_pairs):
   spec = generate(model, prompts, lengths, max_decode_steps=steps, draft=draft,
                                gamma=3)
   np.testing.assert_array_equal(np.asarray(spec.sequences), np.asarray(target.sequences))
-  _assert_matches_rows(spec.sequences, _hf_greedy(hf, prompts, lengths, steps))
+  assert_matches_rows(spec.sequences, hf_greedy(hf, prompts, lengths, steps, EOS))
   stats = spec.stats
   assert 0 < stats.acceptance_rate < 1, "the noisy draft should be partly right"
   np.testing.assert_array_equal(stats.emitted, np.asarray(target.lengths))
@@ -266,7 +248,7 @@ def test_temperature_sample_path_equals_stepwise_argmax_with_eos():
   eos = next(r[4] for r in ref if len(set(r[:5])) == 5)
   ref = _greedy_reference(model, prompts, lengths, steps, eos_id=eos)
   out = generate(model, prompts, lengths, max_decode_steps=steps, eos_id=eos)
-  _assert_matches_rows(out.sequences, ref)
+  assert_matches_rows(out.sequences, ref)
   assert min(np.asarray(out.lengths)) < steps
 
 

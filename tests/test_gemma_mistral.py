@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import assert_matches_rows, hf_greedy
 
 import specdec_jax
 from specdec_jax.families.decoder_only import checkpoints as cdo
@@ -127,24 +128,6 @@ def _hf_logits(hf, tokens):
     return hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def _hf_greedy(hf, prompts, lengths, steps):
-  """transformers' greedy generate one row at a time (no padding conventions)."""
-  rows = []
-  for row, n in zip(prompts, lengths):
-    with torch.no_grad():
-      out = hf.generate(torch.tensor(row[None, :n], dtype=torch.long), do_sample=False,
-                        max_new_tokens=steps, eos_token_id=EOS, pad_token_id=0)
-    rows.append(out[0, n:].numpy().tolist())
-  return rows
-
-
-def _assert_matches_rows(sequences, rows):
-  sequences = np.asarray(sequences)
-  for got, want in zip(sequences, rows):
-    assert got[:len(want)].tolist() == want
-    assert (got[len(want):] == 0).all()
-
-
 def _first_layers(model: DecoderOnlyModel, k: int) -> DecoderOnlyModel:
   """The target cut to its first k layers (same embedding, final norm, head):
   a smaller model of the same family and vocabulary whose guesses are
@@ -192,10 +175,10 @@ def test_greedy_and_speculative_match_transformers_ragged_prompts(layout, hf_pai
   """Target-only and speculative greedy (draft: the first layer(s)) == HF, per row."""
   hf, model, _ = hf_pairs(layout)
   prompts = _random_prompts(LENGTHS, seed=2)
-  want = _hf_greedy(hf, prompts, LENGTHS, STEPS)
+  want = hf_greedy(hf, prompts, LENGTHS, STEPS, EOS)
   assert any(len(set(w)) >= 5 for w in want), f"degenerate outputs prove nothing: {want}"
   target = specdec_jax.generate(model, prompts, LENGTHS, max_decode_steps=STEPS)
-  _assert_matches_rows(target.sequences, want)
+  assert_matches_rows(target.sequences, want)
   assert np.asarray(target.lengths).tolist() == [len(w) for w in want]
   draft = _first_layers(model, 1)
   spec = specdec_jax.generate(model, prompts, LENGTHS, max_decode_steps=STEPS, draft=draft,
