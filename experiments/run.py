@@ -392,8 +392,10 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   # Everything that can fail cheaply fails before any model is loaded.
   exp.task.validate()
   exp.target.validate("target")
-  if isinstance(exp.draft, (ModelSpec, DraftKind)):
-    exp.draft.validate("draft") if isinstance(exp.draft, ModelSpec) else exp.draft.validate()
+  if isinstance(exp.draft, ModelSpec):
+    exp.draft.validate("draft")
+  elif isinstance(exp.draft, DraftKind):
+    exp.draft.validate()
   tokenizer = exp.tokenizer or text.checkpoint_tokenizer(exp.target.checkpoint, exp.vocabulary)
   target_source = _model_source(exp.target, "target")
   spec_config = exp.target.resolved_config()

@@ -23,6 +23,7 @@ decoder-only prompts stay as they are) is the family's `text_inputs`.
 
 import json
 import os
+import re
 from typing import Any, Dict, List, Optional, Sequence
 
 from specdec_jax import tasks
@@ -144,9 +145,28 @@ class SentencePieceFileTokenizer(FileTokenizer):
     self.add_bos = self._sp.bos_id() >= 0 and add_bos is not False
     self.eos_id = self._sp.eos_id()
     self.pad_id = self._sp.pad_id()
+    # SentencePiece never reads a control piece from text, but a chat template
+    # writes "<bos>", "<eos>" as text: HF's tokenizers map those strings to
+    # their ids (special added tokens), and so does this one.
+    controls = [i for i in (self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id())
+                if i >= 0]
+    self._specials = {self._sp.id_to_piece(i): i for i in controls}
+
+  def _encode_text(self, text: str) -> List[int]:
+    if not self._specials:
+      return list(self._sp.encode(text))
+    pattern = "(" + "|".join(re.escape(p) for p in sorted(self._specials, key=len,
+                                                          reverse=True)) + ")"
+    ids = []
+    for part in re.split(pattern, text):
+      if part in self._specials:
+        ids.append(self._specials[part])
+      elif part:
+        ids.extend(self._sp.encode(part))
+    return ids
 
   def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-    ids = list(self._sp.encode(text))
+    ids = self._encode_text(text)
     return [self._sp.bos_id()] + ids if add_special_tokens and self.add_bos else ids
 
   def decode(self, ids: Sequence[int]) -> str:
