@@ -17,11 +17,16 @@ CORE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest", "hypothesis", "scipy", "pytest-timeout", "pytest-xdist"],
+    # tokenizers / jinja2: the launcher's tests train a tokenizer.json and render a
+    # chat template (tests/test_launcher.py).
+    "test": ["pytest", "hypothesis", "scipy", "pytest-timeout", "pytest-xdist", "tokenizers",
+             "jinja2"],
     # Reference implementation for parity checks. torch is pinned to the CPU
     # wheel that this machine class carries.
     "parity": ["torch==2.13.0", "transformers", "safetensors", "sentencepiece"],
-    "tokenizer": ["sentencepiece"],
+    # Text in, text out with a checkpoint's own tokenizer (experiments.run):
+    # tokenizer.json through `tokenizers`, chat templates through jinja2.
+    "tokenizer": ["sentencepiece", "tokenizers", "jinja2"],
     "data": ["tensorflow-datasets", "datasets"],
     "notebooks": ["jupyter", "nbclient", "nbformat", "ipykernel", "matplotlib"],
     # What T5X's own sources (not on PyPI; see tests/test_t5x_integration.py)

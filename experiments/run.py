@@ -1,34 +1,49 @@
 r"""Runs one target/draft pair on one task: autoregressive vs speculative decoding.
 
-Usage (T5X style; later flags override earlier ones):
+Every model family, text in and text out. A pair is one gin file plus flags
+(T5X style; later flags override earlier ones):
 
-  python -m experiments.run \
-    --gin_file=configs/pairs/t5_1_1_xxl__small.gin \
-    --gin_file=configs/tasks/wmt_ende.gin \
+  # Named pairs (configs/pairs/*.gin) name the shapes the checkpoints must have.
+  python -m experiments.run --pair=llama_3_1_8b__llama_3_2_1b \
+    --gin_file=configs/tasks/local_file.gin --gin.INPUT_FILE="'prompts.jsonl'" \
+    --gin.TARGET_CHECKPOINT="'/ckpt/Llama-3.1-8B'" \
+    --gin.DRAFT_CHECKPOINT="'/ckpt/Llama-3.2-1B'" --output_dir=/tmp/llama
+
+  # Any two local directories of one family; or a draft kind instead of a model.
+  python -m experiments.run --pair=local --gin.TARGET_CHECKPOINT="'/ckpt/a'" \
+    --gin.DRAFT_CHECKPOINT="'/ckpt/b'" --prompt="def fib(n):" --output_dir=/tmp/one
+  python -m experiments.run --pair=local --gin_file=configs/drafts/prompt_lookup.gin \
+    --gin.TARGET_CHECKPOINT="'/ckpt/a'" --prompt="..." --output_dir=/tmp/pld
+
+  # T5 (Table 2): the same, with a T5X checkpoint's vocabulary named.
+  python -m experiments.run --pair=t5_1_1_xxl__small --gin_file=configs/tasks/wmt_ende.gin \
     --gin.TARGET_CHECKPOINT="'/ckpt/xxl'" --gin.DRAFT_CHECKPOINT="'/ckpt/small'" \
-    --gin.VOCABULARY="'/ckpt/spiece.model'" --gin.GAMMA=7 \
-    --output_dir=/tmp/ende_small --num_examples=100
+    --gin.VOCABULARY="'/ckpt/spiece.model'" --gin.GAMMA=7 --output_dir=/tmp/ende
 
-  # Offline: the tiny random pair on a local file.
-  python -m experiments.run --gin_file=configs/pairs/tiny_demo.gin \
-    --gin_file=configs/tasks/local_file.gin --gin.INPUT_FILE="'inputs.jsonl'" \
-    --output_dir=/tmp/tiny
+Text goes through the target checkpoint's own tokenizer (`specdec_jax.text`:
+tokenizer.json, tokenizer.model or spiece.model; `VOCABULARY` overrides the
+directory; `CHAT_TEMPLATE=True` wraps each input in tokenizer_config.json's
+chat template), and the family turns the ids into `generate`'s inputs
+(`Family.text_inputs`). The launcher never asks which family it runs: it
+loads, tokenizes, decodes and scores through the family contract.
 
 Both decoders see the same batches (the last one padded with copies of its
 final example, dropped from every statistic) after one compile warm-up each;
 batches alternate between the two so that machine drift hits both alike.
 
-Writes `results.json` and `results.md` (the paper's Table 2 row) atomically,
-and only once every measurement succeeded: a failed run leaves no results.
+Writes `results.json` (the Table 2 fields and every decoded completion) and
+`results.md` (the Table 2 row) atomically, and only once every measurement
+succeeded: a failed run leaves no results.
 """
 
 import dataclasses
 import functools
+import glob
 import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from absl import app
 from absl import flags
@@ -46,38 +61,48 @@ from specdec_jax.core import results as results_lib
 from specdec_jax.core import sampling
 from specdec_jax import sharding
 from specdec_jax import tasks
+from specdec_jax import text
 from specdec_jax.core import theory
 from specdec_jax.tools.profiling import block_step_seconds
-from specdec_jax.drafts import Draft, ModelDraft
-from specdec_jax.core.outputs import SpeculativeStats, sequence_lengths
-from specdec_jax.loading import load_model, shard_model
-from specdec_jax.families.t5.model import Model
+from specdec_jax.drafts import Draft, ModelDraft, NgramDraft, PromptLookupDraft
+from specdec_jax.core.outputs import SpeculativeStats
+from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
-from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
+from specdec_jax.generation import generate
+from specdec_jax.loading import load_model, shard_model
 from specdec_jax.tools.testing import perturbed_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIRS_DIR = os.path.join(REPO_ROOT, "configs", "pairs")
 
 gin.external_configurable(T5Config, module="specdec_jax")
 
 # Family false-alarm rate of the temperature > 0 distribution check (two sign
 # tests, Bonferroni-corrected).
 DISTRIBUTION_CHECK_FALSE_ALARM = 0.01
-# Shape fields a checkpoint must agree on with the config a pair file names.
-_SHAPE_FIELDS = ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim",
-                 "num_encoder_layers", "num_decoder_layers", "mlp_activations",
-                 "logits_via_embedding")
+
+
+def named_config(name: str):
+  """The config a registered family names `name` (`gpt2`, `llama_3_1_8b`, ...)."""
+  for family in families():
+    config = family.lookup_config(name)
+    if config is not None:
+      return config
+  raise ValueError(f"unknown model config {name!r} in a ModelSpec; named configs: "
+                   + "; ".join(f"{f.name}: {', '.join(sorted(f.named_configs()))}"
+                               for f in families()))
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """How to obtain a target or draft model.
+  """How to obtain a target or draft model, of any family.
 
   Attributes:
     name: label for reports (Table 2's draft column: 'small', 'base', ...).
-    config: the network's T5Config (random init when no checkpoint; with a
-      checkpoint, its shapes must match the checkpoint's).
+    config: the network's config, or a named config ('llama_3_2_1b',
+      't5_1_1_small', ...; random init when there is no checkpoint; with a
+      checkpoint, its parameter shapes must match the checkpoint's).
     checkpoint: a path for `specdec_jax.load_model` (HF / T5X / Orbax).
     seed: random-init seed.
     dtype: 'float32' / 'bfloat16'; default float32 on CPU, bfloat16 elsewhere.
@@ -85,7 +110,7 @@ class ModelSpec:
       times (1 + perturb_target * N(0, 1)) instead of a model of its own.
   """
   name: str = "model"
-  config: Optional[T5Config] = None
+  config: Any = None
   checkpoint: Optional[str] = None
   seed: int = 0
   dtype: Optional[str] = None
@@ -100,9 +125,52 @@ class ModelSpec:
       raise ValueError(f"{role} ModelSpec needs a config, a checkpoint or perturb_target")
     if self.perturb_target is not None and role != "draft":
       raise ValueError("perturb_target applies to the draft only")
+    self.resolved_config()
+
+  def resolved_config(self):
+    """The config object (a named config looked up), or None."""
+    return named_config(self.config) if isinstance(self.config, str) else self.config
 
 
-_SPECULATIVE_COUNTERS = frozenset(decoding.init_stats(1, 1))
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DraftKind:
+  """A draft that is not a model, built for the target once it is loaded.
+
+  Attributes:
+    kind: 'prompt_lookup' (copies what followed the last n-gram of the
+      context; `PromptLookupDraft`) or 'ngram' (`NgramDraft`).
+    max_ngram / min_ngram: prompt lookup's n-gram lengths.
+    path: n-gram: a file `NgramDraft.save` wrote; None fits a bigram on the
+      task's tokenized inputs.
+  """
+  kind: str = gin.REQUIRED
+  max_ngram: int = 3
+  min_ngram: int = 1
+  path: Optional[str] = None
+
+  KINDS = ("prompt_lookup", "ngram")
+
+  @property
+  def name(self) -> str:
+    return self.kind
+
+  def validate(self) -> None:
+    if self.kind not in self.KINDS:
+      raise ValueError(f"unknown DraftKind.kind {self.kind!r}; known: {list(self.KINDS)}")
+    if self.path is not None and not os.path.isfile(self.path):
+      raise FileNotFoundError(f"n-gram draft file not found: {self.path!r}")
+
+  def build(self, target_config, rows: Sequence[Sequence[int]]) -> Draft:
+    """The draft for a target of `target_config`; rows: the tokenized inputs."""
+    family = family_of(target_config)
+    if self.kind == "prompt_lookup":
+      return PromptLookupDraft(target_config.vocab_size, self.max_ngram, self.min_ngram)
+    if self.path is not None:
+      return NgramDraft.load(self.path)
+    return NgramDraft.fit([np.asarray(r, np.int64) for r in rows], target_config.vocab_size,
+                          order=2, eos_id=family.eos_id(target_config),
+                          pad_id=target_config.pad_id)
 
 
 @gin.configurable
@@ -110,17 +178,26 @@ _SPECULATIVE_COUNTERS = frozenset(decoding.init_stats(1, 1))
 class Experiment:
   """One measurement: a target, a draft, a task and the decoding settings.
 
-  `draft` is a `ModelSpec` or any `specdec_jax.drafts.Draft` (n-gram, prompt
-  lookup, ...). max_decode_steps must be >= gamma + 1 (the block that measures
-  verification cost has gamma + 1 tokens). block_width: the target's block
-  width W in both loops (default `decoding.DEFAULT_BLOCK_WIDTH`); greedy
-  outputs are checked against target-only decoding at W, and the speedup is
-  against the faster of target-only decoding at W and at width 1.
+  `draft` is a `ModelSpec`, a `DraftKind` or any `specdec_jax.drafts.Draft`.
+  tokenizer: None (default) reads the target checkpoint's own (or
+  `vocabulary`'s: a tokenizer file or directory, the VOCABULARY macro);
+  a `tasks.Tokenizer` (e.g. the byte fallback for random tiny models) wins
+  over both. chat_template: render each input as one user turn of the
+  tokenizer's chat template (instruction-tuned checkpoints).
+  max_input_length: the inputs' width (T5 cuts longer inputs, a prompt
+  longer than it is an error). max_decode_steps must be >= gamma + 1 (the
+  block that measures verification cost has gamma + 1 tokens).
+  block_width: the target's block width W in both loops (default
+  `decoding.DEFAULT_BLOCK_WIDTH`); greedy outputs are checked against
+  target-only decoding at W, and the speedup is against the faster of
+  target-only decoding at W and at width 1.
   """
   target: ModelSpec = gin.REQUIRED
-  draft: Union[ModelSpec, Draft] = gin.REQUIRED
+  draft: Union[ModelSpec, DraftKind, Draft] = gin.REQUIRED
   task: tasks.Task = gin.REQUIRED
-  tokenizer: tasks.Tokenizer = gin.REQUIRED
+  tokenizer: Optional[tasks.Tokenizer] = None
+  vocabulary: Optional[str] = None
+  chat_template: bool = False
   gamma: int = 4
   temperature: float = 0.0
   topk: int = 0
@@ -138,26 +215,40 @@ class Experiment:
 
 
 @functools.lru_cache(maxsize=1)
-def _random_model(config: T5Config, dtype: str, seed: int) -> Model:
+def _random_model(config, dtype: str, seed: int):
   # Cached: consecutive experiments (Table 2 stand-in rows) reuse the target
   # instead of re-initialising it; random init is deterministic.
   return load_model(config, dtype=dtype, seed=seed)
 
 
-def load_spec(spec: ModelSpec, role: str) -> Model:
+def _shape_diffs(checkpoint_config, config) -> List[str]:
+  """How a checkpoint's parameter shapes differ from `config`'s (the family's
+  abstract params: every family, no allocation)."""
+  family, expected = family_of(checkpoint_config), family_of(config)
+  if family is not expected:
+    return [f"family: checkpoint {family.name} vs config {expected.name}"]
+  flat = lambda c: {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)  # noqa
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(
+                        family.abstract_params(c))}
+  got, want = flat(checkpoint_config), flat(config)
+  return [f"{name}: checkpoint {got.get(name)} vs config {want.get(name)}"
+          for name in sorted(set(got) | set(want)) if got.get(name) != want.get(name)]
+
+
+def load_spec(spec: ModelSpec, role: str):
   """Loads or initialises the model `spec` describes (not perturb_target)."""
+  config = spec.resolved_config()
   if spec.checkpoint is None:
     logging.info("%s: random %s weights (seed %d)", role, spec.name, spec.seed)
-    return _random_model(spec.config, spec.dtype or _default_dtype(), spec.seed)
+    return _random_model(config, spec.dtype or _default_dtype(), spec.seed)
   logging.info("%s: loading %s", role, spec.checkpoint)
   model = load_model(spec.checkpoint, dtype=spec.dtype)
-  if spec.config is not None:
-    diffs = [f"{f}: checkpoint {getattr(model.config, f)!r} vs config "
-             f"{getattr(spec.config, f)!r}" for f in _SHAPE_FIELDS
-             if getattr(model.config, f) != getattr(spec.config, f)]
+  if config is not None:
+    diffs = _shape_diffs(model.config, config)
     if diffs:
+      shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
       raise ValueError(f"{role} checkpoint {spec.checkpoint!r} does not match the configured "
-                       f"{spec.name} shapes: " + "; ".join(diffs))
+                       f"{spec.name} shapes: {shown}")
   return model
 
 
@@ -165,41 +256,69 @@ def _default_dtype() -> str:
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def load_draft(spec: Union[ModelSpec, Draft], target: Model) -> Draft:
+def _model_source(spec: ModelSpec, role: str) -> str:
+  """How messages name a model: its checkpoint's config.json, or its config."""
+  if spec.checkpoint is None:
+    return f"{role} ({spec.name}, random weights)"
+  config_json = os.path.join(spec.checkpoint, "config.json")
+  return f"{role} checkpoint {config_json if os.path.isfile(config_json) else spec.checkpoint}"
+
+
+def load_draft(spec: Union[ModelSpec, DraftKind, Draft], target, rows) -> Draft:
   if isinstance(spec, Draft):
     return spec
+  if isinstance(spec, DraftKind):
+    return spec.build(target.config, rows)
   if spec.perturb_target is not None:
     logging.info("draft: the target with %.0f%% weight noise", 100 * spec.perturb_target)
     return ModelDraft(perturbed_model(target, spec.perturb_target, seed=spec.seed + 1))
-  return ModelDraft(load_spec(spec, "draft"))
+  model = load_spec(spec, "draft")
+  if model.config.vocab_size < target.config.vocab_size:
+    # One tokenizer, embedding tables padded to different sizes (Qwen2.5):
+    # q = 0 on the ids the draft lacks keeps the outputs exact.
+    logging.info("draft: %d logits padded to the target's %d", model.config.vocab_size,
+                 target.config.vocab_size)
+    return ModelDraft(model, target_vocab_size=target.config.vocab_size)
+  return ModelDraft(model)
 
 
-def batches(tokens: np.ndarray, batch_size: int):
-  """Yields (batch [batch_size, len], number of real rows); pads the last batch."""
-  for start in range(0, len(tokens), batch_size):
-    chunk = tokens[start:start + batch_size]
-    real = len(chunk)
-    if real < batch_size:
-      chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, axis=0)])
-    yield chunk, real
+def batch_rows(num_rows: int, batch_size: int):
+  """Yields (row indices [batch_size], number of real rows); the last batch repeats
+  its final row."""
+  for start in range(0, num_rows, batch_size):
+    rows = np.arange(start, min(start + batch_size, num_rows))
+    real = len(rows)
+    yield np.concatenate([rows, np.repeat(rows[-1:], batch_size - real)]), real
+
+
+def model_inputs(family, config, rows, width: int):
+  """`family.text_inputs`, its errors naming the launcher's setting."""
+  try:
+    return family.text_inputs(config, rows, width)
+  except ValueError as e:
+    raise ValueError(f"{e}: MAX_INPUT_LENGTH is {width} (raise --gin.MAX_INPUT_LENGTH, "
+                     "or shorten the input)") from None
 
 
 # ---------------------------------------------------------------------------
 # Measurements.
 
 
-def mean_log_probs(model: Model, encoder_tokens, sequences: np.ndarray, lengths: np.ndarray,
-                   temperature: float, topk: int, topp: float) -> np.ndarray:
-  """[batch] mean log-probability of each row's tokens under the target's sampling
-  distribution (teacher forced)."""
-  decoder_inputs = np.pad(sequences[:, :-1], ((0, 0), (1, 0)))
-  logits = model.logits(encoder_tokens, decoder_inputs)
+def mean_log_probs(model, inputs, prompt_lengths, sequences: np.ndarray, lengths: np.ndarray,
+                   max_decode_steps: int, temperature: float, topk: int,
+                   topp: float) -> np.ndarray:
+  """[batch] mean log-probability of each row's generated tokens under the target's
+  sampling distribution (teacher forced, through the family's training batch)."""
+  family, config = family_of(model), model.config
+  tokens, row_lengths = family.check_inputs(config, inputs, prompt_lengths, max_decode_steps)
+  batch = family.continuation_batch(config, np.asarray(tokens), np.asarray(row_lengths),
+                                    sequences, lengths)
+  logits, targets, weights = family.token_logits(config, model.params, batch)
   probs = sampling.adjust_probs(logits, temperature, topk, topp)
-  token_probs = np.asarray(jnp.take_along_axis(probs, jnp.asarray(sequences)[..., None],
-                                               axis=-1)[..., 0])
-  mask = np.arange(sequences.shape[1])[None] < lengths[:, None]
-  logs = np.log(np.maximum(token_probs, 1e-30))
-  return (logs * mask).sum(1) / np.maximum(mask.sum(1), 1)
+  token_probs = jnp.take_along_axis(probs, targets[..., None], axis=-1)[..., 0]
+  logs = np.log(np.maximum(np.asarray(token_probs), 1e-30))
+  weights = np.asarray(weights)
+  return (logs * weights).sum(1) / np.maximum(weights.sum(1), 1)
 
 
 def sign_test_p_value(differences: Sequence[float]) -> float:
@@ -251,6 +370,17 @@ def make_partitioners(mesh_shape: Optional[str]):
   return sharding.make_partitioners(mesh_shape)
 
 
+def _stack_stats(parts: Sequence[SpeculativeStats], gamma: int) -> SpeculativeStats:
+  fields = [f.name for f in dataclasses.fields(SpeculativeStats) if f.name != "gamma"]
+  return SpeculativeStats(gamma=gamma, **{f: np.concatenate([getattr(p, f) for p in parts])
+                                          for f in fields})
+
+
+def _take_stats(stats: SpeculativeStats, real: int) -> SpeculativeStats:
+  return dataclasses.replace(stats, **{f.name: np.asarray(getattr(stats, f.name))[:real]
+                                       for f in dataclasses.fields(stats) if f.name != "gamma"})
+
+
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
                    mesh_shape: Optional[str] = None) -> Dict[str, Any]:
   """Runs `exp`, writes results.json and results.md into output_dir, returns the results."""
@@ -264,122 +394,131 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   exp.target.validate("target")
   if isinstance(exp.draft, ModelSpec):
     exp.draft.validate("draft")
-  if exp.target.config is not None:
-    tasks.check_vocab(exp.tokenizer, exp.target.config, "target")
+  elif isinstance(exp.draft, DraftKind):
+    exp.draft.validate()
+  tokenizer = exp.tokenizer or text.checkpoint_tokenizer(exp.target.checkpoint, exp.vocabulary)
+  target_source = _model_source(exp.target, "target")
+  spec_config = exp.target.resolved_config()
   examples = exp.task.load(num_examples)
   logging.info("%d examples from task %s", len(examples), exp.task.name)
+  rows = text.encode_texts(tokenizer, [e.inputs for e in examples], exp.chat_template)
+  if spec_config is not None:  # Named shapes: bad text fails before the weights load.
+    text.check_vocab_size(tokenizer, spec_config, target_source)
+    model_inputs(family_of(spec_config), spec_config, rows, exp.max_input_length)
 
   target = load_spec(exp.target, "target")
-  tasks.check_vocab(exp.tokenizer, target.config, "target")
-  draft = load_draft(exp.draft, target)
-  draft.check_compatible(target.config)
+  family, config = family_of(target), target.config
+  text.check_vocab_size(tokenizer, config, target_source)
+  inputs, prompt_lengths = model_inputs(family, config, rows, exp.max_input_length)
+  # The prompt and the generated tokens must fit the cache the family builds
+  # (learned positions): a clear error now, not at the first compile.
+  family.check_inputs(config, inputs, prompt_lengths, exp.max_decode_steps)
+  draft = load_draft(exp.draft, target, rows)
+  draft.check_compatible(config)
+  if isinstance(draft, ModelDraft):
+    text.check_vocab_size(tokenizer, draft.model.config, _model_source(exp.draft, "draft"))
+  draft.check_inputs(inputs, prompt_lengths, exp.max_decode_steps)
   partitioners = make_partitioners(mesh_shape)
+  target_part = draft_part = None
   if partitioners is not None:
     # Params go onto the mesh leaf by leaf; the compiled decode follows their
     # shardings (GSPMD), the batch is split over `data`.
     target_part, draft_part = partitioners
     target = shard_model(target, target_part)
     if isinstance(draft, ModelDraft):
-      draft = ModelDraft(shard_model(draft.model, draft_part),
-                         draft.confidence_threshold)
+      draft = ModelDraft(shard_model(draft.model, draft_part), draft.confidence_threshold,
+                         draft.vocab_size if draft.padding else None)
   draft_model = draft.model if isinstance(draft, ModelDraft) else None
+  eos_id = family.eos_id(config)
 
-  encoder_tokens = tasks.encode_batch(exp.tokenizer, [e.inputs for e in examples],
-                                      exp.max_input_length)
   settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp)
   width = decoding.resolve_block_width(exp.block_width, exp.gamma)
-  # Two exact target-only decoders: at the speculative loop's width W (the
-  # reference its greedy outputs must equal bit for bit) and at width 1
-  # (often faster on CPU). The speedup is against the faster of the two.
-  reference = SpeculativeEncoderDecoderModel(target.config, draft=draft, block_width=width,
-                                             **settings)
-  narrow = (SpeculativeEncoderDecoderModel(target.config, draft=draft, block_width=1,
-                                           **settings) if width != 1 else None)
-  speculative = SpeculativeEncoderDecoderModel(
-      target.config, draft=draft, decode_fn=decoding.speculative_sample, block_width=width,
-      **settings)
-  params = {"target": target.params, "draft": draft.params}
-  decoder_inputs = np.zeros((exp.batch_size, exp.max_decode_steps), np.int32)
   rng = jax.random.PRNGKey(exp.seed)
 
-  def decode(model, batch, key):
+  def decode(use_draft: bool, block_width: int, index, key):
+    # Two exact target-only decoders: at the speculative loop's width W (the
+    # reference its greedy outputs must equal bit for bit) and at width 1
+    # (often faster on CPU). The speedup is against the faster of the two.
     start = time.perf_counter()
-    if partitioners is not None:
-      batch = jax.device_put(batch, partitioners[0].batch_sharding(batch.shape))
-    decodes, aux = model.predict_batch_with_aux(
-        params, {"encoder_input_tokens": batch, "decoder_input_tokens": decoder_inputs},
-        rng=key)
-    decodes = jax.block_until_ready(decodes)
-    if jax.process_count() > 1:  # Rows live on other hosts' devices too.
-      from jax.experimental import multihost_utils
-      decodes, aux = multihost_utils.process_allgather((decodes, aux), tiled=True)
-    return np.asarray(decodes), jax.device_get(aux), time.perf_counter() - start
+    out = generate(target, inputs[index], None if prompt_lengths is None else
+                   prompt_lengths[index], max_decode_steps=exp.max_decode_steps,
+                   temperature=exp.temperature, topk=exp.topk, topp=exp.topp, rng=key,
+                   draft=draft if use_draft else None, gamma=exp.gamma, block_width=block_width,
+                   partitioner=target_part, draft_partitioner=draft_part)
+    # generate returns replicated outputs: every process holds every row.
+    sequences = np.asarray(jax.block_until_ready(out.sequences))
+    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start
 
-  all_batches = list(batches(encoder_tokens, exp.batch_size))
+  all_batches = list(batch_rows(len(examples), exp.batch_size))
   logging.info("compiling (warm-up on the first batch)")
-  decode(reference, all_batches[0][0], rng)
-  if narrow is not None:
-    decode(narrow, all_batches[0][0], rng)
-  decode(speculative, all_batches[0][0], rng)
+  first = all_batches[0][0]
+  decode(False, width, first, rng)
+  if width != 1:
+    decode(False, 1, first, rng)
+  decode(True, width, first, rng)
 
   walltime = {"baseline": 0.0, "baseline_width_1": 0.0, "speculative": 0.0}
   outputs = {"baseline": [], "speculative": []}
-  row_stats = []
-  for index, (batch, real) in enumerate(tqdm.tqdm(all_batches, desc="batches", unit="batch")):
+  out_lengths = {"baseline": [], "speculative": []}
+  stats_parts = []
+  for batch_index, (index, real) in enumerate(tqdm.tqdm(all_batches, desc="batches",
+                                                        unit="batch")):
     # Independent keys for the two decoders: the distribution check needs
     # independent samples (greedy ignores them).
-    base_key = jax.random.fold_in(rng, 2 * index)
-    spec_key = jax.random.fold_in(rng, 2 * index + 1)
-    base_out, _, base_time = decode(reference, batch, base_key)
-    if narrow is not None:
-      walltime["baseline_width_1"] += decode(narrow, batch, base_key)[2]
-    spec_out, stats, spec_time = decode(speculative, batch, spec_key)
+    base_key = jax.random.fold_in(rng, 2 * batch_index)
+    spec_key = jax.random.fold_in(rng, 2 * batch_index + 1)
+    base_out, base_len, _, base_time = decode(False, width, index, base_key)
+    if width != 1:
+      walltime["baseline_width_1"] += decode(False, 1, index, base_key)[3]
+    spec_out, spec_len, stats, spec_time = decode(True, width, index, spec_key)
     walltime["baseline"] += base_time
     walltime["speculative"] += spec_time
     outputs["baseline"].append(base_out[:real])
     outputs["speculative"].append(spec_out[:real])
-    # The aux also carries T5X's own entries (scores); keep the counters.
-    row_stats.append({k: np.asarray(v)[:real] for k, v in stats.items()
-                      if k in _SPECULATIVE_COUNTERS})
+    out_lengths["baseline"].append(base_len[:real])
+    out_lengths["speculative"].append(spec_len[:real])
+    stats_parts.append(_take_stats(stats, real))
   sequences = {k: np.concatenate(v) for k, v in outputs.items()}
-  lengths = {k: np.asarray(sequence_lengths(jnp.asarray(v), target.config.eos_id))
-             for k, v in sequences.items()}
-  stats = SpeculativeStats(gamma=exp.gamma, emitted=lengths["speculative"],
-                           **{k: np.concatenate([s[k] for s in row_stats])
-                              for k in row_stats[0]})
+  lengths = {k: np.concatenate(v) for k, v in out_lengths.items()}
+  stats = _stack_stats(stats_parts, exp.gamma)
 
   logging.info("timing decode steps (c and the verification cost)")
-  probe = jnp.asarray(all_batches[0][0])
-  target_step = block_step_seconds(target, probe, 1, exp.max_decode_steps, exp.timing_repeats)
+  probe = inputs[first]
+  probe_lengths = None if prompt_lengths is None else prompt_lengths[first]
+  time_step = lambda model, k: block_step_seconds(  # noqa: E731
+      model, probe, k, exp.max_decode_steps, exp.timing_repeats, lengths=probe_lengths)
+  target_step = time_step(target, 1)
   # One target call on gamma + 1 tokens, relative to one token (1 if
   # verification were free, as Theorem 3.8 assumes).
-  verify_cost = block_step_seconds(target, probe, exp.gamma + 1, exp.max_decode_steps,
-                                   exp.timing_repeats) / target_step
+  verify_cost = time_step(target, exp.gamma + 1) / target_step
   c = None
   draft_step = None
   if draft_model is not None:
-    draft_step = block_step_seconds(draft_model, probe, 1, exp.max_decode_steps,
-                                    exp.timing_repeats)
+    draft_step = time_step(draft_model, 1)
     c = draft_step / target_step
 
   alpha = stats.alpha
   baseline_width = width
   baseline_time = walltime["baseline"]
-  if narrow is not None and walltime["baseline_width_1"] < baseline_time:
+  if width != 1 and walltime["baseline_width_1"] < baseline_time:
     baseline_width, baseline_time = 1, walltime["baseline_width_1"]
   speedup = baseline_time / walltime["speculative"]
-  identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1)
+  identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1) & (
+      lengths["baseline"] == lengths["speculative"])
+  draft_name = (exp.draft.name if isinstance(exp.draft, (ModelSpec, DraftKind))
+                else type(draft).__name__)
   result = dict(
-      task=exp.task.name, target=exp.target.name,
-      draft=exp.draft.name if isinstance(exp.draft, ModelSpec) else type(draft).__name__,
-      target_params=target.config.num_params,
+      task=exp.task.name, target=exp.target.name, draft=draft_name, family=family.name,
+      target_params=config.num_params,
       draft_params=None if draft_model is None else draft_model.config.num_params,
+      tokenizer=getattr(tokenizer, "source", type(tokenizer).__name__),
+      chat_template=exp.chat_template,
       num_examples=len(examples), batch_size=exp.batch_size,
       max_input_length=exp.max_input_length, max_decode_steps=exp.max_decode_steps,
       backend=jax.default_backend(), **settings,
       walltime_baseline_s=baseline_time, walltime_speculative_s=walltime["speculative"],
       walltime_target_only_s={str(width): walltime["baseline"],
-                              **({"1": walltime["baseline_width_1"]} if narrow else {})},
+                              **({"1": walltime["baseline_width_1"]} if width != 1 else {})},
       speedup=speedup, speedup_baseline_block_width=baseline_width, block_width=width,
       identical_outputs_checked_against=f"target-only decoding at block width {width}",
       tokens_baseline=int(lengths["baseline"].sum()),
@@ -404,17 +543,23 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
                     len(identical_rows))
   else:
     result["identical_outputs"] = None  # Samples differ by design; see distribution_check.
-    encoder = jnp.asarray(encoder_tokens)
     per_row = {name: dict(length=lengths[name].astype(np.float64),
-                          mean_log_prob=mean_log_probs(target, encoder, sequences[name],
-                                                       lengths[name], exp.temperature,
+                          mean_log_prob=mean_log_probs(target, inputs, prompt_lengths,
+                                                       sequences[name], lengths[name],
+                                                       exp.max_decode_steps, exp.temperature,
                                                        exp.topk, exp.topp))
                for name in sequences}
     result["distribution_check"] = distribution_check(per_row["baseline"],
                                                       per_row["speculative"])
-  result["samples"] = [
-      dict(input=e.inputs, baseline=exp.tokenizer.decode(b), speculative=exp.tokenizer.decode(s))
-      for e, b, s in list(zip(examples, sequences["baseline"], sequences["speculative"]))[:3]]
+  texts = {name: text.decode_rows(tokenizer, sequences[name], lengths[name], eos_id)
+           for name in sequences}
+  result["completions"] = [
+      dict(input=e.inputs, input_tokens=len(r), baseline=b, speculative=s,
+           baseline_tokens=int(bl), speculative_tokens=int(sl))
+      for e, r, b, s, bl, sl in zip(examples, rows, texts["baseline"], texts["speculative"],
+                                    lengths["baseline"], lengths["speculative"])]
+  result["samples"] = [dict(input=c["input"], baseline=c["baseline"],
+                            speculative=c["speculative"]) for c in result["completions"][:3]]
   result["markdown_row"] = results_lib.table2_row(
       result["task"], result["draft"], exp.temperature, exp.gamma, alpha, speedup,
       result["predicted_speedup"], c)
@@ -445,6 +590,55 @@ COORDINATOR_ADDRESS = flags.DEFINE_string("coordinator_address", None,
                                           "host:port of process 0 (multihost, if not detected).")
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes (multihost, if not detected).")
 PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (multihost, if not detected).")
+PAIR = flags.DEFINE_string(
+    "pair", None, "A named pair: configs/pairs/NAME.gin, read before the --gin_file files "
+    "(e.g. llama_3_1_8b__llama_3_2_1b, or local with TARGET_CHECKPOINT / DRAFT_CHECKPOINT).")
+PROMPT = flags.DEFINE_string(
+    "prompt", None, "One input text instead of a task: its completion goes to stdout and "
+    "the results. Not with an input file or a task gin file.")
+
+
+def known_pairs() -> List[str]:
+  return sorted(os.path.basename(p)[:-len(".gin")]
+                for p in glob.glob(os.path.join(PAIRS_DIR, "*.gin")))
+
+
+def pair_gin_files(pair: Optional[str], gin_files: Sequence[str]) -> List[str]:
+  """--pair's file first, then --gin_file's. An unknown pair, by --pair or as a
+  configs/pairs/ path, is a ValueError listing the known ones."""
+  files = list(gin_files)
+  if pair is not None:
+    path = os.path.join(PAIRS_DIR, f"{pair}.gin")
+    if not os.path.isfile(path):
+      raise ValueError(f"unknown pair {pair!r}; known pairs: {', '.join(known_pairs())}")
+    files.insert(0, os.path.relpath(path, REPO_ROOT))
+  for f in files:
+    if os.path.normpath(os.path.dirname(f)) == os.path.join("configs", "pairs") and not (
+        os.path.isfile(f) or os.path.isfile(os.path.join(REPO_ROOT, f))):
+      raise ValueError(f"unknown pair file {f!r}; known pairs: {', '.join(known_pairs())}")
+  return files
+
+
+def _bound(name: str) -> Any:
+  """The gin value bound to `name` (a parameter or a %MACRO), or None when unbound."""
+  try:
+    return gin.query_parameter(name)
+  except (ValueError, KeyError):
+    return None
+
+
+def prompt_experiment(prompt: str) -> Experiment:
+  """The configured Experiment on the one --prompt text. An input file or a task
+  the gin files already bind is a ValueError: which inputs to run would be a guess."""
+  if not prompt.strip():
+    raise ValueError("--prompt is empty")
+  input_file = _bound("%INPUT_FILE") or _bound("Task.path")
+  input_file = input_file if isinstance(input_file, str) else None  # Not gin.REQUIRED.
+  if input_file is not None or _bound("Experiment.task") is not None:
+    what = f"an input file ({input_file!r})" if input_file is not None else "a task"
+    raise ValueError(f"--prompt and {what} are both given: use one (drop the task gin file "
+                     "or the --prompt flag)")
+  return Experiment(task=tasks.Task(name="prompt", source="inline", texts=(prompt,)))
 
 
 def main(argv):
@@ -456,8 +650,9 @@ def main(argv):
     sharding.initialize_distributed(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value,
                                     PROCESS_ID.value)
   try:
-    parse_gin(GIN_FILES.value, GIN_BINDINGS.value, GIN_SEARCH_PATHS.value)
-    exp = Experiment()
+    parse_gin(pair_gin_files(PAIR.value, GIN_FILES.value), GIN_BINDINGS.value,
+              GIN_SEARCH_PATHS.value)
+    exp = Experiment() if PROMPT.value is None else prompt_experiment(PROMPT.value)
     result = run_experiment(exp, OUTPUT_DIR.value, NUM_EXAMPLES.value, MESH_SHAPE.value)
   except (ValueError, FileNotFoundError, ImportError, RuntimeError, TypeError) as e:
     # A clean one-line error instead of a traceback for configuration and
@@ -465,6 +660,10 @@ def main(argv):
     logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
+  if PROMPT.value is not None and sharding.is_output_process():
+    # The completion itself, as the speculative decoder produced it (greedy: the
+    # target's own; it equals result['completions'][0]['baseline']).
+    print(result["completions"][0]["speculative"])
   print(results_lib.TABLE2_HEADER)
   print(result["markdown_row"])
 

@@ -4,6 +4,7 @@ Sources:
 * `local`: a JSONL file (one object per line with a string field, default
   "inputs", and optionally "targets") or a TSV file (input, optionally a tab
   and a target). Always available; bad lines fail with their line number.
+* `inline`: the texts given in `Task.texts` (the launcher's `--prompt`).
 * `wmt14_ende` and `cnndm`: WMT14 English-German and CNN/DailyMail test
   sets through tensorflow-datasets or Hugging Face `datasets` (the `data`
   extra). They download on first use, so they need one of those packages and
@@ -20,7 +21,7 @@ Tokenizers map text to T5 ids (pad 0, EOS 1, unknown 2):
 import dataclasses
 import json
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import gin
 import numpy as np
@@ -221,8 +222,9 @@ class Task:
 
   Attributes:
     name: short name for reports ('ende', 'cnndm', ...).
-    source: 'local', 'wmt14_ende' or 'cnndm'.
+    source: 'local', 'inline', 'wmt14_ende' or 'cnndm'.
     path: the JSONL/TSV file for 'local'.
+    texts: the inputs themselves for 'inline'.
     split: dataset split.
     prefix: prepended to each input (T5: "translate English to German: ").
     input_field / target_field: JSONL field names.
@@ -234,6 +236,7 @@ class Task:
   prefix: str = ""
   input_field: str = "inputs"
   target_field: str = "targets"
+  texts: Tuple[str, ...] = ()
 
   def validate(self) -> None:
     """Fails fast (before any model loads) on a missing or unknown source."""
@@ -242,9 +245,12 @@ class Task:
         raise ValueError("the local task needs Task.path (a JSONL or TSV file)")
       if not os.path.isfile(self.path):
         raise FileNotFoundError(f"input file not found: {self.path!r}")
+    elif self.source == "inline":
+      if not self.texts or not all(isinstance(t, str) for t in self.texts):
+        raise ValueError("the inline task needs Task.texts, a non-empty tuple of strings")
     elif self.source not in _DATASETS:
       raise ValueError(f"unknown Task.source {self.source!r}; known: "
-                       f"{['local'] + sorted(_DATASETS)}")
+                       f"{['local', 'inline'] + sorted(_DATASETS)}")
 
   def load(self, num_examples: Optional[int] = None) -> List[Example]:
     """The first `num_examples` examples (all when None), prefix applied."""
@@ -253,6 +259,8 @@ class Task:
     self.validate()
     if self.source == "local":
       examples = load_local(self.path, self.input_field, self.target_field)
+    elif self.source == "inline":
+      examples = [Example(t) for t in self.texts]
     else:
       examples = load_dataset(self.source, self.split, num_examples)
     examples = examples[:num_examples] if num_examples is not None else examples

@@ -8,6 +8,8 @@ same loop positions as the target, through the same block contract.
 
 from typing import Any, Hashable, Optional
 
+import jax.numpy as jnp
+
 from specdec_jax.core import decoding
 from specdec_jax.drafts.base import Draft
 from specdec_jax.families.base import shift_block_fn
@@ -28,9 +30,16 @@ class ModelDraft(Draft):
       adjusted q: under greedy decoding q is one-hot and would never stop.
       Only the *top* probability is compared (not the drawn token's), so the
       stopping rule is a function of the prefix alone and exactness is kept.
+    target_vocab_size: optional, >= the draft's vocabulary: the draft's
+      logits are padded with -inf up to this size. For checkpoints around one
+      tokenizer whose embedding tables were padded to different sizes
+      (Qwen2.5 7B: 152064 rows, 0.5B: 151936): the draft then puts q = 0 on
+      ids it lacks, which the rejection rule handles like any other q, so
+      outputs stay exactly the target's.
   """
 
-  def __init__(self, model, confidence_threshold: Optional[float] = None):
+  def __init__(self, model, confidence_threshold: Optional[float] = None,
+               target_vocab_size: Optional[int] = None):
     self.family = family_of(model)
     if not isinstance(model, self.family.model_type):
       raise TypeError(f"ModelDraft takes a model, got a {type(model).__name__}")
@@ -39,7 +48,13 @@ class ModelDraft(Draft):
     self.model = model
     self.confidence_threshold = (None if confidence_threshold is None else
                                  float(confidence_threshold))
-    self.vocab_size = model.config.vocab_size
+    own = model.config.vocab_size
+    if target_vocab_size is not None and (int(target_vocab_size) != target_vocab_size or
+                                          target_vocab_size < own):
+      raise ValueError(f"target_vocab_size must be an int >= the draft's vocabulary {own}, "
+                       f"got {target_vocab_size!r}")
+    self.padding = 0 if target_vocab_size is None else int(target_vocab_size) - own
+    self.vocab_size = own + self.padding
     self.eos_id = model.config.eos_id
     self.pad_id = model.config.pad_id
 
@@ -48,7 +63,7 @@ class ModelDraft(Draft):
     return self.model.params
 
   def static_key(self) -> Hashable:
-    return ("model", self.model.config, self.confidence_threshold)
+    return ("model", self.model.config, self.confidence_threshold, self.padding)
 
   def check_compatible(self, target_config) -> None:
     target_family = family_of(target_config)
@@ -56,7 +71,13 @@ class ModelDraft(Draft):
       raise ValueError(f"a {self.family.name} draft cannot serve a {target_family.name} target: "
                        "a model draft must be of the target's family (n-gram and prompt-lookup "
                        "drafts serve every family)")
-    self.family.check_draft(self.model.config, target_config)
+    if self.padding and target_config.vocab_size != self.vocab_size:
+      raise ValueError(f"this draft's logits are padded to {self.vocab_size} ids, the target "
+                       f"has {target_config.vocab_size}")
+    # Padded logits make the vocabularies equal; the family checks the rest.
+    config = self.model.config
+    self.family.check_draft(config.replace(vocab_size=self.vocab_size) if self.padding else
+                            config, target_config)
 
   def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
     """The draft's own limits on the inputs (e.g. its learned positions)."""
@@ -75,6 +96,13 @@ class ModelDraft(Draft):
 
   def propose_fn(self, params, gamma, temperature, topk, topp):
     block = self.family.block_fn(self.model.config, params)
+    if self.padding:
+      inner_block = block
+
+      def block(tokens, positions, cache):
+        logits, cache = inner_block(tokens, positions, cache)
+        return jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)),
+                       constant_values=-jnp.inf), cache
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       inner = decoding.model_propose_fn(shift_block_fn(block, state["offset"]), gamma,

@@ -230,6 +230,34 @@ class Family(abc.ABC):
   def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
     """Self-attention positions per row that `start` allocates."""
 
+  def text_inputs(self, config, rows: Sequence[Sequence[int]], width: int
+                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """What `generate` reads for tokenized texts (the launcher's text in).
+
+    rows: one id list per text, as the checkpoint's own tokenizer encodes it
+      (its special tokens included: a Llama or Gemma BOS, a T5 EOS).
+    width: the inputs' width C (the launcher's MAX_INPUT_LENGTH).
+    Returns (inputs [n, width] int32, prompt_lengths [n] int32 or None), the
+    arguments `generate(model, inputs, prompt_lengths)` takes.
+
+    This default is a prompt that the generated tokens continue: each row as
+    it is, right-padded with `config.pad_id`, with its length. A row longer
+    than `width` is a ValueError naming it: cutting a prompt would change
+    what it continues. Families whose inputs follow another convention
+    (T5's EOS-terminated encoder tokens) override it.
+    """
+    inputs = np.full((len(rows), width), config.pad_id, np.int32)
+    lengths = np.zeros((len(rows),), np.int32)
+    for i, row in enumerate(rows):
+      if not len(row):
+        raise ValueError(f"input {i} tokenizes to no tokens: a prompt needs at least one")
+      if len(row) > width:
+        raise ValueError(f"input {i} has {len(row)} tokens, more than the inputs' width "
+                         f"{width}")
+      inputs[i, :len(row)] = row
+      lengths[i] = len(row)
+    return inputs, lengths
+
   def eos_id(self, config) -> int:
     """The id that ends a row (-1: no token does)."""
     return -1 if config.eos_id is None else int(config.eos_id)

@@ -65,6 +65,23 @@ class T5Family(Family):
     lengths = np.where(real.any(axis=1), host.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)
     return tokens, jnp.asarray(lengths, jnp.int32)
 
+  def text_inputs(self, config: T5Config, rows, width: int):
+    """Encoder tokens [n, width]: each row's ids then EOS (a tokenizer that already
+    ends rows with EOS, as HF's T5 tokenizer.json does, gets no second one), cut to
+    width - 1 ids plus EOS, `pad_id`-padded; no lengths. Cutting is T5's convention
+    for long task inputs (CNN/DM articles): the encoder reads the input, the
+    decoder does not continue it."""
+    if width < 2:
+      raise ValueError(f"T5 encoder inputs need width >= 2 (ids and EOS), got {width}")
+    inputs = np.full((len(rows), width), config.pad_id, np.int32)
+    for i, row in enumerate(rows):
+      ids = list(row)
+      if ids and ids[-1] == config.eos_id:
+        ids = ids[:-1]
+      ids = ids[:width - 1] + [config.eos_id]
+      inputs[i, :len(ids)] = ids
+    return inputs, None
+
   def context(self, tokens: Array, lengths: Array) -> Context:
     return Context(tokens, lengths, continued=False)
 
