@@ -305,7 +305,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   def decode(model, batch, key):
     start = time.perf_counter()
     if partitioners is not None:
-      batch = jax.device_put(batch, partitioners[0].batch_sharding(batch.shape))
+      batch = sharding.put(batch, partitioners[0].batch_sharding(batch.shape))
     decodes, aux = model.predict_batch_with_aux(
         params, {"encoder_input_tokens": batch, "decoder_input_tokens": decoder_inputs},
         rng=key)

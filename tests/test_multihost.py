@@ -143,7 +143,8 @@ def test_each_process_reads_only_its_own_slices(runs, checkpoints, family):
     by_tensor = {}
     for r in reads:
       by_tensor.setdefault(r["tensor"], []).append(tuple(map(tuple, r["index"])))
-    assert set(by_tensor) == set(tensors)
+    # Every tensor the model uses (the file may hold ignored duplicates).
+    assert set(by_tensor) <= set(tensors) and len(by_tensor) == len(record["shards"][family])
     # Each block once (replicated devices share one read), and no more
     # elements than this process's devices hold: the sum over tensors of the
     # distinct blocks this process's shards need (in our layout; the stored
@@ -154,12 +155,11 @@ def test_each_process_reads_only_its_own_slices(runs, checkpoints, family):
     held_elements = sum(_cells({tuple(map(tuple, s)) for s in boxes})
                         for boxes in record["shards"][family].values())
     assert read_elements == held_elements
-    total = sum(sizes.values())
-    assert read_elements < total
+    assert read_elements < sum(sizes[name] for name in by_tensor)
     halves += sum(1 for name, blocks in by_tensor.items()
                   if _cells(set(blocks)) * 2 == sizes[name])
   # The model-sharded tensors (most of them) were read half by each process.
-  assert halves >= len(tensors)
+  assert halves >= len(by_tensor)
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama_tiny", "gpt2_tiny"])
