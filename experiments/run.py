@@ -102,7 +102,11 @@ class ModelSpec:
       raise ValueError("perturb_target applies to the draft only")
 
 
-_SPECULATIVE_COUNTERS = frozenset(decoding.init_stats(1, 1))
+@functools.lru_cache(maxsize=None)
+def _speculative_counters() -> frozenset:
+  # Lazily: arrays made at import would start the XLA backend before
+  # `--multihost` can call jax.distributed.initialize.
+  return frozenset(decoding.init_stats(1, 1))
 
 
 @gin.configurable
@@ -340,7 +344,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     outputs["speculative"].append(spec_out[:real])
     # The aux also carries T5X's own entries (scores); keep the counters.
     row_stats.append({k: np.asarray(v)[:real] for k, v in stats.items()
-                      if k in _SPECULATIVE_COUNTERS})
+                      if k in _speculative_counters()})
   sequences = {k: np.concatenate(v) for k, v in outputs.items()}
   lengths = {k: np.asarray(sequence_lengths(jnp.asarray(v), target.config.eos_id))
              for k, v in sequences.items()}

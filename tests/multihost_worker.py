@@ -22,13 +22,22 @@ BATCH, STEPS, GAMMA = 8, 10, 3
 SAMPLING = dict(temperature=0.9, topp=0.95)
 
 
+def _log(message, start=[None]):
+  import time
+  now = time.perf_counter()
+  start[0] = start[0] or now
+  print(f"[{now - start[0]:7.2f} s] {message}", flush=True)
+
+
 def main(argv):
   ckpt_dir, out_dir, mode = argv[1:4]
+  _log(f"start {mode}")
   if mode == "multihost":
     from specdec_jax import sharding
     address, processes, process_id = argv[4], int(argv[5]), int(argv[6])
     # Before any other JAX call; bounded so a lost peer fails the test, not hangs it.
     sharding.initialize_distributed(address, processes, process_id, timeout_s=60)
+  _log("initialized")
   import jax
   import numpy as np
   from specdec_jax import generate, loading, sharding
@@ -70,6 +79,7 @@ def main(argv):
         [[s.start or 0, x.shape[d] if s.stop is None else s.stop]
          for d, s in enumerate(shard.index)] for shard in x.addressable_shards)
         for path, x in flat}
+  _log("loaded")
   load_reads = {"blocks": list(reads["blocks"]), "whole": list(reads["whole"])}
 
   def decode(name, family, mesh_shape, **kwargs):
@@ -83,6 +93,7 @@ def main(argv):
     target_part, draft_part = sharding.make_partitioners(mesh_shape)
     runs.append(("sharded", loading.load_sharded_model(target_dir, target_part),
                  loading.load_sharded_model(draft_dir, draft_part), target_part, draft_part))
+    _log(f"{family} {name}: models loaded")
     for run, target, draft, target_part, draft_part in runs:
       result = generate(target, data[family + "_tokens"], lengths, max_decode_steps=STEPS,
                         draft=draft, gamma=GAMMA, eos_id=-1, partitioner=target_part,
@@ -91,6 +102,7 @@ def main(argv):
       assert result.sequences.is_fully_addressable
       out[f"{run}/{family}/{name}/sequences"] = np.asarray(result.sequences)
       out[f"{run}/{family}/{name}/accepted"] = np.asarray(result.stats.accepted)
+      _log(f"{family} {name} {run}: decoded")
 
   for family, mesh_shape in (("t5", T5_MESH), ("decoder_only", DECODER_MESH)):
     decode("greedy", family, mesh_shape)
