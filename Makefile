@@ -13,7 +13,7 @@ export JAX_PLATFORMS ?= cpu
 T5X_PATH ?= ../shared/third_party
 VENV_T5X := .venv-t5x
 
-.PHONY: demo test test-t5x venv venv-test clean
+.PHONY: demo test test-multihost test-t5x venv venv-test clean
 
 $(VENV)/.core: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,14 @@ demo: $(VENV)/.core
 	$(PY) -m experiments.demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 tests
+	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 \
+	  --ignore=tests/test_multihost.py tests
+
+# Two jax.distributed processes x 4 CPU devices on localhost against one
+# 8-device process and the unsharded decode (tests/test_multihost.py). Its
+# own target: its first compiles run slow across processes (~2.5 min here).
+test-multihost: $(VENV)/.test
+	$(PY) -m pytest -q --timeout=900 tests/test_multihost.py
 
 $(VENV_T5X)/.t5x: setup.py
 	$(PYTHON) -m venv $(VENV_T5X)

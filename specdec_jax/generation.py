@@ -132,7 +132,11 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
       fold_in(rng, row) as their key.
     partitioner: run under this `sharding.Partitioner`'s mesh: params, inputs
       and the target cache are laid out by its rules (pass params already
-      sharded, e.g. from `load_sharded_model`, to avoid a copy).
+      sharded, e.g. from `load_sharded_model`, to avoid a copy). A mesh over
+      several processes (`jax.distributed`): every process calls `generate`
+      with the same global `inputs` (host data) and rng, each feeds only its
+      own devices' rows, and every process gets the whole outputs, as arrays
+      on its own first device.
     draft_partitioner: the draft's rules on the same mesh (default: weights
       replicated, batch over `data`).
   Returns:
@@ -173,6 +177,7 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   draft_params = None if draft_obj is None else draft_obj.params
   args = (params, draft_params, tokens, lengths, rng)
   shard_kwargs = {}
+  multihost = False
   if partitioner is not None:
     if draft_partitioner is None:
       draft_partitioner = partitioner.replace(rules=sharding.DRAFT_RULES)
@@ -184,8 +189,16 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
                     partitioner.batch_sharding(tokens.shape, "inputs"),
                     partitioner.batch_sharding(lengths.shape, "prompt_lengths"),
                     partitioner.replicated())
-    # A no-op for arrays already laid out this way.
-    args = jax.device_put(args, in_shardings)
+    multihost = sharding.spans_processes(partitioner.replicated())
+    if multihost:
+      # Each process holds the global batch on the host; a mismatch between
+      # processes would decode the wrong rows, so it is an error.
+      key_data = jax.random.key_data(rng) if sharding.is_key_array(rng) else rng
+      sharding.assert_same_on_every_process(
+          dict(inputs=tokens, prompt_lengths=lengths, rng=key_data))
+    # A no-op for arrays already laid out this way; on several processes each
+    # process places only its own devices' slices of host data.
+    args = sharding.put(args, in_shardings)
     shard_kwargs = dict(partitioner=partitioner, draft_partitioner=draft_partitioner,
                         in_shardings=in_shardings)
   with _COMPILED_LOCK:
@@ -194,6 +207,9 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     fn = _COMPILED[key]
   with matmul_precision_scope(precision):
     sequences, stats = fn(*args)
+  if multihost:
+    # Outputs are replicated: every process reads them locally from here on.
+    sequences, stats = sharding.local_copy((sequences, stats))
   return make_output(sequences, stats, eos_id, gamma)
 
 

@@ -277,12 +277,14 @@ class Partitioner:
     slicing (e.g. tensorstore / memmap): each device receives only its own
     slice (`jax.make_array_from_callback`), so no device ever holds a full
     copy of a sharded weight and at most one leaf is materialised at a time.
+    On several processes each process places only its own devices' slices
+    (every process must hold the same values: see `put`).
     """
     dtype = None if dtype is None else jnp.dtype(canonical_dtype(dtype))
 
     def place(sharding, leaf):
       if isinstance(leaf, jax.Array):
-        placed = jax.device_put(leaf, sharding)
+        placed = put(leaf, sharding)
         return placed if dtype is None else placed.astype(dtype)
       def shard(index):
         block = np.asarray(leaf[index])
@@ -292,7 +294,7 @@ class Partitioner:
     return jax.tree_util.tree_map(place, self.param_shardings(params, family), params)
 
   def shard_cache(self, cache, family: Family):
-    return jax.device_put(cache, self.cache_shardings(cache, family))
+    return put(cache, self.cache_shardings(cache, family))
 
 
 @gin.configurable(module="specdec_jax.sharding")
@@ -454,20 +456,102 @@ def format_memory_table(rows: Sequence[Tuple[str, Sequence[MemoryPlan], float]])
 
 
 # ---------------------------------------------------------------------------
-# Multi-host.
+# Multi-host (T5X's model: every process runs the same program on the same
+# host data; each process feeds only its own devices; one process writes).
 
 def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> None:
+                           process_id: Optional[int] = None,
+                           timeout_s: Optional[int] = None) -> None:
   """`jax.distributed.initialize` (arguments None = auto-detect on TPU / SLURM / ...).
 
   Must run before any other JAX call; afterwards `jax.devices()` lists every
-  process's devices and `make_mesh` spans them all.
+  process's devices and `make_mesh` spans them all. On CPU the processes'
+  collectives go through gloo (jax's default `jax_cpu_collectives_implementation`).
+  `timeout_s` bounds the wait for the other processes (jax's default: 300 s).
   """
+  kwargs = {} if timeout_s is None else dict(initialization_timeout=int(timeout_s))
   jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+                             num_processes=num_processes, process_id=process_id, **kwargs)
 
 
 def is_output_process() -> bool:
   """Only process 0 writes results files."""
   return jax.process_index() == 0
+
+
+def spans_processes(sharding) -> bool:
+  """Whether `sharding` puts data on devices of other processes too."""
+  return not sharding.is_fully_addressable
+
+
+def is_key_array(x) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def put(tree, shardings):
+  """`jax.device_put(tree, shardings)` that also works across processes without copies.
+
+  On one process this is `jax.device_put`. When a sharding spans several
+  processes, a leaf that is host data (numpy, an array-like, or a jax Array on
+  this process's devices) is taken to hold the same global value on every
+  process, as in T5X, and becomes a global array from this process's own
+  slices (`jax.make_array_from_callback`): nothing crosses hosts and nothing
+  is compared (`jax.device_put` would all-gather each array to check it).
+  Leaves already spanning the processes are resharded by `jax.device_put`.
+  `shardings` is one sharding or a tree matching `tree` (None leaves pass).
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree_util.tree_map(lambda _: shardings, tree)
+
+  def one(sharding, x):
+    if x is None or not spans_processes(sharding):
+      return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and (not x.is_fully_addressable or is_key_array(x)):
+      return jax.device_put(x, sharding)
+    host = np.asarray(x) if isinstance(x, jax.Array) else x
+    if not hasattr(host, "shape"):
+      host = np.asarray(host)
+    return jax.make_array_from_callback(tuple(host.shape), sharding,
+                                        lambda index: np.asarray(host[index]))
+
+  return jax.tree_util.tree_map(one, shardings, tree, is_leaf=lambda x: x is None)
+
+
+def local_copy(tree):
+  """Replicated global arrays as arrays on this process's first device of each.
+
+  Every process holds the whole value of a replicated array; this makes it
+  an ordinary single-device array, so later eager ops and `np.asarray` run
+  locally instead of as a program over every process's devices. Arrays that
+  are fully addressable already are returned unchanged.
+  """
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    if not x.is_fully_replicated:
+      raise ValueError(f"local_copy needs a replicated array; got one sharded as {x.sharding}")
+    return x.addressable_data(0)
+  return jax.tree_util.tree_map(one, tree)
+
+
+def assert_same_on_every_process(named: Mapping[str, Any]) -> None:
+  """Raises ValueError naming the inputs whose host values differ between processes.
+
+  T5X-style multi-host decoding feeds every process the same global batch;
+  a process that read another file or shuffled differently would silently
+  decode garbage rows. Compares one crc32 per input (one tiny all-gather).
+  """
+  if jax.process_count() == 1:
+    return
+  import zlib
+  from jax.experimental import multihost_utils
+  names = sorted(named)
+  digests = np.array([zlib.crc32(np.ascontiguousarray(np.asarray(named[n])).tobytes())
+                      for n in names], np.uint32)
+  everyone = np.asarray(multihost_utils.process_allgather(digests))  # [processes, inputs]
+  differ = [n for i, n in enumerate(names) if (everyone[:, i] != everyone[0, i]).any()]
+  if differ:
+    raise ValueError(f"multi-host generate: {', '.join(differ)} differ between processes "
+                     f"(process {jax.process_index()} of {jax.process_count()}); every process "
+                     "must pass the same global batch, rng and settings")

@@ -7,12 +7,20 @@ loader asks, so a loader holds one tensor in host memory at a time;
 `cast` makes the C-contiguous copy in the model's dtype (transposed, scaled);
 `write_safetensors` streams tensors into a file one at a time. Nothing here
 knows a model family: tensor names and layouts are the families' business.
+
+Sharded loading reads less: `Tensor.block(index, dtype)` reads one
+rectangular block (a device's shard) from the file, and `TensorView` is the
+lazy array-like a loader hands to its `place` callback, so
+`jax.make_array_from_callback` pulls from disk only the shards of the
+devices this process owns (on several hosts: only this host's slices).
 """
 
 import dataclasses
 import json
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+Index = Tuple[slice, ...]
 
 import ml_dtypes
 import numpy as np
@@ -31,10 +39,74 @@ class Tensor:
     shape: its shape in the layout `read` returns (a family's view may transpose or
       split the stored tensor).
     read: dtype -> np.ndarray of `shape` in that dtype (reads the file now).
+    read_block: (index, dtype) -> the block `read(dtype)[index]`, reading only
+      that block's elements from the file; `index` is one `slice(start, stop)`
+      per dimension, bounds resolved. None: the format can only be read whole.
   """
   source: str
   shape: Tuple[int, ...]
   read: Callable[[np.dtype], np.ndarray]
+  read_block: Optional[Callable[[Index, np.dtype], np.ndarray]] = None
+
+  def block(self, index, dtype) -> np.ndarray:
+    """`read(dtype)[index]` for a tuple of slices (as `make_array_from_callback`
+    passes), reading only the block where the format allows it."""
+    index = resolve_index(index, self.shape)
+    if self.read_block is None:
+      return np.ascontiguousarray(self.read(dtype)[index])
+    out = self.read_block(index, dtype)
+    want = tuple(s.stop - s.start for s in index)
+    if out.shape != want:  # A reader bug, not bad input.
+      raise AssertionError(f"{self.source}: block {index} read as shape {out.shape}, not {want}")
+    return out
+
+
+def resolve_index(index, shape) -> Index:
+  """A tuple of step-1 slices with explicit bounds, one per dimension."""
+  index = tuple(index) if isinstance(index, tuple) else (index,)
+  if len(index) > len(shape):
+    raise IndexError(f"index {index} has more entries than shape {shape}")
+  index = index + (slice(None),) * (len(shape) - len(index))
+  out = []
+  for entry, size in zip(index, shape):
+    if not isinstance(entry, slice):
+      raise TypeError(f"block reads take slices, got {entry!r}")
+    start, stop, step = entry.indices(size)
+    if step != 1:
+      raise ValueError(f"block reads take step-1 slices, got {entry!r}")
+    out.append(slice(start, max(start, stop)))
+  return tuple(out)
+
+
+def transposed_block(stored: Tensor, index: Index) -> np.ndarray:
+  """Block `index` of stored.T, read in the stored layout (stored dtype)."""
+  return stored.block(tuple(reversed(index)), None).T
+
+
+class TensorView:
+  """A `Tensor` as the lazy array a loader's `place` callback receives.
+
+  `view[index]` reads that block (memoised: replicated devices ask for the same
+  block, and it is read once); `np.asarray(view)` reads the whole tensor.
+  Dropped after placement, so at most one tensor's blocks are held at a time.
+  """
+
+  def __init__(self, tensor: Tensor, dtype):
+    self.tensor = tensor
+    self.dtype = np.dtype(dtype)
+    self.shape = tuple(tensor.shape)
+    self.ndim = len(self.shape)
+    self._blocks: Dict[Tuple[Tuple[int, int], ...], np.ndarray] = {}
+
+  def __getitem__(self, index) -> np.ndarray:
+    index = resolve_index(index, self.shape)
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in self._blocks:
+      self._blocks[key] = cast(self.tensor.block(index, None), self.dtype)
+    return self._blocks[key]
+
+  def __array__(self, dtype=None, copy=None):
+    return self[()] if dtype is None else self[()].astype(dtype)
 
 
 def cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[float] = None):
@@ -130,8 +202,33 @@ def safetensors_tensors(filename: str) -> Dict[str, Tensor]:
       array = array.reshape(shape)
       return array if dtype is None else np.asarray(array, dtype=dtype)
 
-    tensors[name] = Tensor(f"{os.path.basename(filename)}: {name}", shape, read)
+    def read_block(index, dtype, stored=stored, shape=shape, offset=data_start + begin,
+                   name=name):
+      block = read_safetensors_block(filename, name, stored, shape, offset, index)
+      return block if dtype is None else np.asarray(block, dtype=dtype)
+
+    tensors[name] = Tensor(f"{os.path.basename(filename)}: {name}", shape, read, read_block)
   return tensors
+
+
+def read_safetensors_block(filename: str, name: str, stored: np.dtype, shape, offset: int,
+                           index: Index) -> np.ndarray:
+  """Copies block `index` of one stored tensor out of a memory map of the file.
+
+  Only the pages holding the block's elements are read from disk (a
+  leading-dimension slice is one contiguous range). Every sharded read of a
+  safetensors checkpoint goes through here, so a test can record what each
+  process read.
+  """
+  del name  # For recording only.
+  if not shape or 0 in shape:
+    return np.fromfile(filename, dtype=stored, count=int(np.prod(shape)),
+                       offset=offset).reshape(shape)[index]
+  mapped = np.memmap(filename, dtype=stored, mode="r", offset=offset, shape=tuple(shape))
+  try:
+    return np.array(mapped[index])
+  finally:
+    del mapped
 
 
 def torch_tensors(filename: str) -> Dict[str, Tensor]:
@@ -167,7 +264,16 @@ def torch_tensors(filename: str) -> Dict[str, Tensor]:
         array = value.contiguous().numpy()
       return array if dtype is None else np.asarray(array, dtype=dtype)
 
-    tensors[name] = Tensor(f"{os.path.basename(filename)}: {name}", tuple(value.shape), read)
+    def read_block(index, dtype, value=value):
+      block = value[index]
+      if block.dtype == torch.bfloat16:
+        array = block.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+      else:
+        array = block.contiguous().numpy()
+      return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    tensors[name] = Tensor(f"{os.path.basename(filename)}: {name}", tuple(value.shape), read,
+                           read_block)
   return tensors
 
 

@@ -60,6 +60,8 @@ from flax import traverse_util
 
 from specdec_jax.families.tensor_io import CheckpointError, raise_on_mismatch, write_safetensors
 from specdec_jax.families.tensor_io import Tensor as _Tensor, cast as _cast
+from specdec_jax.families.tensor_io import TensorView as _TensorView
+from specdec_jax.families.tensor_io import transposed_block as _transposed_block
 from specdec_jax.families.tensor_io import hf_weight_files as _hf_weight_files
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.core.dtypes import default_dtype
@@ -379,7 +381,16 @@ def _mapped_tensor(stored: _Tensor, transform: str, part: Optional[int]) -> _Ten
       array = array[..., part * width:(part + 1) * width]
     return _cast(array, dtype, transform == "transpose")
 
-  return _Tensor(stored.source, shape, read)
+  def read_block(index, dtype):
+    # Our index -> the fused tensor's (last dim offset by the part) -> stored.
+    if part is not None:
+      offset = part * shape[-1]
+      index = index[:-1] + (slice(index[-1].start + offset, index[-1].stop + offset),)
+    if transform == "transpose":
+      return _cast(_transposed_block(stored, index), dtype)
+    return _cast(stored.block(index, None), dtype)
+
+  return _Tensor(stored.source, shape, read, read_block if stored.read_block else None)
 
 
 # Multimodal Gemma 3: where its text model's tensors live (transformers 4 hub
@@ -457,7 +468,6 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
   raise_on_mismatch(f"Checkpoint {directory} does not match its config {_describe(config)}:",
                     missing, unexpected, mismatched)
 
-  place = place or (lambda key, array: jax.device_put(array))
   np_dtype = jnp.dtype(config.dtype)
   keys = list(want)
   if progress:
@@ -465,9 +475,12 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
     keys = tqdm(keys, desc=f"loading {os.path.basename(directory.rstrip('/'))}", unit="tensor")
   flat = {}
   for key in keys:
-    array = tensors[key].read(np_dtype)
-    flat[tuple(key.split("/"))] = place(tuple(key.split("/")), array)
-    del array  # Free the host copy before reading the next tensor.
+    if place is None:
+      flat[tuple(key.split("/"))] = jax.device_put(tensors[key].read(np_dtype))
+    else:
+      # A lazy view: a sharded `place` reads only the blocks its devices hold.
+      flat[tuple(key.split("/"))] = place(tuple(key.split("/")),
+                                          _TensorView(tensors[key], np_dtype))
   return DecoderOnlyModel(config, traverse_util.unflatten_dict(flat))
 
 

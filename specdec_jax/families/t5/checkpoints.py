@@ -59,8 +59,8 @@ from flax import traverse_util
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
 from specdec_jax.families.tensor_io import (
-    CheckpointError, Tensor, cast, hf_weight_files, raise_on_mismatch, write_json_atomic,
-    write_safetensors)
+    CheckpointError, Tensor, TensorView, cast, hf_weight_files, raise_on_mismatch,
+    transposed_block, write_json_atomic, write_safetensors)
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import T5
@@ -84,10 +84,13 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
     dtype: 'float32' / 'bfloat16' / 'float16' for the params and compute;
       default `core.dtypes.default_dtype()` (float32 on CPU).
     progress: show a tqdm bar while reading tensors.
-    place: `(key tuple, numpy array) -> array` putting one tensor where it
-      belongs (default `jax.device_put`); `loading.load_sharded_model` passes
-      one that sends each device only its slice. Hugging Face and T5X formats
-      call it tensor by tensor; Orbax checkpoints are restored whole.
+    place: `(key tuple, array-like) -> array` putting one tensor where it
+      belongs (default: the whole tensor on the default device);
+      `loading.load_sharded_model` passes one that reads and sends each
+      device only its slice. Hugging Face and T5X formats call it tensor by
+      tensor with a lazy `tensor_io.TensorView` (`view[index]` reads one
+      block from disk, `np.asarray(view)` all of it); Orbax checkpoints are
+      restored whole.
     **config_overrides: `T5Config` fields to set on top of the inferred config
       (e.g. relative_attention_max_distance for T5X checkpoints).
   Raises:
@@ -99,7 +102,7 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
   path = os.fspath(path)
   fmt, location = detect_format(path)
   loaders = {"specdec": _load_specdec, "hf": _load_hf, "t5x": _load_t5x, "orbax": _load_orbax}
-  model = loaders[fmt](location, dtype, progress, config_overrides, place or _device_put)
+  model = loaders[fmt](location, dtype, progress, config_overrides, place)
   return model
 
 
@@ -211,11 +214,6 @@ def _describe(config: T5Config) -> str:
           f"logits_via_embedding={config.logits_via_embedding})")
 
 
-def _device_put(key, array):
-  del key
-  return jax.device_put(array)
-
-
 def _assemble(config: T5Config, tensors: Mapping[str, Tensor], origin: str, progress: bool,
               place, source_names: Optional[Mapping[str, str]] = None,
               unexpected: Sequence[str] = ()) -> Model:
@@ -229,10 +227,14 @@ def _assemble(config: T5Config, tensors: Mapping[str, Tensor], origin: str, prog
                 unit="tensor")
   flat = {}
   for key in keys:
+    if place is not None:
+      # A lazy view: a sharded `place` reads only the blocks its devices hold.
+      flat[tuple(key.split("/"))] = place(tuple(key.split("/")), TensorView(tensors[key], dtype))
+      continue
     array = tensors[key].read(dtype)
     if array.shape != tensors[key].shape or array.dtype != dtype:  # A reader bug, not input.
       raise AssertionError(f"{tensors[key].source} read as {array.shape} {array.dtype}")
-    flat[tuple(key.split("/"))] = place(tuple(key.split("/")), array)
+    flat[tuple(key.split("/"))] = jax.device_put(array)
     del array  # Free the host copy before reading the next tensor.
   return Model(config, traverse_util.unflatten_dict(flat))
 
@@ -368,8 +370,14 @@ def _load_hf(directory: str, dtype: str, progress: bool, overrides, place) -> Mo
 
 def _hf_tensor(stored: Tensor, transpose: bool, scale: Optional[float] = None) -> Tensor:
   shape = tuple(reversed(stored.shape)) if transpose else tuple(stored.shape)
+
+  def read_block(index, dtype):
+    block = transposed_block(stored, index) if transpose else stored.block(index, None)
+    return cast(block, dtype, scale=scale)
+
   return Tensor(stored.source, shape,
-                 lambda dtype: cast(stored.read(None), dtype, transpose, scale))
+                 lambda dtype: cast(stored.read(None), dtype, transpose, scale),
+                 read_block if stored.read_block else None)
 
 
 def hf_tensor_layout(config: T5Config) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
@@ -571,7 +579,8 @@ def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -
     if array.dtype == object or not np.issubdtype(array.dtype, np.number):
       raise CheckpointError(f"{origin}: param {key} is a {type(leaf).__name__}, not an array")
     return Tensor(f"{origin}: {key} (inline)", tuple(array.shape),
-                   lambda dtype: np.asarray(array, dtype=dtype))
+                   lambda dtype: np.asarray(array, dtype=dtype),
+                   lambda index, dtype: np.asarray(array[index], dtype=dtype))
   import tensorstore as ts
   relative = _t5x_relative_path(leaf)
   if not relative:
@@ -592,15 +601,19 @@ def _t5x_tensor(location: str, key: str, leaf: Any, version: int, origin: str) -
   # T5X checkpoints before version 3 stored bfloat16 as uint16 bit patterns.
   as_bfloat16 = version < 3 and store.dtype == ts.uint16
 
-  def read(dtype):
+  def read(dtype, index=()):
+    # TensorStore reads only the chunks overlapping `index`.
     try:
+      view = store[index] if index else store
       if as_bfloat16:
-        return np.asarray(store.read().result().view(ml_dtypes.bfloat16), dtype=dtype)
-      return ts.cast(store, ts.dtype(jnp.dtype(dtype).name)).read().result()
+        return np.asarray(view.read().result().view(ml_dtypes.bfloat16), dtype=dtype)
+      if dtype is None:
+        return view.read().result()
+      return ts.cast(view, ts.dtype(jnp.dtype(dtype).name)).read().result()
     except Exception as e:
       raise CheckpointError(f"{source}: cannot read array for param {key} ({e})") from None
 
-  return Tensor(source, shape, read)
+  return Tensor(source, shape, read, lambda index, dtype: read(dtype, index))
 
 
 # T5X's chunk budget (t5x/checkpoints.py `_choose_chunk_shape`): reads of a
