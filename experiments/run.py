@@ -113,7 +113,8 @@ class Experiment:
   `draft` is a `ModelSpec` or any `specdec_jax.drafts.Draft` (n-gram, prompt
   lookup, ...). max_decode_steps must be >= gamma + 1 (the block that measures
   verification cost has gamma + 1 tokens). block_width: the target's block
-  width W in both loops (default `decoding.DEFAULT_BLOCK_WIDTH`); greedy
+  width W in both loops (default `decoding.resolve_block_width`'s: gamma + 1
+  in float32 on CPU, else `decoding.DEFAULT_BLOCK_WIDTH`); greedy
   outputs are checked against target-only decoding at W, and the speedup is
   against the faster of target-only decoding at W and at width 1.
   """
@@ -287,7 +288,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   encoder_tokens = tasks.encode_batch(exp.tokenizer, [e.inputs for e in examples],
                                       exp.max_input_length)
   settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp)
-  width = decoding.resolve_block_width(exp.block_width, exp.gamma)
+  width = decoding.resolve_block_width(exp.block_width, exp.gamma, dtype=target.config.dtype)
   # Two exact target-only decoders: at the speculative loop's width W (the
   # reference its greedy outputs must equal bit for bit) and at width 1
   # (often faster on CPU). The speedup is against the faster of the two.
