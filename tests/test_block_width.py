@@ -101,18 +101,21 @@ def test_every_target_call_has_width_w(monkeypatch):
   monkeypatch.setattr(generation, "_COMPILED", _TraceOnly())
   monkeypatch.setattr(t5x_model, "_COMPILED", _TraceOnly())
   seen = []
-  original = Model.block_fn
+  # Every decode path (generate, the T5X model, drafts) gets its block
+  # callbacks from the family object.
+  from specdec_jax.families.t5.family import FAMILY as T5_FAMILY
+  original = type(T5_FAMILY).block_fn
 
-  def recording_block_fn(self, params=None):
-    fn = original(self, params)
+  def recording_block_fn(self, config, params):
+    fn = original(self, config, params)
 
     def block_fn(tokens, positions, cache):
-      seen.append((self.config, tokens.shape[1]))
+      seen.append((config, tokens.shape[1]))
       return fn(tokens, positions, cache)
 
     return block_fn
 
-  monkeypatch.setattr(Model, "block_fn", recording_block_fn)
+  monkeypatch.setattr(type(T5_FAMILY), "block_fn", recording_block_fn)
   # A shape no other test uses, so `generate` traces afresh here.
   # One layer per stack: this test compiles many programs.
   target = sj.load_model("tiny", vocab_size=48, emb_dim=40, num_encoder_layers=1,
@@ -124,6 +127,7 @@ def test_every_target_call_has_width_w(monkeypatch):
   default = decoding.DEFAULT_BLOCK_WIDTH
   # Float32 on CPU defaults to the narrowest widths (1, gamma + 1); bf16 (and
   # accelerators) to the fixed width in both loops.
+  # (Cases are distinct programs: one already traced is not traced again.)
   cpu32 = jax.default_backend() == "cpu"
   bf16_target, bf16_draft = _cast(target, "bfloat16"), _cast(draft, "bfloat16")
   cases = [(target, 0.0, dict(), 1 if cpu32 else default),
@@ -132,7 +136,7 @@ def test_every_target_call_has_width_w(monkeypatch):
            (target, 0.0, dict(block_width=5), 5),
            (target, 0.0, dict(draft=draft, gamma=4, block_width=5), 5),
            (target, 0.0, dict(draft=draft, gamma=9, block_width=12), 12),
-           (target, 0.0, dict(block_width=1), 1), (target, 0.0, dict(block_width=8), 8),
+           (bf16_target, 0.0, dict(block_width=1), 1), (target, 0.0, dict(block_width=8), 8),
            (target, 1.0, dict(), 1 if cpu32 else default),
            (target, 1.0, dict(draft=draft, gamma=3), 4 if cpu32 else default),
            (bf16_target, 0.0, dict(), default),
@@ -142,7 +146,8 @@ def test_every_target_call_has_width_w(monkeypatch):
     seen.clear()
     sj.generate(model, inputs, max_decode_steps=6, temperature=temperature, **kwargs)
     widths = {w for config, w in seen if config == model.config}
-    assert widths, "the target was not traced: the test would prove nothing"
+    assert widths, ("the target was not traced: the test would prove nothing", model.config.dtype,
+                    temperature, kwargs)
     assert widths == {width}, (model.config.dtype, temperature, kwargs, seen)
   widths = lambda: {w for config, w in seen if config == target.config}
   # The T5X-style model: the same width in both of its loops.
@@ -305,17 +310,17 @@ def test_cpu_float32_defaults_keep_greedy_identity_on_near_ties(family):
     assert 0.1 < out.stats.acceptance_rate < 1.0, out.stats.summary()
 
 
-def test_near_tie_pairs_are_sensitive_to_block_shape_in_bf16():
-  """The control for the test above: the same pairs in bf16, target-only at
-  width 1 against speculative at gamma + 1 (the narrow widths, which bf16 does
-  not default to), part on some row. So the pairs do hold ties close enough
-  for rounding to decide them; in float32 the same comparison agrees."""
-  parted = {}
-  for family in ("t5", "decoder_only"):
-    target, draft, inputs, lengths = _near_tie_pair(family, "bfloat16")
-    kwargs = dict(max_decode_steps=32, eos_id=-1)
-    narrow = np.asarray(sj.generate(target, inputs, lengths, block_width=1, **kwargs).sequences)
-    spec = np.asarray(sj.generate(target, inputs, lengths, draft=draft, gamma=7, block_width=8,
-                                  **kwargs).sequences)
-    parted[family] = int((narrow != spec).any(axis=1).sum())
-  assert all(parted.values()), parted
+def test_near_tie_t5_pair_is_sensitive_to_block_shape_in_bf16():
+  """The control for the test above: the T5 pair in bf16, target-only at
+  width 1 against speculative at gamma + 1 = 8 (the narrow widths, which bf16
+  does not default to), parts on some row. So the pair holds ties close enough
+  for rounding to decide them; in float32 the same comparison agrees. (The
+  decoder-only pair parted on no row in bf16 either, at gamma 2, 4, 7: XLA
+  CPU rounded its blocks alike, so it has no such control; measured
+  2026-12-01.)"""
+  target, draft, inputs, lengths = _near_tie_pair("t5", "bfloat16")
+  kwargs = dict(max_decode_steps=32, eos_id=-1)
+  narrow = np.asarray(sj.generate(target, inputs, lengths, block_width=1, **kwargs).sequences)
+  spec = np.asarray(sj.generate(target, inputs, lengths, draft=draft, gamma=7, block_width=8,
+                                **kwargs).sequences)
+  assert (narrow != spec).any(axis=1).sum() >= 1
