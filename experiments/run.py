@@ -188,6 +188,7 @@ class Experiment:
   longer than it is an error). max_decode_steps must be >= gamma + 1 (the
   block that measures verification cost has gamma + 1 tokens).
   block_width: the target's block width W in both loops (default
+  `decoding.resolve_block_width`'s: gamma + 1 in float32 on CPU, else
   `decoding.DEFAULT_BLOCK_WIDTH`); greedy outputs are checked against
   target-only decoding at W, and the speedup is against the faster of
   target-only decoding at W and at width 1.
@@ -432,7 +433,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   eos_id = family.eos_id(config)
 
   settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp)
-  width = decoding.resolve_block_width(exp.block_width, exp.gamma)
+  width = decoding.resolve_block_width(exp.block_width, exp.gamma, dtype=config.dtype)
   rng = jax.random.PRNGKey(exp.seed)
 
   def decode(use_draft: bool, block_width: int, index, key):

@@ -42,6 +42,44 @@ def compile_count() -> int:
   return len(_COMPILED)
 
 
+_MEMORY: Dict[Any, Dict[str, int]] = {}
+
+
+def _decode_memory(family: Family, config, draft: Optional[Draft], draft_params, tokens, lengths,
+                   max_decode_steps: int, partitioner: Optional[sharding.Partitioner],
+                   draft_partitioner: Optional[sharding.Partitioner]) -> Dict[str, int]:
+  """{part: bytes per device} that a decode allocates for its whole length, from shapes only.
+
+  The target cache from the family's `abstract_cache` (under a mesh,
+  `sharding.plan_memory`'s bytes on the fullest device), the draft's state
+  from its abstract `init_state` (a model draft under a mesh: its plan), and
+  the loop's token buffers. Params exist already; activations are not
+  counted (they do not grow with max_decode_steps).
+  """
+  batch, width = tokens.shape
+  plan = lambda cfg, part: sharding.plan_memory(  # noqa: E731
+      cfg, batch=batch, context_len=width, max_decode_len=max_decode_steps,
+      mesh_shape=part.mesh_shape, rules=part.rules,
+      on_indivisible=part.on_indivisible).cache_bytes_per_device
+  if partitioner is None:
+    target = sharding.tree_bytes(family.abstract_cache(config, batch, width, max_decode_steps))
+  else:
+    target = plan(config, partitioner)
+  parts = {"target cache": target}
+  if draft is not None:
+    draft_model = getattr(draft, "model", None)
+    if draft_partitioner is not None and draft_model is not None and is_model(draft_model):
+      parts["draft state"] = plan(draft_model.config, draft_partitioner)
+    else:
+      state = jax.eval_shape(
+          lambda p, t, n: draft.init_state(p, family.context(t, n), max_decode_steps),
+          draft_params, tokens, lengths)
+      parts["draft state"] = sharding.tree_bytes(state)
+  # The loop's inputs [batch, N] and sequences [batch, N + 1], and the output, int32.
+  parts["token buffers"] = 3 * batch * (max_decode_steps + 1) * 4
+  return parts
+
+
 def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int,
            temperature: float, topk: int, topp: float, eos_id: int, gamma: int,
            block_width: int, partitioner: Optional[sharding.Partitioner] = None,
@@ -117,11 +155,15 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
       `specdec_jax.drafts.Draft` (n-gram, prompt lookup, adaptive, ...).
     gamma: tokens drafted per iteration.
     block_width: width W of every target call, in both the target-only and
-      the speculative loop (default `decoding.DEFAULT_BLOCK_WIDTH` = 8, so
-      gamma 1..7). Equal widths make greedy outputs with and without a draft
-      identical bit for bit on every backend and dtype; a gamma + 1 wider
-      than W is an error naming the width to set. Target-only decoding with
-      block_width=1 is the fastest on CPU (see README, "Block width").
+      the speculative loop. Default (`decoding.resolve_block_width`): in
+      float32 on CPU, 1 for target-only decoding and gamma + 1 for
+      speculative decoding (the cheapest widths there; greedy outputs with
+      and without a draft were identical on every near-tie row tested, but
+      not by construction: docs/exactness.md); elsewhere (bf16, fp16,
+      accelerators) `decoding.DEFAULT_BLOCK_WIDTH` = 8 in both loops, which
+      makes them identical bit for bit by construction (gamma 1..7; a
+      gamma + 1 wider than W is an error naming the width to set). Pass the
+      same block_width to both calls to get the construction on CPU too.
     matmul_precision: `jax.default_matmul_precision` for the whole decode
       ('highest' = full float32 matmuls on GPUs/TPUs, which otherwise use
       TF32 / bf16 passes); None keeps JAX's setting.
@@ -169,7 +211,10 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     draft_obj.check_compatible(config)
     draft_obj.check_inputs(inputs, prompt_lengths, max_decode_steps)
   gamma = int(gamma) if draft_obj is not None else 0
-  width = decoding.resolve_block_width(block_width, gamma if draft_obj is not None else None)
+  platform = (None if partitioner is None else
+              np.asarray(partitioner.mesh.devices).flat[0].platform)
+  width = decoding.resolve_block_width(block_width, gamma if draft_obj is not None else None,
+                                       dtype=config.dtype, platform=platform)
   precision = check_matmul_precision(matmul_precision)
   statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id, gamma, width)
   key = (config, None if draft_obj is None else draft_obj.static_key(), precision) + statics
@@ -201,6 +246,16 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     args = sharding.put(args, in_shardings)
     shard_kwargs = dict(partitioner=partitioner, draft_partitioner=draft_partitioner,
                         in_shardings=in_shardings)
+  # Before anything is allocated: a cache that cannot fit is an error naming
+  # its bytes, not an allocation that fails (or swaps) part way.
+  memory_key = key + (tuple(tokens.shape),)
+  if memory_key not in _MEMORY:
+    _MEMORY[memory_key] = _decode_memory(family, config, draft_obj, draft_params, tokens, lengths,
+                                         max_decode_steps, partitioner, draft_partitioner)
+  devices = (list(np.asarray(partitioner.mesh.devices).flat) if partitioner is not None else
+             jax.local_devices()[:1])
+  sharding.check_decode_memory(_MEMORY[memory_key], devices,
+                               f"max_decode_steps={max_decode_steps} at batch {tokens.shape[0]}")
   with _COMPILED_LOCK:
     if key not in _COMPILED:
       _COMPILED[key] = _build(family, config, draft_obj, *statics, **shard_kwargs)

@@ -31,6 +31,7 @@ dtype, batch, lengths and mesh without allocating anything.
 import contextlib
 import dataclasses
 import math
+import os
 import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -426,6 +427,70 @@ def plan_speculative_memory(target_config, draft_config, *, batch: int, context_
                 mesh_shape=mesh_shape, dtype=dtype)
   return (plan_memory(target_config, rules=rules, name="target", **common),
           plan_memory(draft_config, rules=draft_rules, name="draft", **common))
+
+
+def available_memory_bytes(device) -> Optional[int]:
+  """Bytes a new allocation on `device` can still get, or None when unknown.
+
+  CPU devices share the host's memory: its MemAvailable (/proc/meminfo, what
+  the kernel can hand out without swapping), else free physical pages.
+  Accelerators: bytes_limit - bytes_in_use from the device's memory_stats().
+  """
+  if device.platform == "cpu":
+    try:
+      with open("/proc/meminfo") as f:
+        for line in f:
+          if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    except OSError:
+      pass
+    try:
+      return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+      return None
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of a tree of arrays or ShapeDtypeStructs."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree))
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def check_decode_memory(parts: Mapping[str, int], devices: Sequence[Any], what: str) -> None:
+  """Raises MemoryError, before anything is allocated, if `parts` cannot fit.
+
+  Args:
+    parts: {name: bytes per device} of what a decode will allocate (caches,
+      token buffers), e.g. from `plan_memory` or `tree_bytes` of abstract
+      shapes.
+    devices: the devices they go on. CPU devices share the host's memory, so
+      there the per-device bytes count once per device against it.
+    what: the setting to name in the error (e.g. 'max_decode_steps=10000000').
+  """
+  per_device = sum(parts.values())
+  device = devices[0]
+  shared = device.platform == "cpu"
+  needed = per_device * (len(devices) if shared else 1)
+  available = available_memory_bytes(device)
+  if available is None or needed <= available:
+    return
+  where = ("host memory available" if shared else
+           f"free on {device.device_kind} {device.id}")
+  detail = ", ".join(f"{name} {_gib(n * (len(devices) if shared else 1))}"
+                     for name, n in parts.items())
+  raise MemoryError(
+      f"{what} needs {needed} bytes ({_gib(needed)}: {detail}) before any activation, but "
+      f"only {available} bytes ({_gib(available)}) are {where}. Lower max_decode_steps or "
+      "the batch, use a narrower dtype, or shard the cache over more devices "
+      "(sharding.plan_memory gives the bytes per device for a mesh).")
 
 
 def device_bytes(tree, device=None) -> int:

@@ -339,8 +339,8 @@ def test_bad_inputs_give_clear_errors():
     generate(gpt2, prompts, [4, 2], max_decode_steps=126)
   with pytest.raises(ValueError, match="learned position table"):
     gpt2.init_cache(1, 129)
-  with pytest.raises(ValueError, match="block_width"):
-    generate(model, prompts, [4, 2], max_decode_steps=3, draft=model, gamma=8)
+  with pytest.raises(ValueError, match="block_width=9"):
+    generate(model, prompts, [4, 2], max_decode_steps=3, draft=model, gamma=8, block_width=8)
   small_vocab = load_model("llama_tiny_draft", vocab_size=50)
   with pytest.raises(ValueError, match="vocabulary size 50"):
     generate(model, prompts, [4, 2], max_decode_steps=3, draft=small_vocab)

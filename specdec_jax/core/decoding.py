@@ -50,14 +50,56 @@ class DecodingState(NamedTuple):
 DEFAULT_BLOCK_WIDTH = 8
 
 
-def resolve_block_width(block_width: Optional[int], gamma: Optional[int] = None) -> int:
-  """The target's block width W: `block_width`, or DEFAULT_BLOCK_WIDTH when None.
+def narrow_by_default(dtype: Optional[str], platform: Optional[str] = None) -> bool:
+  """Whether `generate`'s default widths are the narrowest ones (1, or gamma + 1).
+
+  True for float32 on CPU, False elsewhere. On a CPU a wide block is not
+  free: XLA CPU's [8, 512] x [512, 32128] logits product costs 2.5x the
+  [1, 512] one (it is compute-bound there), so target-only decoding at the
+  fixed width 8 ran 2.3x slower than at width 1 and lost to transformers'
+  greedy `generate`. The fixed width is what makes greedy speculative and
+  target-only outputs identical *by construction*; at width 1 against
+  gamma + 1 no construction does (scoring the gamma + 1 tokens one by one
+  would cost the speedup). In float32, XLA CPU's dot kernels sum each output
+  row over the contracted dimension in an order that, measured, does not
+  depend on how many rows the block has: identical tokens on every row of
+  near-tie random pairs of both families (tests/test_block_width.py), which
+  is evidence, not proof. In bf16/fp16 on CPU (52/64 rows identical once,
+  BENCHMARKS.md) and on accelerators (where width 8 costs about what width 1
+  does) the fixed width stays.
+
+  Args:
+    dtype: the target's compute dtype (None: the fixed width, the policy of
+      the low-level loops, which do not know it).
+    platform: the devices' platform ('cpu', 'gpu', 'tpu'); default
+      `jax.default_backend()`.
+  """
+  if dtype is None:
+    return False
+  platform = jax.default_backend() if platform is None else platform
+  return platform == "cpu" and jnp.dtype(dtype) == jnp.float32
+
+
+def resolve_block_width(block_width: Optional[int], gamma: Optional[int] = None, *,
+                        dtype: Optional[str] = None, platform: Optional[str] = None) -> int:
+  """The target's block width W in both loops.
+
+  `block_width` when given. Otherwise, where `narrow_by_default(dtype,
+  platform)` (float32 on CPU): 1 for target-only decoding (gamma None),
+  gamma + 1 for speculative decoding, the cheapest exact widths there;
+  elsewhere DEFAULT_BLOCK_WIDTH for both, so greedy outputs with and without
+  a draft are identical by construction.
 
   With `gamma`, checks that a verification block (gamma + 1 tokens) fits: a
   wider block would change the target's numerics, so it is an error, never a
   silent widening.
   """
-  width = DEFAULT_BLOCK_WIDTH if block_width is None else block_width
+  if block_width is None:
+    if narrow_by_default(dtype, platform):
+      return 1 if gamma is None else int(gamma) + 1
+    width = DEFAULT_BLOCK_WIDTH
+  else:
+    width = block_width
   if isinstance(width, bool) or int(width) != width or width < 1:
     raise ValueError(f"block_width must be an int >= 1, got {block_width!r}")
   width = int(width)

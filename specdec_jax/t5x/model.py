@@ -273,8 +273,9 @@ class SpeculativeEncoderDecoderModel(_BASE):
     input_vocabulary / output_vocabulary / optimizer_def / label_smoothing /
       z_loss / loss_normalizing_factor / default_decoder_params: T5X's
       `EncoderDecoderModel` arguments (used when t5x is importable).
-    block_width: width of every target call (see `specdec_jax.generate`);
-      default `decoding.DEFAULT_BLOCK_WIDTH`.
+    block_width: width of every target call; default as in
+      `specdec_jax.generate` (`decoding.resolve_block_width`: float32 on CPU
+      1 or gamma + 1, else `decoding.DEFAULT_BLOCK_WIDTH`).
     draft_dtype: dtype a draft checkpoint is loaded in (default: the
       target's compute dtype).
     draft_as_variables: pass the draft's params through T5X's train state
@@ -316,7 +317,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
     # The target's block width in both loops, as in `generate`: plain and
     # speculative decoding of one model give identical greedy outputs.
     self.block_width = decoding.resolve_block_width(
-        block_width, self.gamma if decode_fn is decoding.speculative_sample else None)
+        block_width, self.gamma if decode_fn is decoding.speculative_sample else None,
+        dtype=target_config.dtype)
     self.temperature, self.topk, self.topp = float(temperature), int(topk), float(topp)
     self.draft_as_variables = bool(draft_as_variables)
     if self.draft_as_variables:

@@ -221,13 +221,15 @@ def time_generate_pairs(target, inputs, repeats: int, base_kwargs, spec_kwargs,
   from specdec_jax.generation import generate
 
   gamma = spec_kwargs.get("gamma", 4) if spec_kwargs.get("draft") is not None else None
-  width = resolve_block_width(spec_kwargs.get("block_width"), gamma)
+  # The width `generate` resolves for the speculative side (its default
+  # depends on the target's dtype and the platform), pinned on both sides.
+  width = resolve_block_width(spec_kwargs.get("block_width"), gamma, dtype=target.config.dtype)
   sides = {("base", width): dict(base_kwargs, block_width=width)}
   if "block_width" in base_kwargs:
     sides = {("base", base_kwargs["block_width"]): dict(base_kwargs)}
   elif width != 1:
     sides[("base", 1)] = dict(base_kwargs, block_width=1)
-  sides[("spec", width)] = spec_kwargs
+  sides[("spec", width)] = dict(spec_kwargs, block_width=width)
 
   def timed(x, kwargs):
     start = time.perf_counter()

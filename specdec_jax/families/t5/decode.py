@@ -23,9 +23,12 @@ larger operations (counted per layer by `specdec_jax.tools.hlo_ops`):
   (`attention='in_layout'`) scores and outputs are multiply-and-sum fusions
   into which the softmax fuses (fewest operations); on CPU (`'dots'`),
   batched dots, which XLA CPU runs far faster than its reductions;
-* keys and values are set in the cache in place on accelerators, by one
-  select pass on CPU (`_blend_block`); the cache is `families/t5/network.py`'s
-  (`T5.init_cache` makes it, and sharding rules apply as is).
+* keys and values are set in the cache in place by a scatter on
+  accelerators, and on CPU for blocks of 2+ tokens (O(k) per step, not
+  O(len)); on CPU one-token blocks use one select pass (`_blend_block`),
+  where XLA CPU would copy the cache around an in-place write. The cache is
+  `families/t5/network.py`'s (`T5.init_cache` makes it, and sharding rules
+  apply as is).
 
 Numerics: RMS norm and softmax in float32, matrix products in `config.dtype`
 as in `T5.decode_block`; the order of float operations differs, and with
@@ -258,16 +261,17 @@ def position_bias(rel_embedding: Array, config: T5Config, query_positions: Array
 
 
 def _blend_block(cache: Array, block: Array, positions: Array) -> Array:
-  """`models.t5._set_block` as one select over the cache (the 'dots' path).
+  """`families.t5.network._set_block` as one select over the cache (CPU, one-token blocks).
 
   Sets block [batch, k, heads, head_dim] into cache [batch, heads, len,
   head_dim] at positions [batch] + 0..k-1; writes past the end are dropped.
-  With `_set_block`'s scatter, XLA CPU fuses the resulting
-  dynamic-update-slice twice (into the carried cache and into the attention
-  dot that reads it) and then copies each cache four times per layer and
-  step to keep both in place. One select pass is a single fusion that both
-  read. Accelerators ('in_layout') keep the in-place scatter: there a pass
-  over the cache would cost bandwidth that grows with batch and length.
+  A pass over the whole cache, so it is kept where XLA CPU leaves no cheaper
+  choice: at k = 1 any in-place write (a scatter, a dynamic-update-slice, a
+  clamped window of either) is fused twice, into the carried cache and into the
+  matrix-vector attention dot that reads it (through the bitcast that drops
+  the unit batch dimension), and each cache is then copied four times per
+  layer and step to keep both in place; one select pass is a single fusion
+  that both read.
   """
   length = cache.shape[2]
   offset = jnp.arange(length)[None, :] - positions[:, None]  # [batch, len]
@@ -275,6 +279,20 @@ def _blend_block(cache: Array, block: Array, positions: Array) -> Array:
   rows = jnp.take_along_axis(block, jnp.clip(offset, 0, block.shape[1] - 1)[:, :, None, None],
                              axis=1)  # [batch, len, heads, head_dim]
   return jnp.where(inside[:, None, :, None], jnp.swapaxes(rows, 1, 2).astype(cache.dtype), cache)
+
+
+def _set_block_cpu(cache: Array, block: Array, positions: Array) -> Array:
+  """The 'dots' path's cache write, O(k) where XLA CPU allows it.
+
+  Blocks of 2 or more tokens: the accelerators' scatter (`_set_block`), which
+  XLA CPU compiles to one in-place dynamic-update-slice per cache that the
+  attention dot reads from the carried buffer, no copy (it costs two small
+  fusions more per layer than the select: the write's in-bounds window,
+  O(k)). One token: the select pass `_blend_block` (see there).
+  """
+  if block.shape[1] == 1:
+    return _blend_block(cache, block, positions)
+  return _set_block(cache, block, positions)
 
 
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
@@ -300,7 +318,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   if attention not in ATTENTION:
     raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
   attend = ATTENTION[attention]
-  set_block = _blend_block if attention == "dots" else _set_block
+  set_block = _set_block_cpu if attention == "dots" else _set_block
   batch, k = tokens.shape
   dtype = jnp.dtype(config.dtype)
   max_len = cache["layers"][0]["self_key"].shape[2]
