@@ -37,7 +37,8 @@ test: $(VENV)/.test
 
 # Two jax.distributed processes x 4 CPU devices on localhost against one
 # 8-device process and the unsharded decode (tests/test_multihost.py). Its
-# own target: its first compiles run slow across processes (~2.5 min here).
+# own target: its first compiles run slower across processes (46 s on a
+# quiet 2-core machine, ~2.5 min on a loaded one).
 test-multihost: $(VENV)/.test
 	$(PY) -m pytest -q --timeout=900 tests/test_multihost.py
 
