@@ -406,7 +406,13 @@ class DecoderOnly(nn.Module):
     cap = self.config.final_logit_softcap
     if self.config.tie_word_embeddings:
       embedding = self.embed_tokens.embedding.astype(hidden.dtype)
-      logits = jnp.dot(hidden, embedding.T, preferred_element_type=jnp.float32)
+      # The table [vocab, emb] is the dot's first operand, contracted on its
+      # minor dimension as it lies in memory: as the second operand
+      # (hidden @ embedding.T) XLA CPU reads it against its layout, 7.4 vs
+      # 4.3 ms per GPT-2 token on the 2-core VM (one row, same results to
+      # rounding).
+      logits = jnp.einsum("vd,...d->...v", embedding, hidden,
+                          preferred_element_type=jnp.float32)
     else:
       logits = self.lm_head(hidden)
     if cap is not None:
