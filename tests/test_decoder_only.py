@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cached_blocks import score_in_ragged_blocks
 from hf_reference import assert_matches_rows, hf_greedy
 from flax.traverse_util import flatten_dict
 
@@ -186,31 +187,9 @@ def test_cached_blocks_equal_uncached_forward(name):
   full = np.asarray(model.logits(tokens))
 
   prompt_lengths = np.array([4, 1, 7], np.int32)
-  prompts = np.where(np.arange(7)[None] < prompt_lengths[:, None], tokens[:, :7], 0)
-  cache = model.init_cache(batch, length + 6)
-  last, cache = model.prefill(prompts.astype(np.int32), prompt_lengths, cache)
-  np.testing.assert_allclose(np.asarray(last), full[np.arange(batch), prompt_lengths - 1],
+  last, got = score_in_ragged_blocks(model, tokens, prompt_lengths, (1, 3), rng, VOCAB)
+  np.testing.assert_allclose(last, full[np.arange(batch), prompt_lengths - 1],
                              rtol=1e-5, atol=1e-5 * np.abs(full).max())
-  positions = prompt_lengths.copy()
-  got = np.full(full.shape, np.nan, np.float32)
-  padded = np.pad(tokens, ((0, 0), (0, 6)))
-  while positions.min() < length:
-    k = (1, 3)[rng.randint(2)]  # Two block widths: two compiles.
-    # Each row keeps only the first `advance` of its k tokens: the rest is a
-    # rejected draft whose cache entries must not matter.
-    advance = rng.randint(1, k + 1, batch)
-    block = np.stack([padded[b, p:p + k] for b, p in enumerate(np.minimum(positions, length))])
-    junk = rng.randint(3, VOCAB, block.shape)
-    block = np.where(np.arange(k)[None] < advance[:, None], block, junk).astype(np.int32)
-    # Rows already past `length` score junk at position 0 and stay put: they
-    # are done, and this keeps every block inside the cache.
-    done = positions >= length
-    logits, cache = model.decode_block(block, np.where(done, 0, positions), cache)
-    for b in np.flatnonzero(~done):
-      for j in range(advance[b]):
-        if positions[b] + j < length:
-          got[b, positions[b] + j] = logits[b, j]
-    positions = np.where(done, positions, positions + advance)
   for b in range(batch):
     real = slice(prompt_lengths[b], length)
     np.testing.assert_allclose(got[b, real], full[b, real], rtol=1e-5,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cached_blocks import score_in_ragged_blocks
 from hf_reference import assert_matches_rows, hf_greedy
 
 import specdec_jax
@@ -217,26 +218,8 @@ def test_cached_blocks_at_ragged_positions_equal_uncached_forward(layout, hf_pai
   tokens = rng.randint(3, VOCAB, (batch, length)).astype(np.int32)
   full = np.asarray(model.logits(tokens))
   prompt_lengths = np.array([5, 1, 8], np.int32)
-  prompts = np.where(np.arange(8)[None] < prompt_lengths[:, None], tokens[:, :8], 0)
-  cache = model.init_cache(batch, length + k)
-  last, cache = model.prefill(prompts.astype(np.int32), prompt_lengths, cache)
-  np.testing.assert_allclose(np.asarray(last), full[np.arange(batch), prompt_lengths - 1],
-                             atol=1e-4, rtol=0)
-  positions = prompt_lengths.copy()
-  got = np.full(full.shape, np.nan, np.float32)
-  padded = np.pad(tokens, ((0, 0), (0, k)))
-  while positions.min() < length:
-    advance = rng.randint(1, k + 1, batch)  # Tokens each row keeps; the rest is junk.
-    block = np.stack([padded[b, p:p + k] for b, p in enumerate(np.minimum(positions, length))])
-    junk = rng.randint(3, VOCAB, block.shape)
-    block = np.where(np.arange(k)[None] < advance[:, None], block, junk).astype(np.int32)
-    done = positions >= length
-    logits, cache = model.decode_block(block, np.where(done, 0, positions), cache)
-    for b in np.flatnonzero(~done):
-      for j in range(advance[b]):
-        if positions[b] + j < length:
-          got[b, positions[b] + j] = logits[b, j]
-    positions = np.where(done, positions, positions + advance)
+  last, got = score_in_ragged_blocks(model, tokens, prompt_lengths, (k,), rng, VOCAB)
+  np.testing.assert_allclose(last, full[np.arange(batch), prompt_lengths - 1], atol=1e-4, rtol=0)
   for b in range(batch):
     real = slice(prompt_lengths[b], length)
     np.testing.assert_allclose(got[b, real], full[b, real], atol=1e-4, rtol=0)
