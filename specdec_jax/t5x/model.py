@@ -43,7 +43,7 @@ from specdec_jax.core import sampling
 from specdec_jax.drafts import Draft, ModelDraft
 from specdec_jax.families.base import Context
 from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
-from specdec_jax.families.t5.family import FAMILY as T5_FAMILY
+from specdec_jax.families.t5.family import FAMILY as T5_FAMILY, encoder_lengths
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.network import T5
 
@@ -177,12 +177,9 @@ def encoder_context(encoder_tokens: Array, pad_id: int) -> Context:
 
   T5X hands `predict_batch` `pad_id`-padded rows without lengths (under its
   pjit, so no host check): a row's context ends after its last non-padding
-  token, as `T5Family.check_inputs` computes on the host.
+  token (`encoder_lengths`, the rule `T5Family.check_inputs` uses on the host).
   """
-  real = encoder_tokens != pad_id
-  width = encoder_tokens.shape[1]
-  lengths = jnp.where(real.any(axis=1), width - jnp.argmax(real[:, ::-1], axis=1), 0)
-  return T5_FAMILY.context(encoder_tokens, lengths.astype(jnp.int32))
+  return T5_FAMILY.context(encoder_tokens, encoder_lengths(encoder_tokens, pad_id))
 
 
 def _as_config(config: Union[str, T5Config]) -> T5Config:

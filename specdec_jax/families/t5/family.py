@@ -31,6 +31,15 @@ def shift_right(targets: Array, start_id: int = 0) -> Array:
   return jnp.pad(targets, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
 
 
+def encoder_lengths(encoder_tokens: Array, pad_id: int) -> Array:
+  """[batch] int32: where each right-padded row [batch, enc_len] ends, after its
+  last non-padding token (traceable: the T5X adapter calls it under jit)."""
+  real = encoder_tokens != pad_id
+  width = encoder_tokens.shape[1]
+  return jnp.where(real.any(axis=1), width - jnp.argmax(real[:, ::-1], axis=1),
+                   0).astype(jnp.int32)
+
+
 class T5Family(Family):
   name = "t5"
   config_type = T5Config
@@ -60,10 +69,7 @@ class T5Family(Family):
     host = np.asarray(tokens)
     if host.max() >= config.vocab_size or host.min() < 0:
       raise ValueError(f"encoder_tokens hold ids outside [0, {config.vocab_size})")
-    # Right padding: a row's context ends after its last real token.
-    real = host != config.pad_id
-    lengths = np.where(real.any(axis=1), host.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)
-    return tokens, jnp.asarray(lengths, jnp.int32)
+    return tokens, encoder_lengths(tokens, config.pad_id)
 
   def text_inputs(self, config: T5Config, rows, width: int):
     """Encoder tokens [n, width]: each row's ids then EOS (a tokenizer that already
