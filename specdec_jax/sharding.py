@@ -371,7 +371,7 @@ def _shard_bytes(shape, dtype, spec: PartitionSpec, mesh_shape) -> int:
 def _plan_tree(tree, specs, mesh_shape) -> Tuple[int, int]:
   leaves = jax.tree_util.tree_leaves(tree)
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-  total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+  total = tree_bytes(tree)
   per_device = sum(_shard_bytes(x.shape, x.dtype, s, mesh_shape)
                    for x, s in zip(leaves, spec_leaves))
   return total, per_device
