@@ -1,10 +1,11 @@
 """specdec_jax: exact speculative decoding for every model family, in JAX/Flax.
 
 Layers (each a folder or module; nothing imports upward from `core/`):
-  core/      sampling, the speculative step, the decode loops, theory, outputs, dtypes
+  core/      sampling, the speculative step, token trees and their verification, the decode
+             loops, theory, outputs, dtypes
   families/  the family contract (base.py), the registry, and one folder per family
              (t5/, decoder_only/): network, fused decode, configs, checkpoints, axes
-  drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft
+  drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft
   generation.py, loading.py, sharding.py   the entry points
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
@@ -16,8 +17,10 @@ from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats
 from specdec_jax.core.sampling import adjust_probs
 from specdec_jax.core.speculative import batched_speculative_step, speculative_step
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
+from specdec_jax.core.tree import TreeShape
 from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraft,
-                                PromptLookupDraft, as_draft)
+                                PromptLookupDraft, TreeDraft, DynamicTreeDraft,
+                                as_draft)
 from specdec_jax.families.base import Context, DecodeStart, Family
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,

@@ -24,6 +24,7 @@ import numpy as np
 from specdec_jax import sharding
 from specdec_jax.core import decoding
 from specdec_jax.core import sampling
+from specdec_jax.core import tree_decoding
 from specdec_jax.core.dtypes import check_matmul_precision, matmul_precision_scope
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats, make_output
 from specdec_jax.drafts import Draft, as_draft
@@ -95,9 +96,14 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
     target_axes = partitioner.activation_axes
     draft_axes = draft_partitioner.activation_axes
 
+  trees = draft is not None and draft.proposes_trees
+  # A tree writes `block_width` slots past a row's length, whatever its depth:
+  # caches get that room past the decode so no node's keys fall off the end.
+  room = block_width if trees else 0
+
   def run(params, draft_params, tokens, lengths, rng):
     with target_axes():
-      start = family.start(config, params, tokens, lengths, max_decode_steps)
+      start = family.start(config, params, tokens, lengths, max_decode_steps + room)
     cache = constrain_target(start.cache)
     block = shift_block_fn(family.block_fn(config, params), start.offset)
 
@@ -113,7 +119,14 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
       return decoding.decode(inputs, cache, target_fn, eos_id, rng, **settings)
     with draft_axes():
       draft_state = constrain_draft(draft.init_state(
-          draft_params, family.context(tokens, lengths), max_decode_steps))
+          draft_params, family.context(tokens, lengths),
+          max_decode_steps + (draft.room(block_width) if trees else 0)))
+    if trees:
+      return _tree_decode(family, draft, draft_params, inputs, cache, block, start.offset,
+                          draft_state, eos_id, rng, temperature=temperature, topk=topk,
+                          topp=topp, block_width=block_width, target_axes=target_axes,
+                          draft_axes=draft_axes, constrain_target=constrain_target,
+                          constrain_draft=constrain_draft)
     draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
 
     def propose(rng, state, sequences, lengths):
@@ -127,6 +140,34 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
   if partitioner is None:
     return jax.jit(run)
   return jax.jit(run, in_shardings=in_shardings, out_shardings=partitioner.replicated())
+
+
+def _tree_decode(family, draft, draft_params, inputs, cache, block, offset, draft_state, eos_id,
+                 rng, *, temperature, topk, topp, block_width, target_axes, draft_axes,
+                 constrain_target, constrain_draft):
+  """`_build`'s decode with a tree draft: `tree_decoding.tree_sample` on the same callbacks."""
+  proposer = draft.tree_proposer(draft_params, temperature, topk, topp, block_width)
+
+  def target_fn(tokens, positions, cache, tree):
+    with target_axes():
+      logits, cache = block(tokens, positions, cache, tree=tree)
+    return logits, constrain_target(cache)
+
+  def move(cache, positions, sources):
+    return constrain_target(family.move_cache(cache, positions + offset, sources))
+
+  def propose(*args):
+    with draft_axes():
+      tree, state = proposer.propose(*args)
+    return tree, constrain_draft(state)
+
+  def accept(*args):
+    with draft_axes():
+      return constrain_draft(proposer.accept(*args))
+
+  return tree_decoding.tree_sample(
+      inputs, cache, target_fn, move, proposer._replace(propose=propose, accept=accept),
+      draft_state, eos_id, decode_rng=rng, temperature=temperature, topk=topk, topp=topp)
 
 
 def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
@@ -213,8 +254,17 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   gamma = int(gamma) if draft_obj is not None else 0
   platform = (None if partitioner is None else
               np.asarray(partitioner.mesh.devices).flat[0].platform)
-  width = decoding.resolve_block_width(block_width, gamma if draft_obj is not None else None,
-                                       dtype=config.dtype, platform=platform)
+  trees = draft_obj is not None and draft_obj.proposes_trees
+  if trees:
+    # A tree's block holds its slots; the draft checks they fit (naming the width).
+    width = decoding.resolve_block_width(
+        block_width if block_width is not None else
+        draft_obj.num_nodes if decoding.narrow_by_default(config.dtype, platform) else None)
+    gamma = draft_obj.max_depth(temperature < sampling.MIN_TEMPERATURE, width)
+    draft_obj.tree_proposer(draft_obj.params, temperature, topk, topp, width)
+  else:
+    width = decoding.resolve_block_width(block_width, gamma if draft_obj is not None else None,
+                                         dtype=config.dtype, platform=platform)
   precision = check_matmul_precision(matmul_precision)
   statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id, gamma, width)
   key = (config, None if draft_obj is None else draft_obj.static_key(), precision) + statics
@@ -251,7 +301,8 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   memory_key = key + (tuple(tokens.shape),)
   if memory_key not in _MEMORY:
     _MEMORY[memory_key] = _decode_memory(family, config, draft_obj, draft_params, tokens, lengths,
-                                         max_decode_steps, partitioner, draft_partitioner)
+                                         max_decode_steps + (width if trees else 0),
+                                         partitioner, draft_partitioner)
   devices = (list(np.asarray(partitioner.mesh.devices).flat) if partitioner is not None else
              jax.local_devices()[:1])
   sharding.check_decode_memory(_MEMORY[memory_key], devices,
@@ -285,6 +336,7 @@ def _generate_rows(model, inputs, prompt_lengths, *, partitioner, draft_partitio
   if rows[0].stats is None:
     return GenerateOutput(sequences, row_lengths)
   per_row = {f.name: np.concatenate([getattr(r.stats, f.name) for r in rows])
-             for f in dataclasses.fields(SpeculativeStats) if f.name != "gamma"}
+             for f in dataclasses.fields(SpeculativeStats)
+             if f.name != "gamma" and getattr(rows[0].stats, f.name) is not None}
   return GenerateOutput(sequences, row_lengths,
                         SpeculativeStats(gamma=rows[0].stats.gamma, **per_row))

@@ -27,6 +27,11 @@ class SpeculativeStats:
     position_accepted / position_drafted: [batch, gamma] per-position counts;
     beta_sum / beta_count: sums of sum_x min(p, q) over positions whose prefix
     was all accepted drafts (Corollary 3.6).
+  Token trees (`TreeDraft`) count per depth instead of position (gamma is
+  the deepest node) and add:
+    depth_histogram: [batch, gamma + 1] iterations by accepted depth;
+    rank_tried / rank_accepted: [batch, max children] children of each
+    sibling rank that verification tried / accepted.
   """
   gamma: int
   iterations: np.ndarray
@@ -38,6 +43,9 @@ class SpeculativeStats:
   beta_sum: np.ndarray
   beta_count: np.ndarray
   emitted: np.ndarray
+  depth_histogram: Optional[np.ndarray] = None
+  rank_tried: Optional[np.ndarray] = None
+  rank_accepted: Optional[np.ndarray] = None
 
   @property
   def acceptance_rate(self) -> float:
@@ -70,12 +78,23 @@ class SpeculativeStats:
     """[gamma]: fraction of drafts at position i that were accepted (vLLM-style)."""
     return self.position_accepted.sum(0) / np.maximum(self.position_drafted.sum(0), 1)
 
+  @property
+  def per_rank_acceptance(self) -> Optional[np.ndarray]:
+    """Trees: [max children], P(a child of rank r is accepted | ranks < r were rejected)."""
+    if self.rank_tried is None:
+      return None
+    return self.rank_accepted.sum(0) / np.maximum(self.rank_tried.sum(0), 1)
+
   def summary(self) -> Dict[str, Any]:
-    return dict(gamma=self.gamma, iterations=int(self.iterations.sum()),
-                drafted=int(self.drafted.sum()), accepted=int(self.accepted.sum()),
-                emitted=int(self.emitted.sum()), acceptance_rate=self.acceptance_rate,
-                alpha=self.alpha, mean_tokens_per_iteration=self.mean_tokens_per_iteration,
-                per_position_acceptance=self.per_position_acceptance.tolist())
+    out = dict(gamma=self.gamma, iterations=int(self.iterations.sum()),
+               drafted=int(self.drafted.sum()), accepted=int(self.accepted.sum()),
+               emitted=int(self.emitted.sum()), acceptance_rate=self.acceptance_rate,
+               alpha=self.alpha, mean_tokens_per_iteration=self.mean_tokens_per_iteration,
+               per_position_acceptance=self.per_position_acceptance.tolist())
+    if self.depth_histogram is not None:
+      out.update(depth_histogram=self.depth_histogram.sum(0).tolist(),
+                 per_rank_acceptance=self.per_rank_acceptance.tolist())
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,8 @@
 * `NgramDraft`: unigram / bigram counts from a corpus or target samples.
 * `PromptLookupDraft`: copies the continuation of a matching n-gram of the context.
 * `AdaptiveGammaDraft`: wraps any draft with HF's `heuristic` length schedule.
+* `TreeDraft` / `DynamicTreeDraft`: a token tree (static shape, or grown EAGLE-2 style by
+  cumulative draft probability) from a model or n-gram draft, verified in one call.
 """
 
 from specdec_jax.drafts.base import Draft
@@ -24,3 +26,4 @@ def as_draft(draft) -> Draft:
 from specdec_jax.drafts.adaptive import AdaptiveGammaDraft, heuristic_draft_length  # noqa: E402,F401
 from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402,F401
 from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402,F401
+from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft  # noqa: E402,F401

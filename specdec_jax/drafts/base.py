@@ -29,6 +29,9 @@ class Draft(abc.ABC):
   vocab_size: int
   eos_id: int = 1
   pad_id: int = 0
+  # True for drafts that propose token trees (`TreeDraft`), decoded by
+  # `core.tree_decoding` instead of the chain loop.
+  proposes_trees: bool = False
 
   @property
   @abc.abstractmethod
@@ -62,6 +65,16 @@ class Draft(abc.ABC):
     outputs, never on the target's distributions at this iteration; rows of
     draft_probs past num_drafted are ignored.
     """
+
+  def tree_expander(self, params: Any, temperature: float, topk: int, topp: float):
+    """How this draft scores the nodes of a token tree (`drafts.tree.TreeExpander`).
+
+    Only drafts that give a distribution after any token path can grow a
+    tree (`TreeDraft`): a model, an n-gram table. The default says this one
+    cannot.
+    """
+    raise TypeError(f"a {type(self).__name__} gives no distribution at every tree node, so it "
+                    "cannot grow a TreeDraft: use a ModelDraft or an NgramDraft")
 
   def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
     """Raises ValueError if this draft cannot decode these inputs (host-side)."""

@@ -8,9 +8,11 @@ same loop positions as the target, through the same block contract.
 
 from typing import Any, Hashable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from specdec_jax.core import decoding
+from specdec_jax.core import sampling
 from specdec_jax.drafts.base import Draft
 from specdec_jax.families.base import shift_block_fn
 from specdec_jax.families.registry import family_of
@@ -94,15 +96,21 @@ class ModelDraft(Draft):
                               max_decode_len)
     return dict(cache=start.cache, offset=start.offset)
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
+  def _block_fn(self, params):
+    """The draft's block callback at absolute positions, logits padded to the target's vocabulary."""
     block = self.family.block_fn(self.model.config, params)
-    if self.padding:
-      inner_block = block
+    if not self.padding:
+      return block
 
-      def block(tokens, positions, cache):
-        logits, cache = inner_block(tokens, positions, cache)
-        return jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)),
-                       constant_values=-jnp.inf), cache
+    def padded(tokens, positions, cache, tree=None):
+      logits, cache = block(tokens, positions, cache, tree=tree)
+      return jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)),
+                     constant_values=-jnp.inf), cache
+
+    return padded
+
+  def propose_fn(self, params, gamma, temperature, topk, topp):
+    block = self._block_fn(params)
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       inner = decoding.model_propose_fn(shift_block_fn(block, state["offset"]), gamma,
@@ -113,3 +121,39 @@ class ModelDraft(Draft):
       return tokens, probs, num_drafted, dict(state, cache=cache)
 
     return propose
+
+  def tree_expander(self, params, temperature, topk, topp):
+    """Scores tree nodes with the draft model (`drafts.tree.TreeExpander`).
+
+    `start` feeds the row's two last tokens (closing the gap a fully accepted
+    leaf leaves, as `decoding.model_propose_fn` does) and the pending chain
+    as one plain block; `expand` feeds one depth of the tree with its tree
+    attention; `move` is the family's `move_cache`.
+    """
+    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    block = self._block_fn(params)
+
+    def laws(logits):
+      scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+      return scores, sampling.adjust_probs(logits, temperature, topk, topp)
+
+    def start(state, sequences, lengths, chain, chain_len):
+      rows = jnp.arange(sequences.shape[0])
+      first = jnp.maximum(lengths - 1, 0)
+      tokens = jnp.concatenate([sequences[rows, first][:, None],
+                                sequences[rows, first + 1][:, None], chain], axis=1)
+      logits, cache = block(tokens, first + state["offset"], state["cache"])
+      scores, probs = laws(logits[rows, lengths - first + chain_len])
+      return scores, probs, dict(state, cache=cache)
+
+    def expand(state, lengths, chain_len, tokens, attention, block_offset):
+      positions = lengths + chain_len + block_offset + state["offset"]
+      logits, cache = block(tokens, positions, state["cache"], tree=attention)
+      scores, probs = laws(logits)
+      return scores, probs, dict(state, cache=cache)
+
+    def move(state, lengths, sources):
+      return dict(state, cache=self.family.move_cache(state["cache"], lengths + state["offset"],
+                                                      sources))
+
+    return TreeExpander(start, expand, move)

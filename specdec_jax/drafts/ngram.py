@@ -269,3 +269,24 @@ class NgramDraft(Draft):
       return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(probs, 0, 1), num_drafted, state
 
     return propose
+
+  def tree_expander(self, params, temperature, topk, topp):
+    """Scores tree nodes from the counts: a node's law depends on its own token only."""
+    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+
+    def laws(previous):
+      scores = sampling.safe_log(self.probs(params, previous))
+      return scores, sampling.adjust_probs(scores, temperature, topk, topp)
+
+    def start(state, sequences, lengths, chain, chain_len):
+      rows = jnp.arange(sequences.shape[0])
+      previous = jnp.where(chain_len > 0, chain[rows, jnp.maximum(chain_len - 1, 0)],
+                           sequences[rows, lengths])
+      return (*laws(previous), state)
+
+    def expand(state, lengths, chain_len, tokens, attention, block_offset):
+      scores, probs = laws(tokens.reshape(-1))
+      shape = tokens.shape + (self.vocab_size,)
+      return scores.reshape(shape), probs.reshape(shape), state
+
+    return TreeExpander(start, expand, lambda state, lengths, sources: state)

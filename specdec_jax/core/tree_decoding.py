@@ -1,0 +1,234 @@
+"""The tree decode loop: a draft proposes a token tree, the target scores it in one block.
+
+Each iteration, per row:
+1. the tree proposer returns a `core.tree.Tree` of W slots (slot 0 = the row's
+   last emitted token) in depth-first order, first path first;
+2. the target scores all W slots in one block call with the tree's attention
+   (`core.tree.whole_tree_attention`), at positions root + depth;
+3. `tree_verification.batched_verify_tree` keeps one root-to-node path and
+   draws one more token (correction or bonus);
+4. the row emits the path's tokens and that token, and the accepted path's
+   keys and values are moved into place in the target's cache
+   (`move_cache`) and the draft's (`TreeProposer.accept`).
+
+Greedy identity. The first path sits where a chain puts it, so its logits
+are the chain program's at width W, bit for bit; the keys of other branches
+sit at other cache indices, where a reduction over the cache rounds
+differently. So greedy decoding emits only tokens decided by first-path
+logits: the accepted path up to the last node whose slot equals its depth
+(the *frontier*), then the argmax there, which is the target-only program's
+next token. The rest of the accepted path, and its bonus, become *pending*:
+the first path of the next iteration's tree, where they are verified again by
+first-path logits (and, barring a flipped near-tie, accepted). A branch is
+thus emitted one iteration later, never differently: greedy outputs equal
+target-only decoding at width W by construction. Sampling needs no frontier:
+there every accepted token is emitted at once, the law being exact whatever
+the rounding.
+"""
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.core import sampling
+from specdec_jax.core import speculative
+from specdec_jax.core import tree_verification
+from specdec_jax.core.tree import Tree, TreeAttention, whole_tree_attention
+
+Array = jax.Array
+TreeBlockFn = Callable[[Array, Array, Any, Optional[TreeAttention]], Tuple[Array, Any]]
+MoveFn = Callable[[Any, Array, Array], Any]
+
+
+class TreeProposer(NamedTuple):
+  """What a tree draft gives the loop (see `drafts.tree.TreeDraft`).
+
+  propose(rng, state, sequences [batch, len + 1], lengths [batch], pending
+    [batch, max_depth] int32, num_pending [batch] int32) -> (Tree with `width`
+    slots, state): the tree's first path must begin with the pending tokens.
+  accept(state, lengths [batch], path [batch, max_depth + 1] int32 slots,
+    kept [batch] int32) -> state: path[0..kept-1] (root first) are now the
+    row's tokens at positions lengths + 0..kept-1; move their keys/values
+    into place.
+  law: how siblings were drawn ('iid', 'without_replacement', 'topk').
+  max_depth: the deepest node any tree can have (pending included).
+  max_children: the most children a node can have.
+  width: W, the tree's slots (the target's block width).
+  """
+  propose: Callable
+  accept: Callable
+  law: str
+  max_depth: int
+  max_children: int
+  width: int
+
+
+def init_tree_stats(batch: int, max_depth: int, max_children: int) -> Dict[str, Array]:
+  """Per-row counters of `tree_sample` (the chain's, per depth, plus tree ones).
+
+  position_accepted / position_drafted [batch, max_depth]: iterations whose
+  accepted path reached depth d + 1 / whose tree had a node there.
+  depth_histogram [batch, max_depth + 1]: iterations by accepted depth.
+  rank_tried / rank_accepted [batch, max_children]: children of each rank
+  that verification tried / accepted (acceptance per rank = their ratio).
+  """
+  zeros = jnp.zeros((batch,), jnp.int32)
+  return dict(iterations=zeros, drafted=zeros, accepted=zeros, accepted_raw=zeros,
+              position_accepted=jnp.zeros((batch, max_depth), jnp.int32),
+              position_drafted=jnp.zeros((batch, max_depth), jnp.int32),
+              beta_sum=jnp.zeros((batch,), jnp.float32), beta_count=zeros,
+              depth_histogram=jnp.zeros((batch, max_depth + 1), jnp.int32),
+              rank_tried=jnp.zeros((batch, max_children), jnp.int32),
+              rank_accepted=jnp.zeros((batch, max_children), jnp.int32))
+
+
+class TreeCarry(NamedTuple):
+  sequences: Array    # [batch, len + 1] BOS/last prompt token then emitted tokens
+  lengths: Array      # [batch] tokens emitted so far
+  done: Array         # [batch] bool
+  pending: Array      # [batch, max_depth] greedy: accepted tokens past the frontier
+  num_pending: Array  # [batch]
+  cache: Any          # target cache
+  draft_state: Any
+  rng: Array
+  stats: Dict[str, Array]
+
+
+def frontier(path: Array, num_accepted: Array, greedy: bool) -> Array:
+  """How many accepted drafts to emit now: [batch] int32 in [0, num_accepted].
+
+  Greedy: the accepted path's longest prefix on the first path (path[j] == j),
+  whose logits are the chain program's; sampling: all of them.
+  """
+  if not greedy:
+    return num_accepted
+  depth = jnp.arange(path.shape[1])
+  on_first_path = (path == depth) & (depth <= num_accepted[:, None])
+  return jnp.sum(jnp.cumprod(on_first_path.astype(jnp.int32), axis=1), axis=1) - 1
+
+
+def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_cache: MoveFn,
+                proposer: TreeProposer, draft_state: Any, eos_id: int,
+                decode_rng: Optional[Array] = None, temperature: float = 1.0, topk: int = 0,
+                topp: float = 0.0, max_decode_steps: Optional[int] = None
+                ) -> Tuple[Array, Dict[str, Array]]:
+  """Tree speculative decoding; the output is distributed exactly as `temperature_sample`'s.
+
+  Args:
+    inputs: [batch, length] int32; inputs[:, 0] is each row's first decoder
+      input; decodes have this length.
+    cache: the target's cache, at least length + width positions.
+    tokens_to_logits: the target's block callback, called with a
+      `TreeAttention` (`(tokens [batch, W], positions, cache, tree) ->
+      (logits [batch, W, vocab], cache)`).
+    move_cache: `(cache, positions [batch], sources [batch, m]) -> cache`, the
+      target family's `move_cache`.
+    proposer / draft_state: the tree draft (`TreeProposer`) and its state.
+    eos_id, decode_rng, temperature / topk / topp, max_decode_steps: as in
+      `decoding.speculative_sample`.
+  Returns:
+    decodes [batch, length] int32 (0 after EOS) and the counters of
+    `init_tree_stats`.
+  """
+  if inputs.ndim != 2:
+    raise ValueError(f"inputs must be [batch, length] int, got shape {inputs.shape}")
+  sampling.validate_sampling(temperature, topk, topp)
+  greedy = temperature < sampling.MIN_TEMPERATURE
+  batch, length = inputs.shape
+  step_limit = length if max_decode_steps is None else min(int(max_decode_steps), length)
+  depth_cap = proposer.max_depth
+  if decode_rng is None:
+    decode_rng = jax.random.PRNGKey(0)
+  row_ids = jnp.arange(batch)
+  offsets = jnp.arange(depth_cap + 1)
+
+  def cond(carry: TreeCarry):
+    return ~jnp.all(carry.done)
+
+  def body(carry: TreeCarry):
+    rng, propose_rng, verify_rng = jax.random.split(carry.rng, 3)
+    lengths = carry.lengths
+    tree, draft_state = proposer.propose(propose_rng, carry.draft_state, carry.sequences,
+                                         lengths, carry.pending, carry.num_pending)
+    attention = whole_tree_attention(tree.parents, tree.depths, tree.valid, depth_cap)
+    logits, cache = tokens_to_logits(tree.tokens, lengths, carry.cache, attention)
+    target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
+    verdict = tree_verification.batched_verify_tree(
+        jax.random.split(verify_rng, batch), tree.tokens, tree.parents, tree.ranks, tree.valid,
+        tree.probs, target_probs, law=proposer.law, greedy=greedy, max_depth=depth_cap,
+        max_children=proposer.max_children)
+    path, num_accepted = verdict.path, verdict.num_accepted
+
+    # The accepted drafts then the new token: [batch, depth_cap + 1].
+    path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+    accepted_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)],
+                                      axis=1)
+    new_tokens = jnp.where(offsets < num_accepted[:, None], accepted_tokens,
+                           jnp.where(offsets == num_accepted[:, None],
+                                     verdict.next_token[:, None], 0))
+    emit_drafts = frontier(path, num_accepted, greedy)
+    # Greedy: what lies past the frontier waits for first-path logits.
+    pending_index = emit_drafts[:, None] + 1 + jnp.arange(depth_cap)[None, :]
+    num_pending = num_accepted - emit_drafts
+    pending = jnp.where(jnp.arange(depth_cap)[None, :] < num_pending[:, None],
+                        jnp.take_along_axis(new_tokens, jnp.minimum(pending_index, depth_cap),
+                                            axis=1), 0)
+
+    is_eos = (new_tokens == eos_id) & (offsets <= emit_drafts[:, None])
+    eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, depth_cap + 1)
+    active = ~carry.done
+    emitted = jnp.minimum(jnp.minimum(emit_drafts + 1, eos_cut), step_limit - lengths)
+    emitted = jnp.where(active, emitted, 0)
+    write = offsets < emitted[:, None]
+    index = jnp.where(write, lengths[:, None] + 1 + offsets, length + 1)
+    sequences = carry.sequences.at[row_ids[:, None], index].set(new_tokens, mode="drop")
+    new_lengths = lengths + emitted
+    done = carry.done | jnp.any(is_eos & write, axis=1) | (new_lengths >= step_limit)
+
+    # The emitted path's keys/values go to positions lengths + 0..kept-1.
+    kept = jnp.where(active, emitted, 1)
+    if not greedy:  # Greedy keeps only first-path nodes, already in place.
+      sources = jnp.where(offsets < kept[:, None], jnp.maximum(path, 0), offsets)
+      cache = move_cache(cache, lengths, sources)
+    draft_state = proposer.accept(draft_state, lengths, path, kept)
+
+    stats = carry.stats
+    drafted_nodes = jnp.sum(tree.valid, axis=1) - 1
+    depth_drafted = jnp.zeros((batch, depth_cap + 1), jnp.int32).at[
+        row_ids[:, None], tree.depths].max(tree.valid.astype(jnp.int32))[:, 1:]
+    reached = (offsets[None, 1:] <= num_accepted[:, None]).astype(jnp.int32)
+    # beta at the nodes whose prefix was all accepted drafts (genuine samples).
+    draft_law = jnp.take_along_axis(tree.probs, jnp.maximum(path, 0)[:, :, None], axis=1)
+    target_law = jnp.take_along_axis(target_probs, jnp.maximum(path, 0)[:, :, None], axis=1)
+    beta = speculative.acceptance_probability(target_law, draft_law)
+    has_children = jnp.take_along_axis(
+        jnp.zeros((batch, tree.tokens.shape[1]), jnp.bool_).at[
+            row_ids[:, None], jnp.maximum(tree.parents, 0)].max(
+                tree.valid & (tree.parents >= 0)), jnp.maximum(path, 0), axis=1)
+    # Pending nodes carry no draft law (greedy only): nothing to compare there.
+    scored = (path >= 0) & has_children & (jnp.sum(draft_law, axis=-1) > 0) & active[:, None]
+    stats = dict(
+        iterations=stats["iterations"] + active,
+        drafted=stats["drafted"] + jnp.where(active, drafted_nodes, 0),
+        accepted=stats["accepted"] + jnp.maximum(emitted - 1, 0),
+        accepted_raw=stats["accepted_raw"] + jnp.where(active, num_accepted, 0),
+        position_accepted=stats["position_accepted"] + reached * active[:, None],
+        position_drafted=stats["position_drafted"] + depth_drafted * active[:, None],
+        beta_sum=stats["beta_sum"] + jnp.sum(jnp.where(scored, beta, 0.0), axis=1),
+        beta_count=stats["beta_count"] + jnp.sum(scored, axis=1),
+        depth_histogram=stats["depth_histogram"] + jax.nn.one_hot(
+            num_accepted, depth_cap + 1, dtype=jnp.int32) * active[:, None],
+        rank_tried=stats["rank_tried"] + verdict.rank_tried * active[:, None],
+        rank_accepted=stats["rank_accepted"] + verdict.rank_accepted * active[:, None],
+    )
+    return TreeCarry(sequences, new_lengths, done, pending, jnp.where(done, 0, num_pending),
+                     cache, draft_state, rng, stats)
+
+  sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
+  init = TreeCarry(sequences, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.bool_),
+                   jnp.zeros((batch, depth_cap), jnp.int32), jnp.zeros((batch,), jnp.int32),
+                   cache, draft_state, decode_rng,
+                   init_tree_stats(batch, depth_cap, proposer.max_children))
+  final = jax.lax.while_loop(cond, body, init)
+  return final.sequences[:, 1:], final.stats
