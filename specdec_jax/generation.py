@@ -27,7 +27,7 @@ from specdec_jax.core import sampling
 from specdec_jax.core.dtypes import check_matmul_precision, matmul_precision_scope
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats, make_output
 from specdec_jax.drafts import Draft, as_draft
-from specdec_jax.families.base import Family, check_tokens, shift_block_fn
+from specdec_jax.families.base import Family, call_block, check_tokens, shift_block_fn
 from specdec_jax.families.registry import family_of, is_model
 
 Array = jax.Array
@@ -101,9 +101,10 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
     cache = constrain_target(start.cache)
     block = shift_block_fn(family.block_fn(config, params), start.offset)
 
-    def target_fn(tokens, positions, cache):
+    def target_fn(tokens, positions, cache, tree=None):
+      family.check_tree(tree)
       with target_axes():
-        logits, cache = block(tokens, positions, cache)
+        logits, cache = call_block(block, tokens, positions, cache, tree)
       return logits, constrain_target(cache)
 
     inputs = jnp.zeros((tokens.shape[0], max_decode_steps), jnp.int32).at[:, 0].set(

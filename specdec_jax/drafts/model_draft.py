@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specdec_jax.core import decoding
 from specdec_jax.drafts.base import Draft
-from specdec_jax.families.base import shift_block_fn
+from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.registry import family_of
 
 
@@ -95,14 +95,14 @@ class ModelDraft(Draft):
     return dict(cache=start.cache, offset=start.offset)
 
   def propose_fn(self, params, gamma, temperature, topk, topp):
-    block = self.family.block_fn(self.model.config, params)
-    if self.padding:
-      inner_block = block
+    inner_block = self.family.block_fn(self.model.config, params)
 
-      def block(tokens, positions, cache):
-        logits, cache = inner_block(tokens, positions, cache)
-        return jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)),
-                       constant_values=-jnp.inf), cache
+    def block(tokens, positions, cache, tree=None):
+      self.family.check_tree(tree)
+      logits, cache = call_block(inner_block, tokens, positions, cache, tree)
+      if self.padding:
+        logits = jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)), constant_values=-jnp.inf)
+      return logits, cache
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       inner = decoding.model_propose_fn(shift_block_fn(block, state["offset"]), gamma,
