@@ -28,7 +28,7 @@ from specdec_jax.core import tree_decoding
 from specdec_jax.core.dtypes import check_matmul_precision, matmul_precision_scope
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats, make_output
 from specdec_jax.drafts import Draft, as_draft
-from specdec_jax.families.base import Family, check_tokens, shift_block_fn
+from specdec_jax.families.base import Family, call_block, check_tokens, shift_block_fn
 from specdec_jax.families.registry import family_of, is_model
 
 Array = jax.Array
@@ -107,9 +107,10 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
     cache = constrain_target(start.cache)
     block = shift_block_fn(family.block_fn(config, params), start.offset)
 
-    def target_fn(tokens, positions, cache):
+    def target_fn(tokens, positions, cache, tree=None):
+      family.check_tree(tree)
       with target_axes():
-        logits, cache = block(tokens, positions, cache)
+        logits, cache = call_block(block, tokens, positions, cache, tree)
       return logits, constrain_target(cache)
 
     inputs = jnp.zeros((tokens.shape[0], max_decode_steps), jnp.int32).at[:, 0].set(
@@ -150,7 +151,7 @@ def _tree_decode(family, draft, draft_params, inputs, cache, block, offset, draf
 
   def target_fn(tokens, positions, cache, tree):
     with target_axes():
-      logits, cache = block(tokens, positions, cache, tree=tree)
+      logits, cache = call_block(block, tokens, positions, cache, tree)
     return logits, constrain_target(cache)
 
   def move(cache, positions, sources):
@@ -256,6 +257,7 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
               np.asarray(partitioner.mesh.devices).flat[0].platform)
   trees = draft_obj is not None and draft_obj.proposes_trees
   if trees:
+    family.check_tree(draft_obj)
     # A tree's block holds its slots; the draft checks they fit (naming the width).
     width = decoding.resolve_block_width(
         block_width if block_width is not None else

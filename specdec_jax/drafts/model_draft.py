@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from specdec_jax.core import decoding
 from specdec_jax.core import sampling
 from specdec_jax.drafts.base import Draft
-from specdec_jax.families.base import shift_block_fn
+from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.registry import family_of
 
 
@@ -98,16 +98,16 @@ class ModelDraft(Draft):
 
   def _block_fn(self, params):
     """The draft's block callback at absolute positions, logits padded to the target's vocabulary."""
-    block = self.family.block_fn(self.model.config, params)
-    if not self.padding:
-      return block
+    inner_block = self.family.block_fn(self.model.config, params)
 
-    def padded(tokens, positions, cache, tree=None):
-      logits, cache = block(tokens, positions, cache, tree=tree)
-      return jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)),
-                     constant_values=-jnp.inf), cache
+    def block(tokens, positions, cache, tree=None):
+      self.family.check_tree(tree)
+      logits, cache = call_block(inner_block, tokens, positions, cache, tree)
+      if self.padding:
+        logits = jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)), constant_values=-jnp.inf)
+      return logits, cache
 
-    return padded
+    return block
 
   def propose_fn(self, params, gamma, temperature, topk, topp):
     block = self._block_fn(params)

@@ -18,8 +18,19 @@ Vocabulary (shapes in every docstring):
   `DecodeStart.offset` is the absolute position of loop position 0, so a
   block callback at absolute positions serves the loops after a shift.
 * *block callback*: `(tokens [batch, k] int32, positions [batch] int32,
-  cache) -> (logits [batch, k, vocab] float32, cache)`, scoring k tokens of
-  each row from its own position; target and draft use the same one.
+  cache, tree=None) -> (logits [batch, k, vocab] float32, cache)`, scoring k
+  tokens of each row from its own position; target and draft use the same
+  one. Block token i's keys/values are set at cache index positions + i.
+  `tree` is None (a causal block: token i at absolute position
+  positions + i; the program is the one compiled before trees existed) or a
+  `core.tree.TreeAttention` (the block is nodes of a token tree: token i at
+  position root + tree.depths[i], attending to the prefix and to the tree
+  slots it sees; see its docstring). Only families with `supports_trees`
+  take a tree: wrappers check with `Family.check_tree` and forward with
+  `call_block`, which leaves the argument out when it is None, so a
+  callback that knows nothing of trees (three arguments) stays valid.
+* *token trees*: `Family.move_cache` moves an accepted tree path's keys and
+  values from their tree slots to their chain positions.
 """
 
 import abc
@@ -32,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
-BlockFn = Callable[[Array, Array, Any], Tuple[Array, Any]]
+# (tokens, positions, cache[, tree]) -> (logits, cache); see the module docstring.
+BlockFn = Callable[..., Tuple[Array, Any]]
 LogicalAxes = Tuple[Optional[str], ...]
 
 
@@ -165,9 +177,37 @@ def path_names(path) -> Tuple[str, ...]:
 
 
 
+def call_block(block_fn: BlockFn, tokens: Array, positions: Array, cache, tree=None):
+  """`block_fn(tokens, positions, cache, tree)`, leaving the tree out when it is None:
+  wrappers of block callbacks forward a tree through this, so they also wrap
+  callbacks that take no tree (families without `supports_trees`)."""
+  if tree is None:
+    return block_fn(tokens, positions, cache)
+  return block_fn(tokens, positions, cache, tree)
+
+
 def shift_block_fn(block_fn: BlockFn, offset: Array) -> BlockFn:
-  """A block callback at absolute positions, shifted to loop positions by `offset` [batch]."""
-  return lambda tokens, positions, cache: block_fn(tokens, positions + offset, cache)
+  """A block callback at absolute positions, shifted to loop positions by `offset` [batch].
+
+  A tree passes through unchanged: its root_offset counts from the block's
+  first token, whatever the positions are numbered from.
+  """
+  return lambda tokens, positions, cache, tree=None: call_block(
+      block_fn, tokens, positions + offset, cache, tree)
+
+
+def _move_along(leaf: Array, axis: int, positions: Array, sources: Array) -> Array:
+  """`Family.move_cache` on one leaf whose cache index is dimension `axis` (batch first).
+
+  Indexes the leaf as it lies (no transpose of the cache): a gather of the m
+  sources, then a scatter of them at positions + 0..m-1.
+  """
+  rows = jnp.arange(leaf.shape[0])[:, None]
+  between = (slice(None),) * (axis - 1)
+  read = jnp.clip(positions[:, None] + sources, 0, leaf.shape[axis] - 1)
+  moved = leaf[(rows,) + between + (read,)]  # every read happens before any write
+  write = positions[:, None] + jnp.arange(sources.shape[1])[None, :]
+  return leaf.at[(rows,) + between + (write,)].set(moved, mode="drop")
 
 
 class Family(abc.ABC):
@@ -177,10 +217,16 @@ class Family(abc.ABC):
     name: short name ('t5', 'decoder_only').
     config_type: the family's frozen config dataclass.
     model_type: the family's model class, built as `model_type(config, params)`.
+    supports_trees: whether the family's block callback takes a `tree`
+      (`core.tree.TreeAttention`) and the family implements
+      `self_attention_cache` (so `move_cache` works). False by default: such
+      a family decodes chains only, and `check_tree` / `move_cache` refuse a
+      tree for it by name.
   """
   name: str
   config_type: type
   model_type: type
+  supports_trees: bool = False
 
   def __repr__(self) -> str:
     return f"<family {self.name}>"
@@ -229,6 +275,66 @@ class Family(abc.ABC):
   @abc.abstractmethod
   def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
     """Self-attention positions per row that `start` allocates."""
+
+  # -- Token trees -----------------------------------------------------------
+
+  def _no_trees(self, what: str) -> ValueError:
+    return ValueError(f"the {self.name} family does not support token trees "
+                      f"({type(self).__name__}.supports_trees is False): {what}; decode it "
+                      "with a chain draft")
+
+  def check_tree(self, tree) -> None:
+    """Raises ValueError when `tree` is not None and the family takes no trees.
+
+    Wrappers of a family's block callback call it before passing a tree on,
+    so a tree decode of a chain-only family fails at trace time, by name,
+    not as a TypeError deep inside its callback.
+    """
+    if tree is not None and not self.supports_trees:
+      raise self._no_trees("its block callback scores causal blocks only")
+
+  def self_attention_cache(self, cache) -> Any:
+    """The cache tree with True at each leaf of per-position self-attention
+    state (keys/values indexed by cache index along their "length" logical
+    axis, set by the block callback) and False elsewhere (cross-attention
+    keys/values, encoder masks: all that `move_cache` must leave alone).
+    Families with `supports_trees` implement it."""
+    raise self._no_trees("its cache holds no tree state to move")
+
+  def move_cache(self, cache, positions: Array, sources: Array):
+    """Moves an accepted tree path's self-attention state into chain order (traced).
+
+    For each row b and t < m, the keys/values at cache index positions[b] + t
+    take the values that were at positions[b] + sources[b, t]: every read
+    happens before any write. Writes past the cache's end are dropped, reads
+    past it clamped (both belong to tokens past the decode length).
+    Everything else (entries outside [positions, positions + m), the leaves
+    that `self_attention_cache` marks False) is returned as is, bit for bit.
+
+    Args:
+      cache: the family's cache.
+      positions: [batch] int32, the cache index of each row's tree root.
+      sources: [batch, m] int32 tree slots, e.g. the accepted path's slots
+        (sources[:, 0] = 0, the root) for a path of m - 1 drafted tokens.
+    Returns:
+      the cache, same structure, shapes and dtypes.
+    """
+    if not self.supports_trees:
+      raise self._no_trees("its cache holds no tree state to move")
+    positions = jnp.asarray(positions, jnp.int32)
+    sources = jnp.asarray(sources, jnp.int32)
+    axes = self.cache_logical_axes(cache)
+    moving = self.self_attention_cache(cache)
+
+    def move(leaf, leaf_axes, moves):
+      if not moves:
+        return leaf
+      if "length" not in leaf_axes or leaf_axes.index("length") < 1:
+        raise ValueError(f"a self-attention cache leaf of logical axes {leaf_axes} has no "
+                         "'length' axis after its batch axis to move along")
+      return _move_along(leaf, leaf_axes.index("length"), positions, sources)
+
+    return jax.tree_util.tree_map(move, cache, axes, moving)
 
   def text_inputs(self, config, rows: Sequence[Sequence[int]], width: int
                   ) -> Tuple[np.ndarray, Optional[np.ndarray]]:

@@ -43,6 +43,7 @@ class DecoderOnlyFamily(Family):
   name = "decoder_only"
   config_type = DecoderOnlyConfig
   model_type = DecoderOnlyModel
+  supports_trees = True
 
   @property
   def architectures(self) -> Tuple[str, ...]:
@@ -93,6 +94,10 @@ class DecoderOnlyFamily(Family):
 
   def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
     return decode_cache_length(context_width, max_decode_steps)
+
+  def self_attention_cache(self, cache):
+    """Every leaf: the cache is self-attention keys/values only."""
+    return jax.tree_util.tree_map(lambda leaf: True, cache)
 
   # -- Training --------------------------------------------------------------
 

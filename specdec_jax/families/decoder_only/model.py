@@ -93,18 +93,21 @@ class DecoderOnlyModel(FamilyModel):
     if rows != batch:
       raise ValueError(f"the cache holds {rows} rows, the tokens {batch}")
 
-  def decode_block(self, tokens, positions, cache):
-    """Scores tokens [batch, k] starting at absolute positions [batch] from the cache.
+  def decode_block(self, tokens, positions, cache, tree=None):
+    """Scores tokens [batch, k] starting at absolute positions [batch] from the cache
+    (with `tree`, a `core.tree.TreeAttention`: nodes of a token tree, see
+    `DecoderOnly.decode_block`).
 
     Returns logits [batch, k, vocab] float32 and the updated cache.
     """
     self._check_batch(np.shape(tokens)[0], cache)
     tokens, positions = check_block(tokens, positions, cache_length(cache))
-    return _compiled(self.config, "decode_block")(self.variables, tokens, positions, cache)
+    return _compiled(self.config, "decode_block")(self.variables, tokens, positions, cache,
+                                                  tree)
 
   def block_fn(self, params=None):
-    """A block callback `(tokens [batch, k], positions [batch], cache) -> (logits, cache)`
-    at *absolute* positions; `decoder_only_generation` shifts it to loop positions."""
+    """A block callback `(tokens [batch, k], positions [batch], cache, tree=None) ->
+    (logits, cache)` at *absolute* positions; `generate` shifts it to loop positions."""
     return absolute_block_fn(self.config, self.params if params is None else params)
 
 
@@ -132,10 +135,10 @@ def prefilled_cache(config: DecoderOnlyConfig, params, prompts: Array, prompt_le
 
 
 def absolute_block_fn(config: DecoderOnlyConfig, params):
-  """`(tokens, absolute positions, cache) -> (logits, cache)` for traced params."""
+  """`(tokens, absolute positions, cache, tree=None) -> (logits, cache)` for traced params."""
   module = DecoderOnly(config)
-  return lambda tokens, positions, cache: module.apply(
-      {"params": params}, tokens, positions, cache, method=DecoderOnly.decode_block)
+  return lambda tokens, positions, cache, tree=None: module.apply(
+      {"params": params}, tokens, positions, cache, tree, method=DecoderOnly.decode_block)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,13 @@ The block contract is the T5 decoder's (families/t5/network.py), so the decode l
   keys/values are *set* at those positions, never added. Entries past a row's
   current length are never attended to (causal mask) and are overwritten
   later, so rolling a row back after a rejected draft is moving its position.
+* `decode_block(..., tree)` scores k nodes of a token tree
+  (`core.tree.TreeAttention`): keys/values are still set at cache index
+  positions + i, but token i sits at absolute position root + depths[i]
+  (its rotary angles or learned position, for its query and its key), and
+  the mask is the causal / sliding-window rule by absolute positions (a tree
+  slot's key at root + its depth) AND the tree's `allowed`
+  (`core.tree.tree_positions`). Without a tree the program is unchanged.
 * `prefill(prompts [batch, P], prompt_lengths [batch], cache)` writes each
   row's right-padded prompt at positions 0..P-1 and returns the logits at each
   row's last prompt token. Padding positions get junk keys/values, which the
@@ -65,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.core.tree import TreeAttention, tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 Array = jax.Array
@@ -355,7 +363,8 @@ class DecoderOnly(nn.Module):
       self.lm_head = Dense(cfg.vocab_size, cfg, float32_output=True)
 
   def _hidden(self, tokens: Array, query_positions: Array, cache: Optional[Cache] = None,
-              positions: Optional[Array] = None) -> Tuple[Array, Optional[List[Any]]]:
+              positions: Optional[Array] = None, key_positions: Optional[Array] = None,
+              allowed: Optional[Array] = None) -> Tuple[Array, Optional[List[Any]]]:
     """Runs the stack up to the final norm.
 
     Args:
@@ -363,6 +372,10 @@ class DecoderOnly(nn.Module):
       query_positions: [batch|1, q] int32 absolute positions of the tokens.
       cache: None (the q tokens attend to each other) or a cache whose
         keys/values get the block set at rows' `positions` [batch].
+      key_positions: [batch, L] int32 absolute position of each cache index
+        (a tree block: `core.tree.tree_positions`); None: the index itself.
+      allowed: [batch, q, L] bool, ANDed into the masks (a tree block); None:
+        the masks by position alone.
     Returns:
       (hidden [batch, q, emb], list of updated layer caches, or None).
     """
@@ -375,13 +388,15 @@ class DecoderOnly(nn.Module):
       x = x + self.embed_positions(query_positions)
     if cache is None:
       key_positions = query_positions
-    else:
+    elif key_positions is None:
       key_positions = jnp.arange(cache["layers"][0]["self_key"].shape[1])[None]
     # Masks by absolute positions [batch|1, 1, q, k]: exact for any block of
     # any row, whatever the cache holds past a row's length or before its window.
     query_at = query_positions[:, None, :, None]
     key_at = key_positions[:, None, None, :]
     causal = key_at <= query_at
+    if allowed is not None:
+      causal = causal & allowed[:, None]
     types = cfg.attention_types
     biases = {"full_attention": jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)}
     rotaries = {"full_attention": rotary_tables(query_positions, cfg) if cfg.uses_rotary
@@ -427,20 +442,32 @@ class DecoderOnly(nn.Module):
   def init_cache(self, batch: int, max_len: int) -> Cache:
     return init_cache(self.config, batch, max_len)
 
-  def decode_block(self, tokens: Array, positions: Array, cache: Cache) -> Tuple[Array, Cache]:
+  def decode_block(self, tokens: Array, positions: Array, cache: Cache,
+                   tree: Optional[TreeAttention] = None) -> Tuple[Array, Cache]:
     """Scores a block of tokens per row from the cache.
 
     Args:
       tokens: [batch, k] int32.
-      positions: [batch] int32, the absolute position of each row's first token.
+      positions: [batch] int32, the absolute position of each row's first
+        token (without a tree), the cache index where the block is set.
       cache: from `init_cache`.
+      tree: None, or the block's `core.tree.TreeAttention`: token i then sits
+        at absolute position root + tree.depths[i] (root = positions -
+        tree.root_offset) and attends as the tree says (module docstring).
     Returns:
-      logits [batch, k, vocab] float32 (row b, index j predicts the token at
-      position positions[b] + j + 1), and the cache with the block's keys and
-      values set.
+      logits [batch, k, vocab] float32 (row b, index j predicts the token
+      after token j: at position positions[b] + j + 1 without a tree, a
+      child of node j with one), and the cache with the block's keys and
+      values set at cache indices positions[b] + 0..k-1.
     """
-    query_positions = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
-    hidden, layers = self._hidden(tokens, query_positions, cache, positions)
+    if tree is None:
+      query_positions = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
+      hidden, layers = self._hidden(tokens, query_positions, cache, positions)
+    else:
+      query_positions, key_positions, allowed = tree_positions(
+          tree, positions, cache["layers"][0]["self_key"].shape[1])
+      hidden, layers = self._hidden(tokens, query_positions, cache, positions, key_positions,
+                                    allowed)
     return self.project_logits(hidden), dict(cache, layers=layers)
 
   def prefill(self, prompts: Array, prompt_lengths: Array, cache: Cache) -> Tuple[Array, Cache]:

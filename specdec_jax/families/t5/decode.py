@@ -43,6 +43,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core.tree import TreeAttention, tree_positions
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import (_ACTIVATIONS, _MASK_VALUE, _axes, _set_block,
                                    relative_position_bucket)
@@ -241,22 +242,34 @@ def _heads(x: Array, config: T5Config) -> Array:
 
 
 def position_bias(rel_embedding: Array, config: T5Config, query_positions: Array,
-                  max_len: int) -> Array:
+                  max_len: int, key_positions: Optional[Array] = None,
+                  allowed: Optional[Array] = None) -> Array:
   """Relative position bias plus causal mask for queries against the whole cache.
 
   Args:
     rel_embedding: [heads, buckets] float32.
     query_positions: [batch, q] int32.
     max_len: cache positions.
+    key_positions: [batch, max_len] int32, the position of each row's key at
+      each cache index (a tree block: `core.tree.tree_positions`); None: the
+      index itself.
+    allowed: [batch, q, max_len] bool ANDed into the causal mask (a tree
+      block); None: the causal mask alone.
   Returns:
-    [batch, q, heads, max_len] float32; keys after a query get -1e10.
+    [batch, q, heads, max_len] float32; keys after a query (or not allowed)
+    get -1e10.
   """
-  key_positions = jnp.arange(max_len)[None, None, :]
+  if key_positions is None:
+    key_positions = jnp.arange(max_len)[None, None, :]
+  else:
+    key_positions = key_positions[:, None, :]
   relative = key_positions - query_positions[:, :, None]
   buckets = relative_position_bucket(relative, False, config.relative_attention_num_buckets,
                                      config.relative_attention_max_distance)
   bias = jnp.moveaxis(jnp.take(rel_embedding, buckets, axis=1), 0, 2)  # [batch, q, heads, len]
   causal = key_positions <= query_positions[:, :, None]
+  if allowed is not None:
+    causal = causal & allowed
   return bias + jnp.where(causal, 0.0, _MASK_VALUE)[:, :, None]
 
 
@@ -296,7 +309,8 @@ def _set_block_cpu(cache: Array, block: Array, positions: Array) -> Array:
 
 
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
-                 cache: Cache, attention: Optional[str] = None) -> Tuple[Array, Cache]:
+                 cache: Cache, attention: Optional[str] = None,
+                 tree: Optional[TreeAttention] = None) -> Tuple[Array, Cache]:
   """Scores a block of tokens per row from the cache; same contract as `T5.decode_block`.
 
   Args:
@@ -309,10 +323,16 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       operations, no copy of the cache; for accelerators, where a decode
       step is launch-bound) or 'dots' (batched dots: fastest with XLA CPU);
       default `default_attention()`.
+    tree: None, or the block's `core.tree.TreeAttention`: token i then sits
+      at position root + tree.depths[i] (root = positions - tree.root_offset),
+      the relative position bias reads each key's own position (a tree
+      slot's: root + its depth) and the causal mask is ANDed with the tree's
+      `allowed` (`core.tree.tree_positions`). Cache writes are the same.
   Returns:
-    logits [batch, k, vocab] float32 (row b, index j predicts the token at
-    position positions[b] + j + 1), and the cache with the block's keys and
-    values set at positions[b] + 0..k-1 (writes past the cache are dropped).
+    logits [batch, k, vocab] float32 (row b, index j predicts the token
+    after token j: at position positions[b] + j + 1 without a tree), and the
+    cache with the block's keys and values set at positions[b] + 0..k-1
+    (writes past the cache are dropped).
   """
   attention = default_attention() if attention is None else attention
   if attention not in ATTENTION:
@@ -322,8 +342,13 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   batch, k = tokens.shape
   dtype = jnp.dtype(config.dtype)
   max_len = cache["layers"][0]["self_key"].shape[2]
-  query_positions = positions[:, None] + jnp.arange(k)[None, :]
-  self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len)
+  if tree is None:
+    query_positions = positions[:, None] + jnp.arange(k)[None, :]
+    self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len)
+  else:
+    query_positions, key_positions, allowed = tree_positions(tree, positions, max_len)
+    self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len,
+                              key_positions, allowed)
   cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, None, :]  # [b,1,1,len]
   activations = [_ACTIVATIONS[a] for a in config.mlp_activations]
 
@@ -380,11 +405,12 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
 
 
 def block_fn(params, config: T5Config, attention: Optional[str] = None):
-  """A block callback `(tokens, positions, cache) -> (logits, cache)` on the fused path.
+  """A block callback `(tokens, positions, cache, tree=None) -> (logits, cache)` on the
+  fused path.
 
   Prepares the fused kernels when called (once per trace of a decode loop),
   so `Model.block_fn` needs no prepared state. `attention`: see `decode_block`.
   """
   prepared = prepare_decode_params(params, config)
-  return lambda tokens, positions, cache: decode_block(prepared, config, tokens, positions, cache,
-                                                       attention)
+  return lambda tokens, positions, cache, tree=None: decode_block(
+      prepared, config, tokens, positions, cache, attention, tree)

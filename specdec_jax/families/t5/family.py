@@ -44,6 +44,7 @@ class T5Family(Family):
   name = "t5"
   config_type = T5Config
   model_type = Model
+  supports_trees = True
   architectures = tuple(f"{a} (model_type {t})" for a, t in (
       ("T5ForConditionalGeneration", "t5"), ("MT5ForConditionalGeneration", "mt5"))) + (
           "T5X checkpoints", "Orbax checkpoints of T5X trees")
@@ -103,6 +104,14 @@ class T5Family(Family):
 
   def cache_length(self, config: T5Config, context_width: int, max_decode_steps: int) -> int:
     return int(max_decode_steps)
+
+  def self_attention_cache(self, cache):
+    """self_key / self_value of each layer; not the cross-attention keys/values
+    nor the encoder mask (their "length" is the encoder's)."""
+    t5_sharding.cache_logical_axes(cache)  # Validates the layout.
+    return dict(layers=[{name: name in ("self_key", "self_value") for name in layer}
+                        for layer in cache["layers"]],
+                encoder_mask=False)
 
   def check_draft(self, draft_config: T5Config, target_config: T5Config) -> None:
     super().check_draft(draft_config, target_config)

@@ -26,8 +26,8 @@ def _compiled(config: T5Config, method: str, static_argnums=()):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_decode_block(config: T5Config):
-  return jax.jit(lambda params, tokens, positions, cache: t5_decode.block_fn(params, config)(
-      tokens, positions, cache))
+  return jax.jit(lambda params, tokens, positions, cache, tree=None: t5_decode.block_fn(
+      params, config)(tokens, positions, cache, tree))
 
 
 class Model(FamilyModel):
@@ -69,16 +69,19 @@ class Model(FamilyModel):
       raise ValueError(f"max_decode_len must be an int >= 1, got {max_decode_len!r}")
     return _compiled(self.config, "init_cache", (2,))(self.variables, tokens, int(max_decode_len))
 
-  def decode_block(self, tokens, positions, cache):
-    """Scores tokens [batch, k] starting at positions [batch] from the cache.
+  def decode_block(self, tokens, positions, cache, tree=None):
+    """Scores tokens [batch, k] starting at positions [batch] from the cache (with
+    `tree`, a `core.tree.TreeAttention`: nodes of a token tree, see
+    `decode.decode_block`).
 
     Returns logits [batch, k, vocab] float32 and the updated cache.
     """
     tokens, positions = check_block(tokens, positions, cache["layers"][0]["self_key"].shape[2])
-    return _compiled_decode_block(self.config)(self.params, tokens, positions, cache)
+    return _compiled_decode_block(self.config)(self.params, tokens, positions, cache, tree)
 
   def block_fn(self, params=None):
-    """A block callback `(tokens, positions, cache) -> (logits, cache)` for the decode loops.
+    """A block callback `(tokens, positions, cache, tree=None) -> (logits, cache)` for the
+    decode loops.
 
     Runs the fused decode step (`families/t5/decode.py`, same function as
     `T5.decode_block`). Its fused kernels are built here from the T5X tree,
