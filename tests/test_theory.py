@@ -1,11 +1,13 @@
-"""The §3 formulas against the paper's printed tables."""
+"""The §3 formulas against the paper's printed tables; token trees against simulation."""
 
 import math
 
+import numpy as np
 import pytest
 
 from experiments.paper_tables import TABLE1, TABLE2
 from specdec_jax.core import theory
+from specdec_jax.core.tree import TreeShape
 
 # Table 4 rounds alpha and c; from the rounded inputs Theorem 3.8 lands on the
 # printed digit except in these rows, where it is 0.1 below it:
@@ -81,3 +83,142 @@ def test_bad_arguments_raise(bad):
   args.update(bad)
   with pytest.raises(ValueError):
     theory.walltime_improvement(**args)
+
+
+# --------------------------------------------------------------------------
+# Token trees under the positional acceptance model.
+
+def _all_shapes(node_budget, max_children):
+  """Every branching tuple with num_nodes <= node_budget and entries <= max_children."""
+  out = []
+
+  def grow(shape, width, nodes):
+    if shape:
+      out.append(tuple(shape))
+    for b in range(1, max_children + 1):
+      if nodes + width * b <= node_budget:
+        grow(shape + [b], width * b, nodes + width * b)
+
+  grow([], 1, 1)
+  return out
+
+
+def test_chain_tree_is_the_geometric_sum():
+  for alpha in (0.0, 0.3, 0.75, 0.99, 1.0):
+    for gamma in (1, 2, 5):
+      chain = (1,) * gamma
+      expected = theory.expected_tokens_per_iteration(alpha, gamma)
+      assert theory.tree_expected_tokens(chain, [alpha]) == pytest.approx(expected, rel=1e-12)
+      shape = TreeShape(chain)
+      assert theory.tree_expected_tokens(shape, [alpha, 0.5]) == pytest.approx(expected)
+      assert theory.tree_expected_tokens((shape.parents, shape.ranks), [alpha]) == pytest.approx(
+          expected)
+
+
+def test_tree_expected_tokens_by_hand_and_both_forms_agree():
+  # Root with two children: 1 + a_0 + (1 - a_0) a_1.
+  assert theory.tree_expected_tokens((2,), [0.5, 0.4]) == pytest.approx(1.7)
+  # (2, 1): each depth-1 node has one child: 1 + 0.7 + 0.7 * 0.5.
+  assert theory.tree_expected_tokens((2, 1), [0.5, 0.4]) == pytest.approx(2.05)
+  rng = np.random.RandomState(0)
+  for branching in [(3, 2, 1), (1, 4), (2, 2, 2), (4, 1, 1, 2)]:
+    rates = rng.uniform(size=4).tolist()
+    shape = TreeShape(branching)
+    by_depth = theory.tree_expected_tokens(branching, rates)
+    assert theory.tree_expected_tokens((shape.parents, shape.ranks), rates) == pytest.approx(
+        by_depth, rel=1e-12)
+    assert theory.tree_expected_tokens(shape, rates) == by_depth
+  # Unused slots (parent -1) and their subtrees count for nothing.
+  assert theory.tree_expected_tokens(([-1, 0, -1, 2], [0, 0, 0, 0]), [0.5]) == pytest.approx(1.5)
+  with pytest.raises(ValueError, match="rank_acceptance has 1"):
+    theory.tree_expected_tokens((2,), [0.5])
+  with pytest.raises(ValueError, match="ranks"):
+    theory.tree_expected_tokens(([-1, 0, 0], [0, 0, 3]), [0.5, 0.5])
+
+
+def test_tree_expected_tokens_matches_simulated_positional_acceptance():
+  # An irregular tree (not a static shape), its ranks not in slot order.
+  parents = np.array([-1, 0, 1, 1, 0, 4, 0, 6, 7, 7, 2])
+  ranks = np.array([0, 1, 0, 1, 0, 0, 2, 0, 1, 0, 0])
+  rates = np.array([0.6, 0.35, 0.2])
+  n = 200_000
+  rng = np.random.RandomState(1)
+  children = [sorted(np.flatnonzero(parents == u), key=lambda v: ranks[v])
+              for u in range(len(parents))]
+  width = max(map(len, children))
+  child = np.full((len(parents), width), -1)
+  for u, kids in enumerate(children):
+    child[u, :len(kids)] = kids
+  node = np.zeros(n, np.int64)
+  alive = np.ones(n, bool)
+  tokens = np.ones(n)
+  for _ in range(len(parents)):
+    chosen = np.full(n, -1)
+    for j in range(width):
+      candidate = child[node, j]
+      tried = alive & (chosen < 0) & (candidate >= 0)
+      accepted = tried & (rng.uniform(size=n) < rates[ranks[np.maximum(candidate, 0)]])
+      chosen = np.where(accepted, candidate, chosen)
+    alive = chosen >= 0
+    node = np.where(alive, chosen, node)
+    tokens += alive
+  predicted = theory.tree_expected_tokens((parents, ranks), rates)
+  # 5 standard errors: a false alarm about once in 3 million runs.
+  assert abs(tokens.mean() - predicted) < 5 * tokens.std() / np.sqrt(n), (tokens.mean(), predicted)
+  assert 1.5 < predicted < 3
+
+
+@pytest.mark.parametrize("rates", [[0.8], [0.6, 0.3, 0.2, 0.1], [0.3, 0.25, 0.2, 0.15, 0.1],
+                                   [0.9, 0.05], [0.5, 0.0, 0.4]])
+def test_best_tree_shape_is_the_best_static_shape(rates):
+  for budget in (2, 3, 6, 11, 20):
+    for max_depth in (None, 3):
+      best = theory.best_tree_shape(rates, budget, max_depth=max_depth)
+      assert TreeShape(best).num_nodes <= budget
+      assert max_depth is None or len(best) <= max_depth
+      assert max(best) <= len(rates)
+      value = theory.tree_expected_tokens(best, rates)
+      shapes = [s for s in _all_shapes(budget, len(rates))
+                if max_depth is None or len(s) <= max_depth]
+      assert value == pytest.approx(max(theory.tree_expected_tokens(s, rates) for s in shapes),
+                                    rel=1e-12)
+      chain = (1,) * (budget - 1 if max_depth is None else min(budget - 1, max_depth))
+      assert value >= theory.tree_expected_tokens(chain, rates) - 1e-12
+  # One rate: only chains are possible; no rate beyond rank 0 adds nothing either.
+  assert theory.best_tree_shape([0.8], 9) == (1,) * 8
+  assert theory.best_tree_shape([0.8, 0.0, 0.0], 9) == (1,) * 8
+
+
+def test_best_tree_shape_is_fast_and_validates():
+  import time
+  rates = [0.5 * 0.8**r for r in range(64)]
+  start = time.perf_counter()
+  best = theory.best_tree_shape(rates, 64)
+  assert time.perf_counter() - start < 2.0
+  assert TreeShape(best).num_nodes <= 64 and max(best) > 1
+  assert theory.tree_expected_tokens(best, rates) > theory.tree_expected_tokens((1,) * 63, rates)
+  with pytest.raises(ValueError, match="node_budget"):
+    theory.best_tree_shape([0.5], 1)
+  with pytest.raises(ValueError, match="max_depth"):
+    theory.best_tree_shape([0.5], 8, max_depth=0)
+  with pytest.raises(ValueError, match="rank_acceptance"):
+    theory.best_tree_shape([], 8)
+  with pytest.raises(ValueError, match="alpha"):
+    theory.best_tree_shape([1.5], 8)
+
+
+def test_predicted_tree_speedup_generalises_the_chain():
+  alpha, gamma, c = 0.75, 4, 0.05
+  expected = theory.tree_expected_tokens((1,) * gamma, [alpha])
+  assert theory.predicted_tree_speedup(expected, c, gamma, 1.3) == pytest.approx(
+      theory.predicted_speedup_with_verify_cost(alpha, gamma, c, 1.3))
+  # A (4, 2) tree: 2 draft calls, one target call on 13 nodes.
+  rates = [0.6, 0.2, 0.1, 0.05]
+  tokens = theory.tree_expected_tokens((4, 2), rates)
+  assert theory.predicted_tree_speedup(tokens, 0.1, 2, 1.5) == pytest.approx(tokens / 1.7)
+  with pytest.raises(ValueError, match="expected_tokens"):
+    theory.predicted_tree_speedup(0.5, c, 2, 1.0)
+  with pytest.raises(ValueError, match="num_draft_calls"):
+    theory.predicted_tree_speedup(2.0, c, 1.5, 1.0)
+  with pytest.raises(ValueError, match="verify_cost"):
+    theory.predicted_tree_speedup(2.0, c, 2, 0.0)

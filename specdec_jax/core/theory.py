@@ -9,8 +9,11 @@ The closed forms divide by (1 - alpha); at alpha = 1 every draft is accepted
 and they take their limits (gamma + 1 tokens per iteration).
 """
 
+import functools
 import math
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
 
 
 def _check_alpha(alpha: float) -> float:
@@ -116,3 +119,167 @@ def predicted_speedup_with_verify_cost(alpha: float, gamma: int, c: float,
   if verify_cost == 0:
     raise ValueError("verify_cost must be > 0")
   return expected_tokens_per_iteration(alpha, gamma) / (gamma * c + verify_cost)
+
+
+# --------------------------------------------------------------------------
+# Token trees (Sequoia, arXiv 2402.12374) under the positional acceptance model.
+#
+# a_r = P(a child of rank r is accepted | its siblings of lower rank were
+# rejected), the same for every node: what `tree_verification.TreeVerdict`'s
+# rank_accepted / rank_tried measures. A chain is a_0 = alpha.
+
+
+def _check_rank_acceptance(rank_acceptance: Sequence[float]) -> Tuple[float, ...]:
+  if isinstance(rank_acceptance, (int, float)) or len(rank_acceptance) == 0:
+    raise ValueError(f"rank_acceptance must be a non-empty sequence (a_0, a_1, ...), got "
+                     f"{rank_acceptance!r}")
+  return tuple(_check_alpha(a) for a in rank_acceptance)
+
+
+def _check_branching(branching) -> Tuple[int, ...]:
+  branching = tuple(branching)
+  if not branching or any(isinstance(b, bool) or int(b) != b or b < 1 for b in branching):
+    raise ValueError(f"branching must be a non-empty sequence of ints >= 1, got {branching!r}")
+  return tuple(int(b) for b in branching)
+
+
+def _any_accepted(rates: Tuple[float, ...], children: int) -> float:
+  """P(one of `children` siblings, ranks 0..children - 1, is accepted) = 1 - prod (1 - a_r)."""
+  return 1.0 - math.prod(1.0 - a for a in rates[:children])
+
+
+def tree_expected_tokens(tree, rank_acceptance: Sequence[float]) -> float:
+  """E[tokens emitted per tree iteration] under the positional acceptance model.
+
+  E = 1 + sum over non-root nodes u of P(reach u), with
+  P(reach u) = P(reach parent(u)) * prod over u's siblings v of lower rank of
+  (1 - a_rank(v)) * a_rank(u): the accepted drafts plus the one token every
+  iteration draws. For a chain ((1,) * gamma) this is eq. 1's
+  (1 - alpha^(gamma+1)) / (1 - alpha) with alpha = a_0.
+
+  Args:
+    tree: a static shape (a `TreeShape`, or its branching: children per
+      depth, e.g. (4, 2, 1)), or any topology as a pair (parents, ranks) of
+      [N] int sequences: node 0 the root (parent -1), other nodes with parent
+      -1 unused (as in `core.tree.Tree`).
+    rank_acceptance: (a_0, a_1, ...), with an entry for every rank the tree uses.
+  Returns:
+    E[tokens per iteration], between 1 and the tree's depth + 1.
+  """
+  rates = _check_rank_acceptance(rank_acceptance)
+  branching = getattr(tree, "branching", None)
+  if branching is None and all(isinstance(b, (int, np.integer)) for b in tree):
+    branching = tree
+  if branching is not None:
+    branching = _check_branching(branching)
+    if max(branching) > len(rates):
+      raise ValueError(f"branching {branching} uses rank {max(branching) - 1}, but "
+                       f"rank_acceptance has {len(rates)} entries")
+    # Every node of a depth has the same children: P(the path reaches depth d)
+    # is the product of P(some child accepted) over the depths above.
+    expected, reach = 1.0, 1.0
+    for b in branching:
+      reach *= _any_accepted(rates, b)
+      expected += reach
+    return expected
+  parents, ranks = (tuple(int(x) for x in a) for a in tree)
+  n = len(parents)
+  if len(ranks) != n or n == 0 or parents[0] != -1:
+    raise ValueError(f"(parents, ranks) must be two [N] sequences with parents[0] = -1, got "
+                     f"{tree!r}")
+  for u in range(1, n):
+    if parents[u] != -1 and not (0 <= parents[u] < n and parents[u] != u):
+      raise ValueError(f"parents[{u}] = {parents[u]} is not a node")
+    if parents[u] != -1 and not 0 <= ranks[u] < len(rates):
+      raise ValueError(f"ranks[{u}] = {ranks[u]}, but rank_acceptance has {len(rates)} entries")
+  reach = {0: 1.0}
+
+  def reach_of(u, seen=()):
+    if u not in reach:
+      if u in seen or parents[u] == -1:  # a cycle or an unused branch: never reached
+        return 0.0
+      parent = parents[u]
+      lower = [v for v in range(1, n) if parents[v] == parent and ranks[v] < ranks[u]]
+      reach[u] = (reach_of(parent, seen + (u,)) * math.prod(1.0 - rates[ranks[v]] for v in lower)
+                  * rates[ranks[u]])
+    return reach[u]
+
+  return 1.0 + sum(reach_of(u) for u in range(1, n) if parents[u] != -1)
+
+
+def best_tree_shape(rank_acceptance: Sequence[float], node_budget: int,
+                    max_depth: Optional[int] = None) -> Tuple[int, ...]:
+  """The static shape (branching per depth) maximising `tree_expected_tokens`.
+
+  Among shapes with num_nodes = 1 + b_1 + b_1 b_2 + ... <= node_budget (the
+  target's block width), depth <= max_depth, and b_d <= len(rank_acceptance)
+  (ranks without a measured rate are not used). Exact, by dynamic programming
+  over (width of the last depth, nodes left, depths left): tens of
+  milliseconds for budgets up to 64. Ties go to stopping rather than adding
+  nodes that add nothing, then to a narrower first depth; the answer has at
+  least one depth (TreeShape needs one). General
+  (not per-depth) topologies, as Sequoia's DP builds, can do better at the
+  same budget; `tree_expected_tokens` scores those.
+
+  Args:
+    rank_acceptance: (a_0, a_1, ...).
+    node_budget: int >= 2, nodes including the root.
+    max_depth: optional int >= 1.
+  Returns:
+    branching tuple, e.g. (4, 2, 1); `TreeShape(branching)` builds it.
+  """
+  rates = _check_rank_acceptance(rank_acceptance)
+  if int(node_budget) != node_budget or node_budget < 2:
+    raise ValueError(f"node_budget must be an int >= 2 (the root and one draft), got "
+                     f"{node_budget!r}")
+  node_budget = int(node_budget)
+  if max_depth is None:
+    max_depth = node_budget - 1
+  if int(max_depth) != max_depth or max_depth < 1:
+    raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
+  any_accepted = [_any_accepted(rates, b) for b in range(len(rates) + 1)]
+
+  @functools.lru_cache(maxsize=None)
+  def best_below(width: int, nodes_left: int, depths_left: int, must_grow: bool = False):
+    """(expected accepted drafts below a depth of `width` nodes, reached with
+    probability 1, and the branching that attains it)."""
+    best = (-1.0, ()) if must_grow else (0.0, ())
+    if depths_left == 0:
+      return best
+    for b in range(1, min(len(rates), nodes_left // width) + 1):
+      below, shape = best_below(width * b, nodes_left - width * b, depths_left - 1)
+      value = any_accepted[b] * (1.0 + below)
+      if value > best[0] + 1e-12:
+        best = (value, (b,) + shape)
+    return best
+
+  return best_below(1, node_budget - 1, int(min(max_depth, node_budget - 1)), True)[1]
+
+
+def predicted_tree_speedup(expected_tokens: float, c: float, num_draft_calls: int,
+                           verify_cost: float) -> float:
+  """Theorem 3.8 for a tree iteration: E[tokens] / (num_draft_calls c + C(W)).
+
+  Each iteration costs num_draft_calls draft calls (a tree drafted depth by
+  depth: one call per depth, as long as the draft scores a depth's nodes in
+  one call for about the price of one) plus one target call scoring the W
+  tree nodes, verify_cost = C(W) relative to a one-token target step; without
+  speculation every token costs one target step. A chain of gamma drafts
+  (num_draft_calls = gamma, W = gamma + 1) is
+  `predicted_speedup_with_verify_cost`.
+
+  Args:
+    expected_tokens: E[tokens per iteration] (`tree_expected_tokens` or measured), >= 1.
+    c: draft call time / target single-token step time.
+    num_draft_calls: int >= 0 draft calls per iteration.
+    verify_cost: C(W) > 0, e.g. `block_cost[W - 1]` of a measured cost curve.
+  """
+  expected_tokens = float(expected_tokens)
+  if not 1.0 <= expected_tokens < math.inf:
+    raise ValueError(f"expected_tokens must be a finite number >= 1, got {expected_tokens!r}")
+  if int(num_draft_calls) != num_draft_calls or num_draft_calls < 0:
+    raise ValueError(f"num_draft_calls must be an int >= 0, got {num_draft_calls!r}")
+  c, verify_cost = _check_cost(c), _check_cost(verify_cost, "verify_cost")
+  if verify_cost == 0:
+    raise ValueError("verify_cost must be > 0")
+  return expected_tokens / (int(num_draft_calls) * c + verify_cost)
