@@ -166,8 +166,12 @@ def _tree_decode(family, draft, draft_params, inputs, cache, block, offset, draf
     with draft_axes():
       return constrain_draft(proposer.accept(*args))
 
+  def init(*args):
+    return constrain_draft(proposer.init(*args))
+
   return tree_decoding.tree_sample(
-      inputs, cache, target_fn, move, proposer._replace(propose=propose, accept=accept),
+      inputs, cache, target_fn, move,
+      proposer._replace(init=init, propose=propose, accept=accept),
       draft_state, eos_id, decode_rng=rng, temperature=temperature, topk=topk, topp=topp)
 
 

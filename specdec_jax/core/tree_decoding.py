@@ -44,6 +44,8 @@ MoveFn = Callable[[Any, Array, Array], Any]
 class TreeProposer(NamedTuple):
   """What a tree draft gives the loop (see `drafts.tree.TreeDraft`).
 
+  init(state, batch) -> state: the state the loop carries, from the draft's
+    initial state (once, before the loop).
   propose(rng, state, sequences [batch, len + 1], lengths [batch], pending
     [batch, max_depth] int32, num_pending [batch] int32) -> (Tree with `width`
     slots, state): the tree's first path must begin with the pending tokens.
@@ -56,6 +58,7 @@ class TreeProposer(NamedTuple):
   max_children: the most children a node can have.
   width: W, the tree's slots (the target's block width).
   """
+  init: Callable
   propose: Callable
   accept: Callable
   law: str
@@ -228,7 +231,7 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
   sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
   init = TreeCarry(sequences, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.bool_),
                    jnp.zeros((batch, depth_cap), jnp.int32), jnp.zeros((batch,), jnp.int32),
-                   cache, draft_state, decode_rng,
+                   cache, proposer.init(draft_state, batch), decode_rng,
                    init_tree_stats(batch, depth_cap, proposer.max_children))
   final = jax.lax.while_loop(cond, body, init)
   return final.sequences[:, 1:], final.stats

@@ -191,9 +191,8 @@ class TreeDraft(Draft):
     return dict(state, inner=self.inner.constrain_state(state["inner"], partitioner))
 
   def init_state(self, params, context, max_decode_len):
-    inner = self.inner.init_state(params, context, max_decode_len)
-    batch = context.tokens.shape[0]
-    return dict(inner=inner, offsets=jnp.zeros((batch, 1), jnp.int32))
+    # `tree_proposer`'s init adds the slots' draft offsets, once the width is known.
+    return dict(inner=self.inner.init_state(params, context, max_decode_len))
 
   def propose_fn(self, params, gamma, temperature, topk, topp):
     raise TypeError("a TreeDraft proposes trees: decode it through `generate`, which calls "
@@ -250,7 +249,10 @@ class TreeDraft(Draft):
                           jnp.take_along_axis(offsets, jnp.maximum(path, 0), axis=1), depth)
       return dict(state, inner=expander.move(state["inner"], lengths, sources))
 
-    return TreeProposer(propose, accept, self.law(greedy), self.max_depth(greedy, width),
+    def init(state, batch):
+      return dict(state, offsets=jnp.zeros((batch, width), jnp.int32))
+
+    return TreeProposer(init, propose, accept, self.law(greedy), self.max_depth(greedy, width),
                         self.max_children, width)
 
   def _grow(self, rng, expander, inner, lengths, chain_len, root_token, root_scores, root_probs,
