@@ -99,7 +99,8 @@ def test_greedy_ngram_tree_equals_target_only():
   target, _ = _lm_pair(vocab=48, seed=5)
   prompts, lengths = _prompts(4, 6, 48, seed=6)
   plain = sj.generate(target, prompts, lengths, max_decode_steps=24, block_width=10)
-  ngram = sj.NgramDraft.fit(np.asarray(plain.sequences), 48, order=2, smoothing=0.1)
+  ngram = sj.NgramDraft.fit(np.asarray(plain.sequences), 48, order=2, smoothing=0.1,
+                            eos_id=target.config.eos_id, pad_id=target.config.pad_id)
   out = sj.generate(target, prompts, lengths, max_decode_steps=24, block_width=10,
                     draft=sj.TreeDraft(ngram, (3, 2)))
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(plain.sequences))
@@ -117,8 +118,8 @@ def test_sampling_path_moves_accepted_branches_into_the_cache(family):
   else:
     target, draft = _lm_pair(noise=0.3, seed=7)
     inputs, lengths = _prompts(6, 7, 64, seed=8)
-  greedy = sj.generate(target, inputs, lengths, max_decode_steps=20, block_width=12)
-  out = sj.generate(target, inputs, lengths, max_decode_steps=20, block_width=12,
+  greedy = sj.generate(target, inputs, lengths, max_decode_steps=20, block_width=16)
+  out = sj.generate(target, inputs, lengths, max_decode_steps=20, block_width=16,
                     temperature=1.0, topk=1, draft=sj.TreeDraft(draft, (3, 2, 1), children="topk"))
   # Float32 logits of other branches equal the chain's to rounding: the argmax
   # of these random models is never that close.
