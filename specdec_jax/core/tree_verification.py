@@ -138,9 +138,10 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
       raise ValueError(f"{name} must be [N] = {(n,)}, got {array.shape}")
   if draft_probs.shape != (n, vocab):
     raise ValueError(f"draft_probs must be [N, vocab] = {(n, vocab)}, got {draft_probs.shape}")
-  draft_probs = draft_probs.astype(jnp.float32)
-  target_probs = target_probs.astype(jnp.float32)
-  tokens = tokens.astype(jnp.int32)
+  draft_probs = jnp.asarray(draft_probs, jnp.float32)
+  target_probs = jnp.asarray(target_probs, jnp.float32)
+  tokens, parents, ranks = (jnp.asarray(a, jnp.int32) for a in (tokens, parents, ranks))
+  valid = jnp.asarray(valid, jnp.bool_)
   accept_rng, next_rng = jax.random.split(rng)
   # One independent uniform per (depth, rank): every decision is fresh.
   uniforms = jax.random.uniform(accept_rng, (max_depth, max_children), dtype=jnp.float32)
@@ -148,23 +149,19 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
   vocab_ids = jnp.arange(vocab, dtype=jnp.int32)
   rank_ids = jnp.arange(max_children, dtype=jnp.int32)
 
-  node = jnp.int32(0)
-  alive = jnp.bool_(True)  # every node on the path so far accepted
-  stop_residual = target_probs[0]  # the law of next_token, set where the walk stops
-  path = [jnp.int32(0)]
-  rank_tried = [jnp.int32(0)] * max_children
-  rank_accepted = [jnp.int32(0)] * max_children
-  for depth in range(max_depth):
+  # lax loops rather than Python ones: the program's size, and its compile
+  # time, do not grow with max_depth * max_children.
+  def visit(depth, carry):
+    node, alive, stop_residual, path, rank_tried, rank_accepted = carry
     p_u, q_u = target_probs[node], draft_probs[node]
     is_child = valid & (parents == node) & (slots != node)
     of_rank = is_child[None, :] & (ranks[None, :] == rank_ids[:, None])  # [C, N]
     present = jnp.any(of_rank, axis=1)
     child_slots = jnp.argmax(of_rank, axis=1).astype(jnp.int32)  # first slot of each rank
     best = sampling.argmax(p_u) if greedy else None
-    residual = p_u
-    removed = jnp.zeros((vocab,), jnp.bool_)  # tokens of tried siblings ("without_replacement")
-    chosen = jnp.int32(-1)
-    for rank in range(max_children):
+
+    def try_child(rank, carry):
+      residual, removed, chosen, rank_tried, rank_accepted = carry
       slot = child_slots[rank]
       token = tokens[slot]
       searching = alive & (chosen < 0) & present[rank]
@@ -189,22 +186,34 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
         if law == "without_replacement":
           removed = removed | (tried & (vocab_ids == token))
       chosen = jnp.where(accepted, slot, chosen)
-      rank_tried[rank] = rank_tried[rank] + tried.astype(jnp.int32)
-      rank_accepted[rank] = rank_accepted[rank] + accepted.astype(jnp.int32)
+      rank_tried = rank_tried.at[rank].add(tried.astype(jnp.int32))
+      rank_accepted = rank_accepted.at[rank].add(accepted.astype(jnp.int32))
+      return residual, removed, chosen, rank_tried, rank_accepted
+
+    residual, _, chosen, rank_tried, rank_accepted = jax.lax.fori_loop(
+        0, max_children, try_child,
+        (p_u, jnp.zeros((vocab,), jnp.bool_), jnp.int32(-1), rank_tried, rank_accepted))
     stop_residual = jnp.where(alive & (chosen < 0), residual, stop_residual)
     alive = alive & (chosen >= 0)
     node = jnp.where(alive, chosen, node)
-    path.append(jnp.where(alive, chosen, -1))
+    path = path.at[depth + 1].set(jnp.where(alive, chosen, -1))
+    return node, alive, stop_residual, path, rank_tried, rank_accepted
+
+  zeros = jnp.zeros((max_children,), jnp.int32)
+  start = (jnp.int32(0), jnp.bool_(True),  # node, and whether every node on the path was accepted
+           target_probs[0],  # the law of next_token, set where the walk stops
+           jnp.full((max_depth + 1,), -1, jnp.int32).at[0].set(0), zeros, zeros)
+  node, alive, stop_residual, path, rank_tried, rank_accepted = jax.lax.fori_loop(
+      0, max_depth, visit, start)
   # Accepted down to max_depth: the bonus comes from the target at the last node.
   stop_residual = jnp.where(alive, target_probs[node], stop_residual)
   if greedy:
     next_token = sampling.argmax(target_probs[node])
   else:
     next_token = sampling.sample(next_rng, stop_residual)
-  path = jnp.stack(path).astype(jnp.int32)
   return TreeVerdict(path=path, num_accepted=jnp.sum(path[1:] >= 0).astype(jnp.int32),
-                     next_token=next_token.astype(jnp.int32),
-                     rank_tried=jnp.stack(rank_tried), rank_accepted=jnp.stack(rank_accepted))
+                     next_token=next_token.astype(jnp.int32), rank_tried=rank_tried,
+                     rank_accepted=rank_accepted)
 
 
 def batched_verify_tree(rngs: Array, tokens: Array, parents: Array, ranks: Array, valid: Array,
@@ -267,9 +276,9 @@ def draw_children(rng: Array, probs: Array, k: int, law: str,
   if rank_scores is not None:
     if rank_scores.shape != (vocab,):
       raise ValueError(f"rank_scores must be [vocab] = {(vocab,)}, got {rank_scores.shape}")
-    scores, tokens = jax.lax.top_k(rank_scores, k)  # ties: lower index first
+    scores, tokens = jax.lax.top_k(jnp.asarray(rank_scores), k)  # ties: lower index first
     return tokens.astype(jnp.int32), scores > -jnp.inf
-  probs = probs.astype(jnp.float32)
+  probs = jnp.asarray(probs, jnp.float32)
   if law == "iid":
     tokens = jax.random.categorical(rng, sampling.safe_log(probs), shape=(k,))
   elif law == "without_replacement":
