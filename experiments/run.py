@@ -192,6 +192,11 @@ class Experiment:
   `decoding.DEFAULT_BLOCK_WIDTH`); greedy outputs are checked against
   target-only decoding at W, and the speedup is against the faster of
   target-only decoding at W and at width 1.
+  verification: how the speculative decoder keeps drafts
+  (`decoding.VERIFIERS`: 'token', or 'block' for Sun et al.'s block
+  verification; the VERIFICATION macro). results.json records it; its
+  `expected_tokens_per_iteration` stays the token-wise formula, a lower bound
+  for 'block'.
   """
   target: ModelSpec = gin.REQUIRED
   draft: Union[ModelSpec, DraftKind, Draft] = gin.REQUIRED
@@ -209,6 +214,7 @@ class Experiment:
   seed: int = 0
   timing_repeats: int = 20
   block_width: Optional[int] = None
+  verification: str = "token"
 
 
 # ---------------------------------------------------------------------------
@@ -390,6 +396,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
                      f"({exp.gamma + 1})")
   if exp.batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {exp.batch_size}")
+  decoding.check_verification(exp.verification)
   # Everything that can fail cheaply fails before any model is loaded.
   exp.task.validate()
   exp.target.validate("target")
@@ -432,7 +439,8 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   draft_model = draft.model if isinstance(draft, ModelDraft) else None
   eos_id = family.eos_id(config)
 
-  settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp)
+  settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp,
+                  verification=exp.verification)
   width = decoding.resolve_block_width(exp.block_width, exp.gamma, dtype=config.dtype)
   rng = jax.random.PRNGKey(exp.seed)
 
@@ -445,6 +453,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
                    prompt_lengths[index], max_decode_steps=exp.max_decode_steps,
                    temperature=exp.temperature, topk=exp.topk, topp=exp.topp, rng=key,
                    draft=draft if use_draft else None, gamma=exp.gamma, block_width=block_width,
+                   verification=exp.verification if use_draft else "token",
                    partitioner=target_part, draft_partitioner=draft_part)
     # generate returns replicated outputs: every process holds every row.
     sequences = np.asarray(jax.block_until_ready(out.sequences))

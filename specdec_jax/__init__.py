@@ -12,7 +12,10 @@ Layers (each a folder or module; nothing imports upward from `core/`):
 
 from specdec_jax import data, sharding
 from specdec_jax.core import theory
-from specdec_jax.core.decoding import DecodingState, speculative_sample, temperature_sample
+from specdec_jax.core.block_verification import (batched_block_verification_step,
+                                                block_verification_step)
+from specdec_jax.core.decoding import (VERIFIERS, DecodingState, speculative_sample,
+                                      temperature_sample)
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats
 from specdec_jax.core.sampling import adjust_probs
 from specdec_jax.core.speculative import batched_speculative_step, speculative_step

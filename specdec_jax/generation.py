@@ -83,7 +83,8 @@ def _decode_memory(family: Family, config, draft: Optional[Draft], draft_params,
 
 def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int,
            temperature: float, topk: int, topp: float, eos_id: int, gamma: int,
-           block_width: int, partitioner: Optional[sharding.Partitioner] = None,
+           block_width: int, verification: str = "token",
+           partitioner: Optional[sharding.Partitioner] = None,
            draft_partitioner: Optional[sharding.Partitioner] = None, in_shardings=None):
   # Under a mesh, each model is traced with its own activation axis rules,
   # and caches are pinned to their shardings where they are made and after
@@ -136,7 +137,8 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
       return (*proposal, constrain_draft(state))
 
     return decoding.decode(inputs, cache, target_fn, eos_id, rng, propose_fn=propose,
-                           draft_state=draft_state, gamma=gamma, **settings)
+                           draft_state=draft_state, gamma=gamma, verification=verification,
+                           **settings)
 
   if partitioner is None:
     return jax.jit(run)
@@ -179,8 +181,8 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
              temperature: float = 0.0,
              topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
              rng: Optional[Array] = None, draft=None, gamma: int = 4,
-             block_width: Optional[int] = None, matmul_precision: Optional[str] = None,
-             batch_invariant: bool = False,
+             verification: str = "token", block_width: Optional[int] = None,
+             matmul_precision: Optional[str] = None, batch_invariant: bool = False,
              partitioner: Optional[sharding.Partitioner] = None,
              draft_partitioner: Optional[sharding.Partitioner] = None) -> GenerateOutput:
   """Decodes `inputs` with `model`, speculatively when `draft` is given.
@@ -200,6 +202,12 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     draft: a smaller model of the target's family, or any
       `specdec_jax.drafts.Draft` (n-gram, prompt lookup, adaptive, ...).
     gamma: tokens drafted per iteration.
+    verification: how drafts are kept (`decoding.VERIFIERS`): "token"
+      (Leviathan et al.: up to the first rejection) or "block" (Sun et al.
+      2025: the optimal block rule, `core.block_verification`; same output
+      law, at least as many tokens per iteration on average, greedy outputs
+      identical). Speculative decoding only: "block" without a draft is an
+      error.
     block_width: width W of every target call, in both the target-only and
       the speculative loop. Default (`decoding.resolve_block_width`): in
       float32 on CPU, 1 for target-only decoding and gamma + 1 for
@@ -238,10 +246,15 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
     raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
   max_decode_steps = int(max_decode_steps)
+  decoding.check_verification(verification)
+  if draft is None and verification != "token":
+    raise ValueError(f"verification={verification!r} applies to speculative decoding; "
+                     "pass a draft")
   if batch_invariant:
     return _generate_rows(model, inputs, prompt_lengths, max_decode_steps=max_decode_steps,
                           temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
-                          rng=rng, draft=draft, gamma=gamma, block_width=block_width,
+                          rng=rng, draft=draft, gamma=gamma, verification=verification,
+                          block_width=block_width,
                           matmul_precision=matmul_precision, partitioner=partitioner,
                           draft_partitioner=draft_partitioner)
   config = model.config
@@ -272,7 +285,8 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     width = decoding.resolve_block_width(block_width, gamma if draft_obj is not None else None,
                                          dtype=config.dtype, platform=platform)
   precision = check_matmul_precision(matmul_precision)
-  statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id, gamma, width)
+  statics = (max_decode_steps, float(temperature), int(topk), float(topp), eos_id, gamma, width,
+             verification)
   key = (config, None if draft_obj is None else draft_obj.static_key(), precision) + statics
   params = model.params
   draft_params = None if draft_obj is None else draft_obj.params

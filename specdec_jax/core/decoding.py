@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core import block_verification
 from specdec_jax.core import sampling
 from specdec_jax.core import speculative
 
@@ -39,6 +40,23 @@ class DecodingState(NamedTuple):
   sequences: Array
   cur_token: Array
   cache: Any
+
+
+# Verification rules: name -> a batched step with `speculative.batched_speculative_step`'s
+# contract (rngs, draft_tokens, draft_probs, target_probs, num_drafted, greedy) ->
+# (num_accepted, next_token). Both are exact; "block" (Sun et al. 2025) accepts at
+# least as many drafts on average.
+VERIFIERS = {
+    "token": speculative.batched_speculative_step,
+    "block": block_verification.batched_block_verification_step,
+}
+
+
+def check_verification(verification: str) -> str:
+  """Returns `verification` if it names a rule in VERIFIERS, else raises ValueError."""
+  if not isinstance(verification, str) or verification not in VERIFIERS:
+    raise ValueError(f"verification must be one of {sorted(VERIFIERS)}, got {verification!r}")
+  return verification
 
 
 # The width of every target call in both loops unless told otherwise: it
@@ -396,7 +414,8 @@ def speculative_sample(inputs: Array,
                        topp: float = 0.0,
                        max_decode_steps: Optional[int] = None,
                        propose_fn: Optional[ProposeFn] = None,
-                       block_width: Optional[int] = None
+                       block_width: Optional[int] = None,
+                       verification: str = "token"
                        ) -> Tuple[Array, Dict[str, Array]]:
   """Speculative decoding loop; the output is distributed exactly as `temperature_sample`'s.
 
@@ -426,6 +445,10 @@ def speculative_sample(inputs: Array,
     block_width: width W of every target call (default DEFAULT_BLOCK_WIDTH);
       >= gamma + 1. Target-only decoding through `block_to_state_fn` with the
       same W gives bit-identical greedy outputs.
+    verification: the rule that keeps drafts, a name in VERIFIERS: "token"
+      (Leviathan et al., the first rejection ends the block) or "block"
+      (Sun et al. 2025, `block_verification`: same output law, at least as
+      many accepted drafts on average; greedy outputs identical).
   Returns:
     decodes [batch, length] int32 (0 after EOS) and per-row stats (see
     `init_stats`): iterations, drafted, accepted (drafts that reached the
@@ -436,6 +459,7 @@ def speculative_sample(inputs: Array,
   if int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
   width = resolve_block_width(block_width, int(gamma))
+  verify = VERIFIERS[check_verification(verification)]
   sampling.validate_sampling(temperature, topk, topp)
   batch, length = inputs.shape
   step_limit = _step_limit(length, max_decode_steps)
@@ -461,7 +485,7 @@ def speculative_sample(inputs: Array,
     logits, cache = tokens_to_logits(block, lengths, carry.cache)
     logits = logits[:, :gamma + 1]
     target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
-    num_accepted, next_token = speculative.batched_speculative_step(
+    num_accepted, next_token = verify(
         jax.random.split(accept_rng, batch), draft_tokens, draft_probs, target_probs,
         num_drafted, greedy=temperature < sampling.MIN_TEMPERATURE)
 
@@ -511,8 +535,8 @@ def speculative_sample(inputs: Array,
 
 def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rng: Array, *,
            temperature: float, topk: int, topp: float, block_width: Optional[int],
-           propose_fn: Optional[ProposeFn] = None, draft_state: Any = None, gamma: int = 0
-           ) -> Tuple[Array, Optional[Dict[str, Array]]]:
+           propose_fn: Optional[ProposeFn] = None, draft_state: Any = None, gamma: int = 0,
+           verification: str = "token") -> Tuple[Array, Optional[Dict[str, Array]]]:
   """Target-only decoding, or speculative decoding when `propose_fn` is given.
 
   The one place both model families (generation.py, decoder_only_generation.py)
@@ -523,11 +547,15 @@ def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rn
     inputs: [batch, length] int32; inputs[:, 0] is each row's first input.
     cache / tokens_to_logits: the target's cache and block callback.
     propose_fn / draft_state / gamma: the draft's proposer and state.
+    verification: see `speculative_sample`; "token" only without a draft.
   Returns:
     decodes [batch, length] int32 and the speculative counters (None without
     a draft).
   """
   if propose_fn is None:
+    if check_verification(verification) != "token":
+      raise ValueError(f"verification={verification!r} applies to speculative decoding; "
+                       "pass a draft")
     decodes, _ = temperature_sample(
         inputs, cache, block_to_state_fn(tokens_to_logits, block_width), eos_id,
         decode_rng=rng, temperature=temperature, topk=topk, topp=topp)
@@ -535,5 +563,5 @@ def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rn
   return speculative_sample(
       inputs, cache, tokens_to_logits, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
       temperature=temperature, topk=topk, topp=topp, propose_fn=propose_fn,
-      block_width=block_width)
+      block_width=block_width, verification=verification)
 

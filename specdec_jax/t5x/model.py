@@ -265,6 +265,10 @@ class SpeculativeEncoderDecoderModel(_BASE):
       plain decoding only.
     decode_fn: `decoding.temperature_sample` or `decoding.speculative_sample`.
     gamma: tokens drafted per iteration (speculative_sample).
+    verification: how speculative_sample keeps drafts, a name in
+      `decoding.VERIFIERS`: "token" (default) or "block" (Sun et al. 2025's
+      block verification; same output law, at least as many tokens per
+      iteration on average). Only "token" with temperature_sample.
     temperature / topk / topp: sampling settings, shared by target and draft.
       topk defaults to 0 (no truncation), unlike T5X's topk=1.
     input_vocabulary / output_vocabulary / optimizer_def / label_smoothing /
@@ -292,7 +296,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
                block_width: Optional[int] = None, draft_dtype: Optional[str] = None,
                optimizer_def=None, label_smoothing: float = 0.0, z_loss: float = 0.0,
                loss_normalizing_factor=None, default_decoder_params=None,
-               draft_as_variables: bool = False):
+               draft_as_variables: bool = False, verification: str = "token"):
     # Gin's dynamic registration hands over a wrapper of the function.
     decode_fn = inspect.unwrap(decode_fn)
     if decode_fn not in (decoding.temperature_sample, decoding.speculative_sample):
@@ -300,6 +304,11 @@ class SpeculativeEncoderDecoderModel(_BASE):
                        f"decoding.speculative_sample, got {decode_fn!r}")
     target_config = _as_config(target_config)
     self.target_config = target_config
+    decoding.check_verification(verification)
+    if decode_fn is not decoding.speculative_sample and verification != "token":
+      raise ValueError(f"verification={verification!r} applies to speculative decoding; "
+                       "pass decode_fn=speculative_sample and a draft")
+    self.verification = verification
     if decode_fn is decoding.speculative_sample:
       if draft is None:
         raise ValueError("decode_fn=speculative_sample needs a draft")
@@ -402,7 +411,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
                                     self.topp)
     decodes, stats = self._decode_fn(decoder_inputs, cache, target_fn, draft_state, None,
                                      gamma=self.gamma, propose_fn=propose,
-                                     block_width=self.block_width, **common)
+                                     block_width=self.block_width,
+                                     verification=self.verification, **common)
     return decodes, dict(stats, scores=self._log_likelihood(target_params, encoder_tokens,
                                                             decoder_inputs, decodes))
 
@@ -486,8 +496,8 @@ class SpeculativeEncoderDecoderModel(_BASE):
     # Target-only decoding ignores the draft and gamma: leaving them out of the
     # key lets models that differ only there share one compiled decoder (a
     # launcher sweeping gamma compiles its target-only baseline once).
-    draft_key = ((None if self.draft is None else self.draft.static_key(), self.gamma)
-                 if self.is_speculative else (None, None))
+    draft_key = ((None if self.draft is None else self.draft.static_key(), self.gamma,
+                  self.verification) if self.is_speculative else (None, None, None))
     key = (self.target_config, *draft_key, self._decode_fn.__name__, self.block_width,
            self.temperature, self.topk, self.topp, int(num_decodes), max_decode_steps)
     if key not in _COMPILED:
