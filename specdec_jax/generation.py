@@ -275,6 +275,10 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   trees = draft_obj is not None and draft_obj.proposes_trees
   if trees:
     family.check_tree(draft_obj)
+    if verification != "token":
+      raise ValueError(f"verification={verification!r} verifies a chain; a {type(draft_obj).__name__} "
+                       "is verified by recursive rejection sampling over its tree (its children's "
+                       "law): drop verification, or use a chain draft")
     # A tree's block holds its slots; the draft checks they fit (naming the width).
     width = decoding.resolve_block_width(
         block_width if block_width is not None else

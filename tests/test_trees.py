@@ -217,6 +217,12 @@ def test_bad_trees_get_clear_errors():
     sj.TreeDraft(draft, (2,), children="best")
   with pytest.raises(TypeError, match="no distribution at every tree node"):
     sj.TreeDraft(sj.PromptLookupDraft(32), (2,))
+  with pytest.raises(ValueError, match="verifies a chain"):
+    sj.generate(target, enc, max_decode_steps=4, draft=sj.TreeDraft(draft, (2,)),
+                verification="block", block_width=8)
+  for bad in (dict(topk=0), dict(depth=1.5), dict(node_budget=1)):
+    with pytest.raises(ValueError):
+      sj.DynamicTreeDraft(draft, **bad)
   with pytest.raises(ValueError, match="pass block_width=11"):
     sj.generate(target, enc, max_decode_steps=4, draft=sj.TreeDraft(draft, (2, 2, 1)),
                 block_width=8)
