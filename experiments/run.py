@@ -378,14 +378,17 @@ def make_partitioners(mesh_shape: Optional[str]):
 
 
 def _stack_stats(parts: Sequence[SpeculativeStats], gamma: int) -> SpeculativeStats:
-  fields = [f.name for f in dataclasses.fields(SpeculativeStats) if f.name != "gamma"]
+  # Chain stats leave the tree counters None.
+  fields = [f.name for f in dataclasses.fields(SpeculativeStats)
+            if f.name != "gamma" and getattr(parts[0], f.name) is not None]
   return SpeculativeStats(gamma=gamma, **{f: np.concatenate([getattr(p, f) for p in parts])
                                           for f in fields})
 
 
 def _take_stats(stats: SpeculativeStats, real: int) -> SpeculativeStats:
   return dataclasses.replace(stats, **{f.name: np.asarray(getattr(stats, f.name))[:real]
-                                       for f in dataclasses.fields(stats) if f.name != "gamma"})
+                                       for f in dataclasses.fields(stats)
+                                       if f.name != "gamma" and getattr(stats, f.name) is not None})
 
 
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
