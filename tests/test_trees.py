@@ -95,6 +95,23 @@ def test_greedy_tree_identity_on_a_random_near_tie_pair_bf16():
   assert out.stats.rank_accepted[:, 1:].sum() > 0, out.stats.summary()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["t5", "decoder_only"])
+def test_demo_pair_greedy_tree_equals_target_only(name, dtype):
+  try:
+    pair = sj.load_demo_pair(name, dtype=dtype)
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  inputs, lengths = pair.inputs(4)
+  steps, width = min(pair.max_decode_steps, 32), 16
+  draft = next(iter(pair.drafts.values()))
+  expected = sj.generate(pair.target, inputs, lengths, max_decode_steps=steps, block_width=width)
+  out = sj.generate(pair.target, inputs, lengths, max_decode_steps=steps, block_width=width,
+                    draft=sj.TreeDraft(draft, (3, 2, 1)))
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(expected.sequences))
+  assert out.stats.mean_tokens_per_iteration > 1.5, out.stats.summary()
+
+
 def test_greedy_ngram_tree_equals_target_only():
   target, _ = _lm_pair(vocab=48, seed=5)
   prompts, lengths = _prompts(4, 6, 48, seed=6)
