@@ -200,7 +200,11 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     eos_id: defaults to the model's (a model without one never stops early).
     rng: PRNG key (default PRNGKey(0)).
     draft: a smaller model of the target's family, or any
-      `specdec_jax.drafts.Draft` (n-gram, prompt lookup, adaptive, ...).
+      `specdec_jax.drafts.Draft` (n-gram, prompt lookup, adaptive, ...). A
+      `TreeDraft` / `DynamicTreeDraft` proposes a token tree each iteration,
+      scored in one block of block_width slots (>= its `num_nodes`; default
+      on CPU float32: its num_nodes) and verified by recursive rejection
+      sampling (`core.tree_decoding`); gamma is then unused.
     gamma: tokens drafted per iteration.
     verification: how drafts are kept (`decoding.VERIFIERS`): "token"
       (Leviathan et al.: up to the first rejection) or "block" (Sun et al.
@@ -325,7 +329,8 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   memory_key = key + (tuple(tokens.shape),)
   if memory_key not in _MEMORY:
     _MEMORY[memory_key] = _decode_memory(family, config, draft_obj, draft_params, tokens, lengths,
-                                         max_decode_steps + (width if trees else 0),
+                                         max_decode_steps + (draft_obj.room(width) if trees
+                                                             else 0),
                                          partitioner, draft_partitioner)
   devices = (list(np.asarray(partitioner.mesh.devices).flat) if partitioner is not None else
              jax.local_devices()[:1])
