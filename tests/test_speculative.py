@@ -43,10 +43,11 @@ from specdec_jax.tools import testing
 P_VALUE = 1e-4
 
 
-def _chi_square_ok(observed: dict, expected_probs: dict, n: int):
-  """Chi-square over categories with expected count >= 5 (the rest lumped)."""
+def chi_square_cells(observed: dict, expected_probs: dict, n: int):
+  """(observed, expected) counts over categories with expected count >= 5 (the rest lumped)."""
   assert set(observed) <= {k for k, v in expected_probs.items() if v > 0}, (
-      "a sample fell on an outcome of probability zero")
+      "a sample fell on an outcome of probability zero: "
+      f"{sorted(set(observed) - {k for k, v in expected_probs.items() if v > 0})[:5]}")
   big = [k for k, v in expected_probs.items() if v * n >= 5]
   obs = [observed.get(k, 0) for k in big]
   exp = [expected_probs[k] * n for k in big]
@@ -54,10 +55,13 @@ def _chi_square_ok(observed: dict, expected_probs: dict, n: int):
   if rest_exp >= 5:
     obs.append(n - sum(obs))
     exp.append(rest_exp)
-  obs = np.array(obs, np.float64)
-  exp = np.array(exp, np.float64)
-  exp = exp / exp.sum() * obs.sum()
-  return scipy_stats.chisquare(obs, exp, sum_check=False).pvalue
+  return np.array(obs, np.float64), np.array(exp, np.float64)
+
+
+def _chi_square_ok(observed: dict, expected_probs: dict, n: int):
+  """Chi-square p-value over categories with expected count >= 5 (the rest lumped)."""
+  obs, exp = chi_square_cells(observed, expected_probs, n)
+  return scipy_stats.chisquare(obs, exp / exp.sum() * obs.sum(), sum_check=False).pvalue
 
 
 # --------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
+from test_speculative import chi_square_cells
 
 from specdec_jax.core import speculative
 from specdec_jax.core import tree as tree_lib
@@ -50,17 +51,7 @@ P_VALUE = 1e-4
 
 def _cells(observed: dict, expected_probs: dict, n: int):
   """(observed, expected) counts over cells with expected count >= 5 (the rest lumped)."""
-  assert set(observed) <= {k for k, v in expected_probs.items() if v > 0}, (
-      "a sample fell on an outcome of probability zero: "
-      f"{sorted(set(observed) - {k for k, v in expected_probs.items() if v > 0})[:5]}")
-  big = [k for k, v in expected_probs.items() if v * n >= 5]
-  obs = [observed.get(k, 0) for k in big]
-  exp = [expected_probs[k] * n for k in big]
-  rest_exp = n - sum(exp)
-  if rest_exp >= 5:
-    obs.append(n - sum(obs))
-    exp.append(rest_exp)
-  return np.array(obs, np.float64), np.array(exp, np.float64)
+  return chi_square_cells(observed, expected_probs, n)
 
 
 def _chi_square_pvalue(observed: dict, expected_probs: dict, n: int) -> float:

@@ -13,13 +13,13 @@ Same contract as `speculative.speculative_step`, so the decode loop can use
 either (`decoding.VERIFIERS`).
 """
 
-import functools
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from specdec_jax.core import sampling
+from specdec_jax.core import speculative
 
 Array = jax.Array
 
@@ -142,11 +142,9 @@ def block_verification_step(rng: Array, draft_tokens: Array, draft_probs: Array,
   passed = jnp.where(position == num_drafted, last, interior) & drafted
   num_accepted = jnp.max(jnp.where(passed, position, 0)).astype(jnp.int32)
 
-  residual = residuals[num_accepted]
-  mass = jnp.sum(residual)  # Summed as the token-wise step sums it (same rounding).
-  p_next = target_probs[num_accepted]
-  # Only rounding leaves a chosen residual without mass; p is then right.
-  residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_next)
+  # Normalised as the token-wise step normalises (same rounding).
+  residual = speculative.normalised_residual(residuals[num_accepted],
+                                             target_probs[num_accepted])
   next_token = sampling.sample(residual_rng, residual, greedy=greedy)
   return num_accepted, next_token
 
@@ -155,17 +153,6 @@ def batched_block_verification_step(rngs: Array, draft_tokens: Array, draft_prob
                                     target_probs: Array,
                                     num_drafted: Optional[Array] = None,
                                     greedy: bool = False) -> Tuple[Array, Array]:
-  """`block_verification_step` vmapped over the batch.
-
-  Args:
-    rngs: [batch] keys (one per row).
-    draft_tokens: [batch, gamma]; draft_probs: [batch, gamma, vocab];
-    target_probs: [batch, gamma + 1, vocab]; num_drafted: [batch] or None;
-    greedy: see `block_verification_step`.
-  Returns:
-    (num_accepted [batch] int32, next_token [batch] int32).
-  """
-  if num_drafted is None:
-    num_drafted = jnp.full((draft_tokens.shape[0],), draft_tokens.shape[1], jnp.int32)
-  step = functools.partial(block_verification_step, greedy=greedy)
-  return jax.vmap(step)(rngs, draft_tokens, draft_probs, target_probs, num_drafted)
+  """`block_verification_step` vmapped over the batch (`speculative.batch_step`'s shapes)."""
+  return speculative.batch_step(block_verification_step, rngs, draft_tokens, draft_probs,
+                                target_probs, num_drafted, greedy)

@@ -392,6 +392,33 @@ class SpeculativeCarry(NamedTuple):
   stats: Dict[str, Array]
 
 
+def emit(sequences: Array, lengths: Array, done: Array, new_tokens: Array, num_new: Array,
+         eos_id: int, step_limit: int) -> Tuple[Array, Array, Array, Array]:
+  """Appends each row's first num_new tokens, cut after an EOS and at the step limit.
+
+  Args:
+    sequences: [batch, len + 1] the tokens so far (position 0 the first input).
+    lengths: [batch] tokens emitted so far; done: [batch] bool (rows that
+      ended emit nothing).
+    new_tokens: [batch, k] this iteration's tokens; num_new: [batch] in [1, k].
+  Returns:
+    (sequences, new lengths [batch], done [batch], emitted [batch] int32).
+  """
+  batch, k = new_tokens.shape
+  offsets = jnp.arange(k)
+  is_eos = (new_tokens == eos_id) & (offsets < num_new[:, None])
+  eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, k)
+  emitted = jnp.minimum(jnp.minimum(num_new, eos_cut), step_limit - lengths)
+  emitted = jnp.where(done, 0, emitted)
+  write = offsets < emitted[:, None]
+  # Unwritten slots are aimed past the buffer and dropped.
+  index = jnp.where(write, lengths[:, None] + 1 + offsets, sequences.shape[1])
+  sequences = sequences.at[jnp.arange(batch)[:, None], index].set(new_tokens, mode="drop")
+  new_lengths = lengths + emitted
+  done = done | jnp.any(is_eos & write, axis=1) | (new_lengths >= step_limit)
+  return sequences, new_lengths, done, emitted
+
+
 def init_stats(batch: int, gamma: int) -> Dict[str, Array]:
   """Per-row counters accumulated by `speculative_sample`."""
   zeros = jnp.zeros((batch,), jnp.int32)
@@ -493,17 +520,10 @@ def speculative_sample(inputs: Array,
     padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     new_tokens = jnp.where(offsets < num_accepted[:, None], padded_drafts,
                            jnp.where(offsets == num_accepted[:, None], next_token[:, None], 0))
-    is_eos = (new_tokens == eos_id) & (offsets <= num_accepted[:, None])
-    eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, gamma + 1)
     active = ~carry.done
-    emitted = jnp.minimum(jnp.minimum(num_accepted + 1, eos_cut), step_limit - lengths)
-    emitted = jnp.where(active, emitted, 0)
-    write = offsets < emitted[:, None]
-    # Unwritten slots are aimed past the buffer and dropped.
-    index = jnp.where(write, lengths[:, None] + 1 + offsets, length + 1)
-    sequences = carry.sequences.at[row_ids[:, None], index].set(new_tokens, mode="drop")
-    new_lengths = lengths + emitted
-    done = carry.done | jnp.any(is_eos & write, axis=1) | (new_lengths >= step_limit)
+    sequences, new_lengths, done, emitted = emit(carry.sequences, lengths, carry.done,
+                                                 new_tokens, num_accepted + 1, eos_id,
+                                                 step_limit)
 
     # beta is averaged over positions whose prefix was all accepted drafts,
     # i.e. genuine samples: positions 0..min(n, num_drafted - 1).

@@ -60,22 +60,29 @@ def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target
   q_padded = jnp.where((jnp.arange(gamma + 1) < num_drafted)[:, None],
                        jnp.pad(draft_probs, ((0, 1), (0, 0))), 0.0)
   p_n = target_probs[num_accepted]
-  residual = jnp.maximum(p_n - q_padded[num_accepted], 0.0)
-  mass = jnp.sum(residual)
-  # Only rounding can leave the residual without mass (p == q at a rejection);
-  # p itself is then the right distribution.
-  residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+  residual = normalised_residual(jnp.maximum(p_n - q_padded[num_accepted], 0.0), p_n)
   next_token = sampling.sample(residual_rng, residual, greedy=greedy)
   return num_accepted, next_token
 
 
-def batched_speculative_step(rngs: Array, draft_tokens: Array, draft_probs: Array,
-                             target_probs: Array,
-                             num_drafted: Optional[Array] = None,
-                             greedy: bool = False) -> Tuple[Array, Array]:
-  """`speculative_step` vmapped over the batch.
+def normalised_residual(residual: Array, fallback: Array) -> Array:
+  """residual [vocab] / its mass; `fallback` [vocab] when it has none.
+
+  Only rounding leaves a chosen residual without mass (p == q where a
+  rejection has probability zero); the target's p there is then the right
+  law.
+  """
+  mass = jnp.sum(residual)
+  return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), fallback)
+
+
+def batch_step(step, rngs: Array, draft_tokens: Array, draft_probs: Array, target_probs: Array,
+               num_drafted: Optional[Array] = None, greedy: bool = False
+               ) -> Tuple[Array, Array]:
+  """A one-row verification `step` vmapped over the batch.
 
   Args:
+    step: `speculative_step`'s contract (e.g. `block_verification_step`).
     rngs: [batch] keys (one per row).
     draft_tokens: [batch, gamma]; draft_probs: [batch, gamma, vocab];
     target_probs: [batch, gamma + 1, vocab]; num_drafted: [batch] or None;
@@ -85,8 +92,16 @@ def batched_speculative_step(rngs: Array, draft_tokens: Array, draft_probs: Arra
   """
   if num_drafted is None:
     num_drafted = jnp.full((draft_tokens.shape[0],), draft_tokens.shape[1], jnp.int32)
-  step = functools.partial(speculative_step, greedy=greedy)
-  return jax.vmap(step)(rngs, draft_tokens, draft_probs, target_probs, num_drafted)
+  return jax.vmap(functools.partial(step, greedy=greedy))(rngs, draft_tokens, draft_probs,
+                                                          target_probs, num_drafted)
+
+
+def batched_speculative_step(rngs: Array, draft_tokens: Array, draft_probs: Array,
+                             target_probs: Array, num_drafted: Optional[Array] = None,
+                             greedy: bool = False) -> Tuple[Array, Array]:
+  """`speculative_step` vmapped over the batch (`batch_step`'s shapes)."""
+  return batch_step(speculative_step, rngs, draft_tokens, draft_probs, target_probs,
+                    num_drafted, greedy)
 
 
 def acceptance_probability(target_probs: Array, draft_probs: Array) -> Array:

@@ -31,10 +31,11 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core import decoding
 from specdec_jax.core import sampling
 from specdec_jax.core import speculative
 from specdec_jax.core import tree_verification
-from specdec_jax.core.tree import Tree, TreeAttention, whole_tree_attention
+from specdec_jax.core.tree import TreeAttention, whole_tree_attention
 
 Array = jax.Array
 TreeBlockFn = Callable[[Array, Array, Any, Optional[TreeAttention]], Tuple[Array, Any]]
@@ -178,16 +179,9 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
                         jnp.take_along_axis(new_tokens, jnp.minimum(pending_index, depth_cap),
                                             axis=1), 0)
 
-    is_eos = (new_tokens == eos_id) & (offsets <= emit_drafts[:, None])
-    eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, depth_cap + 1)
     active = ~carry.done
-    emitted = jnp.minimum(jnp.minimum(emit_drafts + 1, eos_cut), step_limit - lengths)
-    emitted = jnp.where(active, emitted, 0)
-    write = offsets < emitted[:, None]
-    index = jnp.where(write, lengths[:, None] + 1 + offsets, length + 1)
-    sequences = carry.sequences.at[row_ids[:, None], index].set(new_tokens, mode="drop")
-    new_lengths = lengths + emitted
-    done = carry.done | jnp.any(is_eos & write, axis=1) | (new_lengths >= step_limit)
+    sequences, new_lengths, done, emitted = decoding.emit(
+        carry.sequences, lengths, carry.done, new_tokens, emit_drafts + 1, eos_id, step_limit)
 
     # The emitted path's keys/values go to positions lengths + 0..kept-1.
     kept = jnp.where(active, emitted, 1)

@@ -87,16 +87,11 @@ def _layout(shape: TreeShape) -> _Layout:
 class _SubTree(NamedTuple):
   """A drafted tree below the chain's end, depth-first (slot 0 its root), per row [batch, n].
 
-  parents are slots of this tree (-1 at the root); probs [batch, n, vocab]
-  the draft's law at each node (zeros at leaves); offsets where each node's
-  draft keys/values lie, relative to the root's position.
+  tree: a `Tree` whose parents are slots of this sub-tree (-1 at its root)
+    and whose probs are zeros at leaves; offsets: [batch, n] int32, where
+    each node's draft keys/values lie, relative to the root's position.
   """
-  tokens: Array
-  parents: Array
-  depths: Array
-  ranks: Array
-  valid: Array
-  probs: Array
+  tree: Tree
   offsets: Array
 
 
@@ -108,6 +103,7 @@ def _place(sub: _SubTree, last_token: Array, pending: Array, num_pending: Array,
   Returns (Tree, offsets [batch, width]: each slot's draft keys/values,
   relative to the row's length).
   """
+  offsets_in_sub, sub = sub.offsets, sub.tree
   n_sub = sub.tokens.shape[1]
   m = num_pending[:, None]
   slot = jnp.arange(width)[None, :]
@@ -126,7 +122,7 @@ def _place(sub: _SubTree, last_token: Array, pending: Array, num_pending: Array,
   # pending tokens before it carry none (greedy verification reads no q).
   probs = jnp.where(((slot == m) | in_sub)[:, :, None],
                     jnp.take_along_axis(sub.probs, s_c[:, :, None], axis=1), 0.0)
-  offsets = jnp.where(in_sub | (slot == m), m + take(sub.offsets), slot)
+  offsets = jnp.where(in_sub | (slot == m), m + take(offsets_in_sub), slot)
   tree = Tree(tokens, jnp.where(valid, parents, -1), depths, ranks, valid, probs)
   return tree, offsets
 
@@ -297,8 +293,9 @@ class TreeDraft(Draft):
         probs = probs.at[:, start:stop].set(level_probs)
     bfs = jnp.asarray(layout.bfs_of_dfs)
     broadcast = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch, n_sub))  # noqa: E731
-    sub = _SubTree(tokens[:, bfs], broadcast(shape.parents), broadcast(shape.depths),
-                   broadcast(shape.ranks), node_valid[:, bfs], probs[:, bfs], broadcast(bfs))
+    sub = _SubTree(Tree(tokens[:, bfs], broadcast(shape.parents), broadcast(shape.depths),
+                        broadcast(shape.ranks), node_valid[:, bfs], probs[:, bfs]),
+                   broadcast(bfs))
     return sub, inner
 
   def room(self, width: int) -> int:
@@ -383,7 +380,6 @@ class DynamicTreeDraft(TreeDraft):
       cum = frontier_cum[:, :, None] + child_scores
       key = frontier_key[:, :, None] + (jnp.arange(k, dtype=jnp.int32) + 1)[None, None] * (
           base ** (depth - d))
-      ids = count + jnp.arange(width_here * k, dtype=jnp.int32).reshape(width_here, k)
       tokens.append(child_tokens.reshape(batch, -1).astype(jnp.int32))
       parents.append(jnp.broadcast_to(frontier_id[:, :, None], cum.shape).reshape(batch, -1))
       ranks.append(jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), cum.shape).reshape(batch, -1))
@@ -431,10 +427,9 @@ class DynamicTreeDraft(TreeDraft):
     fed_slot = take(fed)
     probs = jnp.where((fed_slot > 0)[:, :, None],
                       jnp.take_along_axis(fed_probs, fed_slot[:, :, None], axis=1), 0.0)
-    sub = _SubTree(
+    sub = _SubTree(Tree(
         tokens=jnp.concatenate([root_token[:, None], take(tokens)], axis=1),
         parents=pad(-1, parent_slot), depths=pad(0, take(depths)), ranks=pad(0, take(ranks)),
         valid=pad(True, take(chosen)),
-        probs=jnp.concatenate([root_probs[:, None], probs], axis=1),
-        offsets=pad(0, fed_slot))
+        probs=jnp.concatenate([root_probs[:, None], probs], axis=1)), offsets=pad(0, fed_slot))
     return sub, inner
