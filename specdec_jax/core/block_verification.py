@@ -95,14 +95,8 @@ def block_verification_step(rng: Array, draft_tokens: Array, draft_probs: Array,
     (num_accepted int32 scalar tau in [0, num_drafted], next_token int32
     scalar: the recovered token when tau < num_drafted, else the bonus token).
   """
-  gamma, vocab = draft_probs.shape
-  if target_probs.shape != (gamma + 1, vocab):
-    raise ValueError(f"target_probs must be [gamma + 1, vocab] = {(gamma + 1, vocab)}, "
-                     f"got {target_probs.shape}")
-  if draft_tokens.shape != (gamma,):
-    raise ValueError(f"draft_tokens must be [gamma] = {(gamma,)}, got {draft_tokens.shape}")
-  if num_drafted is None:
-    num_drafted = jnp.int32(gamma)
+  gamma, num_drafted = speculative.check_step(draft_tokens, draft_probs, target_probs,
+                                              num_drafted)
   draft_probs = draft_probs.astype(jnp.float32)
   target_probs = target_probs.astype(jnp.float32)
   accept_rng, residual_rng = jax.random.split(rng)

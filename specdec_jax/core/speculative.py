@@ -38,14 +38,7 @@ def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target
   Returns:
     (num_accepted int32 scalar in [0, num_drafted], next_token int32 scalar).
   """
-  gamma, vocab = draft_probs.shape
-  if target_probs.shape != (gamma + 1, vocab):
-    raise ValueError(f"target_probs must be [gamma + 1, vocab] = {(gamma + 1, vocab)}, "
-                     f"got {target_probs.shape}")
-  if draft_tokens.shape != (gamma,):
-    raise ValueError(f"draft_tokens must be [gamma] = {(gamma,)}, got {draft_tokens.shape}")
-  if num_drafted is None:
-    num_drafted = jnp.int32(gamma)
+  gamma, num_drafted = check_step(draft_tokens, draft_probs, target_probs, num_drafted)
   accept_rng, residual_rng = jax.random.split(rng)
   index = jnp.arange(gamma)
   p_x = target_probs[index, draft_tokens]
@@ -63,6 +56,18 @@ def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target
   residual = normalised_residual(jnp.maximum(p_n - q_padded[num_accepted], 0.0), p_n)
   next_token = sampling.sample(residual_rng, residual, greedy=greedy)
   return num_accepted, next_token
+
+
+def check_step(draft_tokens: Array, draft_probs: Array, target_probs: Array,
+               num_drafted: Optional[Array]) -> Tuple[int, Array]:
+  """Checks one row's verification shapes; returns (gamma, num_drafted or gamma)."""
+  gamma, vocab = draft_probs.shape
+  if target_probs.shape != (gamma + 1, vocab):
+    raise ValueError(f"target_probs must be [gamma + 1, vocab] = {(gamma + 1, vocab)}, "
+                     f"got {target_probs.shape}")
+  if draft_tokens.shape != (gamma,):
+    raise ValueError(f"draft_tokens must be [gamma] = {(gamma,)}, got {draft_tokens.shape}")
+  return gamma, jnp.int32(gamma) if num_drafted is None else num_drafted
 
 
 def normalised_residual(residual: Array, fallback: Array) -> Array:
