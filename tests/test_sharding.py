@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from specdec_jax import drafts as sj_drafts
 from specdec_jax import generate, loading, sharding
 from specdec_jax.families.registry import family_of
 from specdec_jax.families.t5 import network as t5
@@ -240,6 +241,22 @@ def test_multidevice_speculative_equals_unsharded(pair, unsharded, sharded_model
                  rng=jax.random.PRNGKey(7), partitioner=target_part,
                  draft_partitioner=draft_part, **SAMPLING)
   np.testing.assert_array_equal(out.sequences, sampled.sequences)
+
+
+@multidevice
+def test_multidevice_tree_equals_unsharded(pair, sharded_models):
+  """A token tree under the mesh: its tree block, cache moves and draft state stay sharded."""
+  target, draft, tokens = pair
+  mesh_shape = MESHES[-1]
+  target_part, draft_part, sharded_target, sharded_draft = sharded_models[mesh_shape]
+  for kwargs in (dict(), dict(rng=jax.random.PRNGKey(7), **SAMPLING)):
+    expected = generate(target, tokens, max_decode_steps=STEPS, block_width=8,
+                        draft=sj_drafts.TreeDraft(draft, (2, 2)), **kwargs)
+    out = generate(sharded_target, tokens, max_decode_steps=STEPS, block_width=8,
+                   draft=sj_drafts.TreeDraft(sharded_draft, (2, 2)), partitioner=target_part,
+                   draft_partitioner=draft_part, **kwargs)
+    np.testing.assert_array_equal(out.sequences, expected.sequences)
+    np.testing.assert_array_equal(out.stats.depth_histogram, expected.stats.depth_histogram)
 
 
 @multidevice

@@ -29,8 +29,12 @@ The law of the children (`law`) decides q^(j):
 Exactness needs the draft laws to be the true laws of the candidates (the same
 sampling adjustment as the target's), fresh randomness for every decision,
 and a set of children per node that may depend on the draft's state and on
-earlier siblings but not on a child's own token (`draw_children`'s invalid
-children, which can never be accepted, are the exception that costs nothing).
+earlier siblings but not on a *drawn* child's own token (`draw_children`'s
+invalid children, which can never be accepted, are the exception that costs
+nothing). "topk" children are no draw: any choice among them made from the
+draft's state alone, such as `drafts.tree.DynamicTreeDraft`'s pruning by
+cumulative draft probability, leaves a list fixed before the target is read,
+which the point-mass rule verifies exactly.
 """
 
 import functools
