@@ -14,6 +14,10 @@ Every model family, text in and text out. A pair is one gin file plus flags
     --gin.DRAFT_CHECKPOINT="'/ckpt/b'" --prompt="def fib(n):" --output_dir=/tmp/one
   python -m experiments.run --pair=local --gin_file=configs/drafts/prompt_lookup.gin \
     --gin.TARGET_CHECKPOINT="'/ckpt/a'" --prompt="..." --output_dir=/tmp/pld
+  # A token tree around the pair's draft model (or dynamic_tree.gin; BLOCK_WIDTH >= its nodes).
+  python -m experiments.run --pair=local --gin_file=configs/drafts/tree.gin \
+    --gin.TARGET_CHECKPOINT="'/ckpt/a'" --gin.DRAFT_CHECKPOINT="'/ckpt/b'" --prompt="..." \
+    --output_dir=/tmp/tree
 
   # T5 (Table 2): the same, with a T5X checkpoint's vocabulary named.
   python -m experiments.run --pair=t5_1_1_xxl__small --gin_file=configs/tasks/wmt_ende.gin \
@@ -43,7 +47,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from absl import app
 from absl import flags
@@ -64,7 +68,10 @@ from specdec_jax import tasks
 from specdec_jax import text
 from specdec_jax.core import theory
 from specdec_jax.tools.profiling import block_step_seconds
-from specdec_jax.drafts import Draft, ModelDraft, NgramDraft, PromptLookupDraft
+from specdec_jax.core.tree import TreeShape
+from specdec_jax.drafts import (Draft, DynamicTreeDraft, ModelDraft, NgramDraft,
+                                PromptLookupDraft, TreeDraft)
+from specdec_jax.drafts.tree import LAWS as TREE_LAWS
 from specdec_jax.core.outputs import SpeculativeStats
 from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
@@ -175,10 +182,78 @@ class DraftKind:
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
+class TreeSpec:
+  """A token-tree draft (`TreeDraft` / `DynamicTreeDraft`) around a model or n-gram draft.
+
+  configs/drafts/tree.gin and dynamic_tree.gin bind it. The target's block
+  width (BLOCK_WIDTH, `Experiment.block_width`) must hold the tree's
+  `num_nodes` slots, root included; by default it is num_nodes where
+  `decoding.narrow_by_default` (float32 on CPU), else
+  `decoding.DEFAULT_BLOCK_WIDTH`.
+
+  Attributes:
+    inner: the draft that scores every node: the pair's `ModelSpec` (default
+      in the gin files: @draft/ModelSpec()) or an n-gram `DraftKind` (prompt
+      lookup gives no law at every node).
+    kind: 'tree' (static `TreeDraft`: `branching` children per depth, drawn
+      by `children`) or 'dynamic_tree' (`DynamicTreeDraft`: `topk`, `depth`,
+      `node_budget`, grown by cumulative draft probability).
+  """
+  inner: Union[ModelSpec, DraftKind] = gin.REQUIRED
+  kind: str = "tree"
+  branching: Tuple[int, ...] = (2, 2, 1)
+  children: str = "without_replacement"
+  topk: int = 4
+  depth: int = 4
+  node_budget: int = 16
+
+  KINDS = ("tree", "dynamic_tree")
+
+  @property
+  def name(self) -> str:
+    if self.kind == "tree":
+      return f"tree{'x'.join(map(str, self.branching))}({self.inner.name})"
+    return f"dynamic_tree_k{self.topk}d{self.depth}n{self.node_budget}({self.inner.name})"
+
+  def validate(self) -> None:
+    """Fails fast, before anything loads, on a bad shape, law or inner draft."""
+    if self.kind not in self.KINDS:
+      raise ValueError(f"unknown TreeSpec.kind {self.kind!r}; known: {list(self.KINDS)}")
+    if isinstance(self.inner, ModelSpec):
+      self.inner.validate("draft")
+    elif isinstance(self.inner, DraftKind):
+      self.inner.validate()
+      if self.inner.kind == "prompt_lookup":
+        raise ValueError("TreeSpec.inner is a prompt-lookup draft, which gives no distribution "
+                         "at every tree node: use the pair's @draft/ModelSpec() or an n-gram "
+                         "DraftKind")
+    else:
+      raise TypeError(f"TreeSpec.inner must be a ModelSpec or a DraftKind, got "
+                      f"{type(self.inner).__name__}")
+    if self.kind == "tree":
+      TreeShape(self.branching)
+      if self.children not in TREE_LAWS:
+        raise ValueError(f"TreeSpec.children must be one of {TREE_LAWS}, got {self.children!r}")
+
+  @property
+  def num_nodes(self) -> int:
+    """The tree's slots, root included: the narrowest block width that holds it."""
+    return TreeShape(self.branching).num_nodes if self.kind == "tree" else int(self.node_budget)
+
+  def build(self, inner: Draft) -> TreeDraft:
+    if self.kind == "tree":
+      return TreeDraft(inner, self.branching, children=self.children)
+    return DynamicTreeDraft(inner, topk=self.topk, depth=self.depth,
+                            node_budget=self.node_budget)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
 class Experiment:
   """One measurement: a target, a draft, a task and the decoding settings.
 
-  `draft` is a `ModelSpec`, a `DraftKind` or any `specdec_jax.drafts.Draft`.
+  `draft` is a `ModelSpec`, a `DraftKind`, a `TreeSpec` or any
+  `specdec_jax.drafts.Draft`.
   tokenizer: None (default) reads the target checkpoint's own (or
   `vocabulary`'s: a tokenizer file or directory, the VOCABULARY macro);
   a `tasks.Tokenizer` (e.g. the byte fallback for random tiny models) wins
@@ -191,15 +266,18 @@ class Experiment:
   `decoding.resolve_block_width`'s: gamma + 1 in float32 on CPU, else
   `decoding.DEFAULT_BLOCK_WIDTH`); greedy outputs are checked against
   target-only decoding at W, and the speedup is against the faster of
-  target-only decoding at W and at width 1.
+  target-only decoding at W and at width 1 (the BLOCK_WIDTH macro). A tree
+  draft needs W >= its num_nodes (default: num_nodes on CPU float32).
   verification: how the speculative decoder keeps drafts
   (`decoding.VERIFIERS`: 'token', or 'block' for Sun et al.'s block
   verification; the VERIFICATION macro). results.json records it; its
   `expected_tokens_per_iteration` stays the token-wise formula, a lower bound
-  for 'block'.
+  for 'block'. Tree drafts are verified by recursive rejection sampling
+  over their tree, so they take 'token' only; results.json gains `tree`
+  (shape, children law, width), `depth_histogram` and `per_rank_acceptance`.
   """
   target: ModelSpec = gin.REQUIRED
-  draft: Union[ModelSpec, DraftKind, Draft] = gin.REQUIRED
+  draft: Union[ModelSpec, DraftKind, TreeSpec, Draft] = gin.REQUIRED
   task: tasks.Task = gin.REQUIRED
   tokenizer: Optional[tasks.Tokenizer] = None
   vocabulary: Optional[str] = None
@@ -377,24 +455,98 @@ def make_partitioners(mesh_shape: Optional[str]):
   return sharding.make_partitioners(mesh_shape)
 
 
-def _stack_stats(parts: Sequence[SpeculativeStats], gamma: int) -> SpeculativeStats:
-  # Chain stats leave the tree counters None.
-  fields = [f.name for f in dataclasses.fields(SpeculativeStats)
-            if f.name != "gamma" and getattr(parts[0], f.name) is not None]
-  return SpeculativeStats(gamma=gamma, **{f: np.concatenate([getattr(p, f) for p in parts])
-                                          for f in fields})
+def _stack_stats(parts: Sequence[SpeculativeStats]) -> SpeculativeStats:
+  # Trees' optional counters are None for chains; gamma is the loop's depth.
+  fields = [f.name for f in dataclasses.fields(SpeculativeStats) if f.name != "gamma"]
+  return SpeculativeStats(gamma=parts[0].gamma, **{
+      f: None if getattr(parts[0], f) is None else np.concatenate([getattr(p, f) for p in parts])
+      for f in fields})
 
 
 def _take_stats(stats: SpeculativeStats, real: int) -> SpeculativeStats:
-  return dataclasses.replace(stats, **{f.name: np.asarray(getattr(stats, f.name))[:real]
-                                       for f in dataclasses.fields(stats)
-                                       if f.name != "gamma" and getattr(stats, f.name) is not None})
+  return dataclasses.replace(stats, **{
+      f.name: np.asarray(getattr(stats, f.name))[:real] for f in dataclasses.fields(stats)
+      if f.name != "gamma" and getattr(stats, f.name) is not None})
+
+
+def tree_width(block_width: Optional[int], tree: TreeSpec, dtype: Optional[str]) -> int:
+  """The target's block width for a tree draft: BLOCK_WIDTH, else num_nodes on CPU float32
+  (else `decoding.DEFAULT_BLOCK_WIDTH`); a width that cannot hold the tree is a ValueError."""
+  width = decoding.resolve_block_width(
+      block_width if block_width is not None else
+      tree.num_nodes if decoding.narrow_by_default(dtype) else None)
+  if width < tree.num_nodes:
+    raise ValueError(f"{tree.name} has {tree.num_nodes} slots (root included), more than the "
+                     f"target's block width {width}"
+                     f"{' (the default)' if block_width is None else ''}: pass "
+                     f"--gin.BLOCK_WIDTH={tree.num_nodes} (or more)")
+  return width
+
+
+def tree_results(tree: TreeSpec, draft: TreeDraft, stats: SpeculativeStats, width: int,
+                 temperature: float, c: Optional[float], verify_cost: float) -> Dict[str, Any]:
+  """results.json's tree fields: the tree, its measured statistics, and the theory's
+  predictions from the measured per-rank acceptance (`theory.tree_expected_tokens`)."""
+  greedy = temperature < sampling.MIN_TEMPERATURE
+  per_rank = stats.per_rank_acceptance.tolist()
+  description = dict(kind=tree.kind, inner=tree.inner.name, num_nodes=tree.num_nodes,
+                     block_width=width, depth=draft.depth, max_depth=stats.gamma,
+                     law=draft.law(greedy),
+                     verification="recursive rejection sampling over the tree")
+  if tree.kind == "tree":
+    description.update(branching=list(tree.branching), children=tree.children)
+    expected = theory.tree_expected_tokens(tree.branching, per_rank)
+    note = None
+  else:
+    description.update(topk=tree.topk, node_budget=tree.node_budget)
+    # No static shape to score: the predictions use the measured tokens per iteration.
+    expected = None
+    note = "dynamic tree: predicted speedups use the measured tokens per iteration"
+  tokens = expected if expected is not None else stats.mean_tokens_per_iteration
+  calls = draft.depth  # one draft call per depth (the first feeds the pending chain)
+  return dict(
+      tree=description, depth_histogram=stats.depth_histogram.sum(0).tolist(),
+      per_rank_acceptance=per_rank, rank_tried=stats.rank_tried.sum(0).tolist(),
+      expected_tokens_per_iteration=expected,
+      best_tree_shape=list(theory.best_tree_shape(per_rank, width, draft.depth)),
+      predicted_speedup=theory.predicted_tree_speedup(max(tokens, 1.0), c or 0.0, calls, 1.0),
+      predicted_speedup_measured_verify_cost=theory.predicted_tree_speedup(
+          max(tokens, 1.0), c or 0.0, calls, verify_cost),
+      predicted_speedup_note=note)
+
+
+def tree_markdown(result: Dict[str, Any]) -> str:
+  """results.md's lines under the Table 2 row for a tree draft."""
+  tree = result["tree"]
+  shape = (f"branching {tuple(tree['branching'])}, children {tree['children']}"
+           if tree["kind"] == "tree" else
+           f"topk {tree['topk']}, depth {tree['depth']}, node_budget {tree['node_budget']}")
+  return (f"\nTree: {tree['kind']} ({shape}) around {tree['inner']}; {tree['num_nodes']} "
+          f"nodes, block width {tree['block_width']}, verified by {tree['verification']} "
+          f"(law {tree['law']}).\n\n"
+          f"- tokens per iteration: {result['mean_tokens_per_iteration']:.2f} measured, "
+          f"{_fmt_or_na(result['expected_tokens_per_iteration'])} predicted\n"
+          f"- accepted-depth histogram (depth 0..{len(result['depth_histogram']) - 1}): "
+          f"{result['depth_histogram']}\n"
+          f"- per-rank acceptance: {', '.join(f'{a:.2f}' for a in result['per_rank_acceptance'])}"
+          f"\n- best static shape for these rates within {tree['block_width']} nodes and depth "
+          f"{tree['depth']} (theory.best_tree_shape): {tuple(result['best_tree_shape'])}\n")
+
+
+# results.md's line for a non-default verification rule (chains only).
+VERIFICATION_NOTES = {
+    "block": "\nVerification: block (Sun et al., arXiv 2403.10444); "
+             "expected_tokens_per_iteration is the token-wise formula, a lower bound.\n"}
+
+
+def _fmt_or_na(value: Optional[float]) -> str:
+  return "n/a" if value is None else f"{value:.2f}"
 
 
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
                    mesh_shape: Optional[str] = None) -> Dict[str, Any]:
   """Runs `exp`, writes results.json and results.md into output_dir, returns the results."""
-  if exp.max_decode_steps < exp.gamma + 1:
+  if exp.max_decode_steps < exp.gamma + 1 and not isinstance(exp.draft, TreeSpec):
     raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= gamma + 1 "
                      f"({exp.gamma + 1})")
   if exp.batch_size < 1:
@@ -403,7 +555,14 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   # Everything that can fail cheaply fails before any model is loaded.
   exp.task.validate()
   exp.target.validate("target")
-  if isinstance(exp.draft, ModelSpec):
+  tree_spec = exp.draft if isinstance(exp.draft, TreeSpec) else None
+  if tree_spec is not None:
+    tree_spec.validate()
+    if exp.verification != "token":
+      raise ValueError(f"verification={exp.verification!r} verifies a chain; {tree_spec.name} "
+                       "is verified by recursive rejection sampling over its tree: drop "
+                       "VERIFICATION, or use a chain draft")
+  elif isinstance(exp.draft, ModelSpec):
     exp.draft.validate("draft")
   elif isinstance(exp.draft, DraftKind):
     exp.draft.validate()
@@ -424,10 +583,12 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   # The prompt and the generated tokens must fit the cache the family builds
   # (learned positions): a clear error now, not at the first compile.
   family.check_inputs(config, inputs, prompt_lengths, exp.max_decode_steps)
-  draft = load_draft(exp.draft, target, rows)
+  # A tree wraps the draft that scores its nodes (sharded below like any other).
+  draft_spec = tree_spec.inner if tree_spec is not None else exp.draft
+  draft = load_draft(draft_spec, target, rows)
   draft.check_compatible(config)
   if isinstance(draft, ModelDraft):
-    text.check_vocab_size(tokenizer, draft.model.config, _model_source(exp.draft, "draft"))
+    text.check_vocab_size(tokenizer, draft.model.config, _model_source(draft_spec, "draft"))
   draft.check_inputs(inputs, prompt_lengths, exp.max_decode_steps)
   partitioners = make_partitioners(mesh_shape)
   target_part = draft_part = None
@@ -440,11 +601,23 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
       draft = ModelDraft(shard_model(draft.model, draft_part), draft.confidence_threshold,
                          draft.vocab_size if draft.padding else None)
   draft_model = draft.model if isinstance(draft, ModelDraft) else None
+  if tree_spec is not None:
+    draft = tree_spec.build(draft)
   eos_id = family.eos_id(config)
 
-  settings = dict(gamma=exp.gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp,
+  # A tree's gamma is its depth (draft calls per iteration); the loop's own
+  # deepest node (greedy pending tokens included) is results["tree"]["max_depth"].
+  gamma = exp.gamma if tree_spec is None else draft.depth
+  settings = dict(gamma=gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp,
                   verification=exp.verification)
-  width = decoding.resolve_block_width(exp.block_width, exp.gamma, dtype=config.dtype)
+  if tree_spec is not None:
+    width = tree_width(exp.block_width, tree_spec, config.dtype)
+  else:
+    width = decoding.resolve_block_width(exp.block_width, exp.gamma, dtype=config.dtype)
+  if tree_spec is not None and exp.max_decode_steps < width:
+    # The timing block below scores the tree's W slots.
+    raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= the block width "
+                     f"({width}): raise MAX_DECODE_STEPS or lower BLOCK_WIDTH")
   rng = jax.random.PRNGKey(exp.seed)
 
   def decode(use_draft: bool, block_width: int, index, key):
@@ -493,7 +666,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     stats_parts.append(_take_stats(stats, real))
   sequences = {k: np.concatenate(v) for k, v in outputs.items()}
   lengths = {k: np.concatenate(v) for k, v in out_lengths.items()}
-  stats = _stack_stats(stats_parts, exp.gamma)
+  stats = _stack_stats(stats_parts)
 
   logging.info("timing decode steps (c and the verification cost)")
   probe = inputs[first]
@@ -501,9 +674,9 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   time_step = lambda model, k: block_step_seconds(  # noqa: E731
       model, probe, k, exp.max_decode_steps, exp.timing_repeats, lengths=probe_lengths)
   target_step = time_step(target, 1)
-  # One target call on gamma + 1 tokens, relative to one token (1 if
-  # verification were free, as Theorem 3.8 assumes).
-  verify_cost = time_step(target, exp.gamma + 1) / target_step
+  # One target call on gamma + 1 tokens (a tree: its W slots), relative to
+  # one token (1 if verification were free, as Theorem 3.8 assumes).
+  verify_cost = time_step(target, gamma + 1 if tree_spec is None else width) / target_step
   c = None
   draft_step = None
   if draft_model is not None:
@@ -518,7 +691,7 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   speedup = baseline_time / walltime["speculative"]
   identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1) & (
       lengths["baseline"] == lengths["speculative"])
-  draft_name = (exp.draft.name if isinstance(exp.draft, (ModelSpec, DraftKind))
+  draft_name = (exp.draft.name if isinstance(exp.draft, (ModelSpec, DraftKind, TreeSpec))
                 else type(draft).__name__)
   result = dict(
       task=exp.task.name, target=exp.target.name, draft=draft_name, family=family.name,
@@ -538,17 +711,19 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
       tokens_speculative=int(lengths["speculative"].sum()),
       acceptance_rate=stats.acceptance_rate, alpha=alpha,
       mean_tokens_per_iteration=stats.mean_tokens_per_iteration,
-      expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, exp.gamma),
+      expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, gamma),
       per_position_acceptance=stats.per_position_acceptance.tolist(),
       target_step_ms=1e3 * target_step,
       draft_step_ms=None if draft_step is None else 1e3 * draft_step,
       c=c, c_note=None if c is not None else "draft is not a model: its cost is taken as 0",
       target_verify_cost=verify_cost,
-      predicted_speedup=theory.walltime_improvement(alpha, exp.gamma, c or 0.0),
+      predicted_speedup=theory.walltime_improvement(alpha, gamma, c or 0.0),
       predicted_speedup_measured_verify_cost=theory.predicted_speedup_with_verify_cost(
-          alpha, exp.gamma, c or 0.0, verify_cost),
+          alpha, gamma, c or 0.0, verify_cost),
       identical_fraction=float(identical_rows.mean()),
       operative_gin_config=gin.operative_config_str())
+  if tree_spec is not None:
+    result.update(tree_results(tree_spec, draft, stats, width, exp.temperature, c, verify_cost))
   if exp.temperature < sampling.MIN_TEMPERATURE:
     result["identical_outputs"] = bool(identical_rows.all())
     if not result["identical_outputs"]:
@@ -574,13 +749,15 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   result["samples"] = [dict(input=c["input"], baseline=c["baseline"],
                             speculative=c["speculative"]) for c in result["completions"][:3]]
   result["markdown_row"] = results_lib.table2_row(
-      result["task"], result["draft"], exp.temperature, exp.gamma, alpha, speedup,
+      result["task"], result["draft"], exp.temperature, gamma, alpha, speedup,
       result["predicted_speedup"], c)
 
   if sharding.is_output_process():  # Multi-host: one writer.
     results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
     results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
-                                  results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n")
+                                  results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n"
+                                  + (tree_markdown(result) if tree_spec is not None else "")
+                                  + (VERIFICATION_NOTES.get(exp.verification, "")))
   logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", speedup, alpha, c,
                result["identical_outputs"])
   return result

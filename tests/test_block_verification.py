@@ -437,3 +437,4 @@ def test_launcher_records_verification(tmp_path):
   assert result["verification"] == "block"
   assert result["identical_outputs"] is True
   assert (out / "results.json").exists()
+  assert "Verification: block" in (out / "results.md").read_text()

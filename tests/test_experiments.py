@@ -191,3 +191,58 @@ def test_reproduce_table2_runs_all_rows_and_resumes(tmp_path, input_file, monkey
   table = reproduce_table2.comparison_table(results)
   assert len(table.strip().splitlines()) == 2 + 12
   assert "| ende | small | 0 | 7 |" in table and "/ 3.4X" in table
+
+
+# ---------------------------------------------------------------------------
+# Token trees through gin (configs/drafts/tree.gin): T5 here, decoder-only and
+# an n-gram tree in tests/test_launcher.py.
+
+
+def _run_files(files, bindings, out):
+  run_lib.parse_gin(files, SMALL + bindings)
+  try:
+    return run_lib.run_experiment(run_lib.Experiment(), str(out))
+  finally:
+    gin.clear_config()
+
+
+def test_tree_draft_kind_end_to_end(tmp_path, input_file):
+  """configs/drafts/tree.gin around the pair's (T5) model draft: greedy outputs equal
+  target-only decoding at the tree's width; the tree's stats reach results.json/md."""
+  out = tmp_path / "out"
+  result = _run_files(TINY_FILES + ["configs/drafts/tree.gin"],
+                      [f"INPUT_FILE = '{input_file}'", "Experiment.timing_repeats = 1"], out)
+  assert result == json.loads((out / "results.json").read_text())
+  assert result["identical_outputs"] is True and result["identical_fraction"] == 1.0
+  assert result["draft"] == "tree2x2x1(tiny_noisy)" and result["block_width"] == 11
+  tree = result["tree"]
+  assert tree["kind"] == "tree" and tree["branching"] == [2, 2, 1] and tree["num_nodes"] == 11
+  assert tree["children"] == "without_replacement" and tree["law"] == "topk"  # greedy
+  assert result["gamma"] == 3 and result["verification"] == "token"
+  histogram = result["depth_histogram"]
+  assert len(histogram) == tree["max_depth"] + 1 and sum(histogram) > 0
+  assert len(result["per_rank_acceptance"]) == 2
+  assert all(0 <= a <= 1 for a in result["per_rank_acceptance"])
+  assert 1 <= result["expected_tokens_per_iteration"] <= 4
+  assert result["mean_tokens_per_iteration"] >= 1
+  assert sum(result["best_tree_shape"]) >= 1 and result["predicted_speedup"] > 0
+  md = (out / "results.md").read_text()
+  assert result["markdown_row"] in md and "accepted-depth histogram" in md
+  assert "per-rank acceptance" in md
+
+
+def test_tree_draft_kind_errors(tmp_path, input_file):
+  """A block width that cannot hold the tree, block verification, a prompt-lookup tree:
+  clear errors before anything compiles, and no results."""
+  out = tmp_path / "out"
+  files = TINY_FILES + ["configs/drafts/tree.gin"]
+  with pytest.raises(ValueError, match=r"11 slots .* pass --gin.BLOCK_WIDTH=11"):
+    _run_files(files, [f"INPUT_FILE = '{input_file}'", "BLOCK_WIDTH = 8"], out)
+  with pytest.raises(ValueError, match="recursive rejection sampling"):
+    _run_files(files, [f"INPUT_FILE = '{input_file}'", "VERIFICATION = 'block'"], out)
+  with pytest.raises(ValueError, match="prompt-lookup draft, which gives no distribution"):
+    _run_files(files, [f"INPUT_FILE = '{input_file}'", "TreeSpec.inner = @DraftKind()",
+                       "DraftKind.kind = 'prompt_lookup'"], out)
+  with pytest.raises(ValueError, match="must be >= the block width"):
+    _run_files(files, [f"INPUT_FILE = '{input_file}'", "MAX_DECODE_STEPS = 8"], out)
+  assert not out.exists()

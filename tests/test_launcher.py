@@ -296,6 +296,40 @@ def test_prompt_flag_with_a_draft_kind(pairs, tmp_path):
   assert result["markdown_row"] in proc.stdout
 
 
+@pytest.mark.parametrize("name,gin_file,bindings,draft", [
+    # A static tree around the pair's draft model.
+    ("llama", "configs/drafts/tree.gin", ["TreeSpec.branching = (2, 1)", "BLOCK_WIDTH = 5"],
+     "tree2x1(draft)"),
+    # A dynamic tree around a bigram fitted on the inputs (no draft model);
+    # BLOCK_WIDTH follows NODE_BUDGET.
+    ("gpt2", "configs/drafts/dynamic_tree.gin",
+     ["TreeSpec.inner = @DraftKind()", "DraftKind.kind = 'ngram'", "NODE_BUDGET = 6",
+      "TreeSpec.topk = 2", "TreeSpec.depth = 3"], "dynamic_tree_k2d3n6(ngram)"),
+])
+def test_decoder_only_tree_drafts(pairs, tmp_path, name, gin_file, bindings, draft):
+  """Tree drafts through gin on a decoder-only pair: greedy outputs equal target-only
+  decoding at the tree's width; the tree's statistics reach results.json and results.md."""
+  target_dir, draft_dir = pairs[name]
+  out = tmp_path / "out"
+  result = _run(["configs/pairs/local.gin", "configs/tasks/local_file.gin", gin_file],
+                [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
+                 f"INPUT_FILE = '{_input_file(tmp_path)}'", "MAX_DECODE_STEPS = 10"] + bindings,
+                out)
+  assert result == json.loads((out / "results.json").read_text())
+  assert result["family"] == "decoder_only" and result["draft"] == draft
+  assert result["identical_outputs"] is True and result["identical_fraction"] == 1.0
+  assert all(c["baseline"] == c["speculative"] for c in result["completions"])
+  tree = result["tree"]
+  assert result["block_width"] == tree["num_nodes"] == tree["block_width"]
+  assert sum(result["depth_histogram"]) > 0
+  assert len(result["depth_histogram"]) == tree["max_depth"] + 1
+  assert len(result["per_rank_acceptance"]) == 2 and result["mean_tokens_per_iteration"] >= 1
+  if tree["kind"] == "dynamic_tree":
+    assert tree["law"] == "topk" and result["expected_tokens_per_iteration"] is None
+    assert result["predicted_speedup_note"].startswith("dynamic tree")
+  assert "accepted-depth histogram" in (out / "results.md").read_text()
+
+
 # ---------------------------------------------------------------------------
 # Bad input: a clear error, and no results written.
 

@@ -14,7 +14,7 @@ other branches lie at other indices, and a reduction over the cache adds the
 same terms in other places: equal to rounding, not bit for bit (measured:
 XLA CPU float32 differs on most rows). Greedy decoding therefore emits only
 tokens decided by first-path logits and carries the rest of an accepted
-branch into the next iteration's first path (`core.decoding`).
+branch into the next iteration's first path (`core.tree_decoding`).
 
 Positions: node i sits at absolute position root + depth(i), where root is
 the position of the row's last emitted token; its keys and values are
