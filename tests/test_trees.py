@@ -51,7 +51,8 @@ def _prompts(batch, length, vocab, seed):
 # ---------------------------------------------------------------------------
 # Greedy: bit for bit the target's own output at the same width.
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16: the demo pairs and the near-tie pair below (the same code path).
+@pytest.mark.parametrize("dtype", ["float32"])
 @pytest.mark.parametrize("family", ["t5", "decoder_only"])
 def test_greedy_tree_equals_target_only_at_the_same_width(family, dtype):
   if family == "t5":
