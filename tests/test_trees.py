@@ -19,9 +19,9 @@ effect of about 0.018 at 10,000 samples (test_speculative.py's docstring).
 import collections
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_block_width import _near_tie_pair
 from test_speculative import P_VALUE, _chi_square_ok, _exact_sequence_distribution
 
 import specdec_jax as sj
@@ -79,21 +79,22 @@ def test_greedy_tree_equals_target_only_at_the_same_width(family, dtype):
     assert s.rank_accepted[:, 1:].sum() > 0, s.summary()
 
 
-def test_greedy_tree_identity_on_a_random_near_tie_pair_bf16():
+@pytest.mark.parametrize("family", ["t5", "decoder_only"])
+def test_greedy_tree_identity_on_a_random_near_tie_pair_bf16(family):
   # Random weights give flat next-token distributions: many near-ties (the
-  # setting of test_block_width.py, where a 1-token and a (gamma + 1)-token
+  # pairs of test_block_width.py, where a 1-token and a (gamma + 1)-token
   # block disagree on some rows). Accepted non-first branches are emitted
   # only after their first-path re-verification, so no row may differ.
-  target, draft = testing.tiny_pair(vocab_size=256, noise=0.05, seed=4, emb_dim=256,
-                                    mlp_dim=512)
-  target, draft = _cast(target, "bfloat16"), _cast(draft, "bfloat16")
-  inputs = testing.random_encoder_tokens(16, 12, 256, seed=5)
+  target, draft, inputs, lengths = _near_tie_pair(family, "bfloat16")
   steps, width = 32, 16
-  expected = sj.generate(target, inputs, max_decode_steps=steps, eos_id=-1, block_width=width)
-  for tree in (sj.TreeDraft(draft, (3, 2, 1)),
-               sj.DynamicTreeDraft(draft, topk=3, depth=4, node_budget=16)):
-    out = sj.generate(target, inputs, max_decode_steps=steps, eos_id=-1, block_width=width,
-                      draft=tree)
+  expected = sj.generate(target, inputs, lengths, max_decode_steps=steps, eos_id=-1,
+                         block_width=width)
+  trees = [sj.TreeDraft(draft, (3, 2, 1))]
+  if family == "t5":
+    trees.append(sj.DynamicTreeDraft(draft, topk=3, depth=4, node_budget=16))
+  for tree in trees:
+    out = sj.generate(target, inputs, lengths, max_decode_steps=steps, eos_id=-1,
+                      block_width=width, draft=tree)
     np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(expected.sequences),
                                   err_msg=type(tree).__name__)
     assert out.stats.rank_accepted[:, 1:].sum() > 0, out.stats.summary()
@@ -180,9 +181,11 @@ def test_tree_samples_follow_target_distribution(setting, children):
   assert _chi_square_ok(observed, expected, n) > P_VALUE
 
 
-def test_ngram_tree_samples_follow_target_distribution():
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.8, topk=3),
+                                     dict(temperature=1.0, topp=0.8)],
+                         ids=["t1", "t0.8_top3", "topp0.8"])
+def test_ngram_tree_samples_follow_target_distribution(setting):
   n = 10_000
-  setting = dict(temperature=1.0)
   target, _, enc_row, expected, steps = _t5_law_case(setting)
   corpus = np.random.default_rng(0).integers(2, 8, (50, 6))
   ngram = sj.NgramDraft.fit(corpus, 8, order=2, smoothing=0.5)
