@@ -25,7 +25,13 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
     trained acceptance), and a random t5_small-shaped model;
   - the cost-realistic pair: held-out demo inputs, greedy, batch 1,
     target-only vs speculative `generate` with each draft: speedup (paired,
-    interleaved repeats), alpha, identical outputs.
+    interleaved repeats), alpha, identical outputs;
+  - issue 22, with the demo 'small' draft embedded at t5_1_1_small: at each
+    width W of --method_widths (8, 16), token-wise and block verification
+    of a chain (gamma = min(7, W - 1)), a static token tree and a dynamic
+    (EAGLE-2) tree, all at W: tokens per iteration, alpha, speedup against
+    the fastest exact target-only decoding (width 1 or W), C(W) measured,
+    greedy identity with target-only decoding at W.
 
   scripts/gpu_benchmarks.sh               # on the GPU machine (<= 6 minutes)
   scripts/gpu_benchmarks.sh --dry_run     # CPU, tiny shapes, seconds (tested)
@@ -54,6 +60,11 @@ NUM_INPUTS = flags.DEFINE_integer("num_inputs", 8, "Held-out inputs for the pair
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats.")
 GAMMA = flags.DEFINE_integer("gamma", 0, "Drafted tokens per iteration; 0: the theory's "
                              "optimum for each draft's measured alpha, c and C(k).")
+METHOD_WIDTHS = flags.DEFINE_list("method_widths", ["8", "16"], "Block widths of the issue-22 "
+                                  "rows (chain / block / tree / dynamic tree at one width).")
+# Per width: a static tree that fits (num_nodes <= W) and a dynamic tree of W nodes.
+TREES = {8: (2, 1, 1), 12: (2, 2, 1), 16: (3, 2, 1)}
+DYNAMIC_TREES = {8: (2, 4, 8), 12: (3, 4, 12), 16: (4, 4, 16)}
 
 # The draft the paper pairs with T5-XXL is T5-small-shaped; the demo 'small'
 # draft (emb 128, 1+1 layers, gated) embeds in t5_1_1_small's shape.
@@ -234,7 +245,7 @@ def run_ours() -> Dict[str, Any]:
       f"({_decoder_bytes(target) / 1e9:.2f} GB at {bandwidth:.0f} GB/s)")
 
   # Cost curve C(k) and c.
-  ks = [1, 2] if DRY_RUN.value else [1, 2, 3, 5, 8]
+  ks = [1, 2] if DRY_RUN.value else [1, 2, 3, 5, 8, 16]
   max_len = 2 * max(ks) + 2 if DRY_RUN.value else 128
   target_ms = profiling.time_block_calls({"target": target}, enc, max_len, ks,
                                          REPEATS.value)["target"]
@@ -298,6 +309,8 @@ def run_ours() -> Dict[str, Any]:
         spec_ms_per_input=[s * 1e3 for s in timing.spec_seconds])
     log(f"pair with {name}: gamma {gamma}, alpha {alpha:.3f}, speedup "
         f"{pairs[name]['speedup']:.2f}X, identical {identical}/{len(inputs)}")
+  methods = run_methods(target, drafts[f"demo small embedded at {DRAFT_SHAPE}"],
+                        c[f"demo small embedded at {DRAFT_SHAPE}"], inputs, steps, enc, log)
   return dict(
       part="ours", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
       target_note=TARGET_NOTE.format(
@@ -311,8 +324,68 @@ def run_ours() -> Dict[str, Any]:
       cost_curve={str(k): v for k, v in cost_curve.items()},
       draft_step_ms={name: ms[1] for name, ms in draft_ms.items()}, c=c,
       default_attention=t5_decode.default_attention(), formulations=formulations,
-      pair_inputs=len(inputs), pair_new_tokens=steps, pairs=pairs,
+      pair_inputs=len(inputs), pair_new_tokens=steps, pairs=pairs, methods=methods,
       seconds=time.perf_counter() - wall)
+
+
+def run_methods(target, draft, c: float, inputs, steps: int, enc, log) -> Dict[str, Any]:
+  """Issue 22: chain (token / block), static and dynamic tree at each --method_widths W."""
+  import numpy as np
+  import specdec_jax as sj
+  from specdec_jax.core import theory
+  from specdec_jax.tools import profiling
+  out = {}
+  widths = [int(w) for w in METHOD_WIDTHS.value]
+  for width in widths:
+    ms = profiling.time_block_calls({"target": target}, enc, max(128, 2 * width + 2), [1, width],
+                                    REPEATS.value)["target"]
+    verify_cost = ms[width] / ms[1]
+    gamma = min(7, width - 1)
+    branching = TREES.get(width) or next(b for w, b in sorted(TREES.items(), reverse=True)
+                                         if w <= width)
+    topk, depth, budget = DYNAMIC_TREES.get(width, (4, 4, width))
+    tree = sj.TreeDraft(draft, branching)
+    dynamic = sj.DynamicTreeDraft(draft, topk=topk, depth=depth, node_budget=budget)
+    methods = {
+        f"chain gamma={gamma} (token)": (dict(draft=draft, gamma=gamma), gamma),
+        f"chain gamma={gamma} (block)": (dict(draft=draft, gamma=gamma, verification="block"),
+                                         gamma),
+        f"tree {branching}": (dict(draft=tree), tree.depth),
+        f"dynamic tree k={topk} d={depth} n={budget}": (dict(draft=dynamic), dynamic.depth),
+    }
+    rows = {}
+    for name, (kwargs, calls) in methods.items():
+      timing = profiling.time_generate_pairs(
+          target, inputs, REPEATS.value, dict(max_decode_steps=steps),
+          dict(max_decode_steps=steps, block_width=width, **kwargs))
+      ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
+      stats = [o.stats for o in timing.spec_outputs]
+      tokens = sum(int(s.emitted.sum()) for s in stats) / max(
+          sum(int(s.iterations.sum()) for s in stats), 1)
+      alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
+          sum(int(s.beta_count.sum()) for s in stats), 1)
+      row = dict(tokens_per_iteration=tokens, alpha=alpha, draft_calls=calls,
+                 speedup=statistics.median(ratios), speedup_min=min(ratios),
+                 speedup_max=max(ratios), baseline_width=timing.base_width,
+                 predicted=theory.predicted_tree_speedup(tokens, c, calls, verify_cost),
+                 identical_rows=int(sum(
+                     np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
+                     for r, s in zip(timing.reference_outputs, timing.spec_outputs))),
+                 rows=len(inputs))
+      if stats[0].rank_tried is not None:
+        tried = sum(s.rank_tried.sum(0) for s in stats)
+        rates = (sum(s.rank_accepted.sum(0) for s in stats) / np.maximum(tried, 1)).tolist()
+        row["per_rank_acceptance"] = rates
+        if name.startswith("tree"):
+          row["predicted_tokens_per_iteration"] = theory.tree_expected_tokens(branching, rates)
+      elif "(token)" in name:
+        row["predicted_tokens_per_iteration"] = theory.expected_tokens_per_iteration(alpha, gamma)
+      rows[name] = row
+      log(f"W={width} {name}: {tokens:.2f} tokens/iteration, speedup {row['speedup']:.2f}X, "
+          f"identical {row['identical_rows']}/{len(inputs)}")
+    out[str(width)] = dict(verify_cost=verify_cost, c=c, target_block_ms={
+        str(k): v for k, v in ms.items()}, rows=rows)
+  return out
 
 
 # ---------------------------------------------------------------------------
@@ -366,6 +439,18 @@ def report() -> str:
                  f"{p['predicted_theorem_3_8']:.2f}X | {p['predicted_cost_curve']:.2f}X | "
                  f"{p['speedup']:.2f}X [{p['speedup_min']:.2f}, {p['speedup_max']:.2f}] | "
                  f"{p['identical_rows']}/{p['rows']} |")
+  if ours.get("methods"):
+    lines += ["", "Block verification and token trees (issue 22), the demo 'small' draft embedded "
+              f"at {DRAFT_SHAPE}, greedy, all methods at one width W; pred = tokens / (draft calls"
+              " c + C(W)); baseline the fastest exact target-only decoding (width 1 or W).", "",
+              "| W | C(W) | method | tokens/iter | α | pred | speedup | baseline W | identical |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for width, block in ours["methods"].items():
+      for name, r in block["rows"].items():
+        lines.append(f"| {width} | {block['verify_cost']:.2f} | {name} | "
+                     f"{r['tokens_per_iteration']:.2f} | {r['alpha']:.2f} | {r['predicted']:.2f}X | "
+                     f"{r['speedup']:.2f}X [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}] | "
+                     f"{r['baseline_width']} | {r['identical_rows']}/{r['rows']} |")
   text = "\n".join(lines) + "\n"
   with open(os.path.join(OUTPUT_DIR.value, "gpu_benchmarks.md"), "w") as f:
     f.write(text)
@@ -379,7 +464,7 @@ def main(argv):
   if DRY_RUN.value:
     # Every code path at tiny cost: the shapes above, two inputs, one repeat.
     for flag, value in (("new_tokens", 8), ("encoder_length", 8), ("num_inputs", 2),
-                        ("repeats", 1), ("gamma", 4)):
+                        ("repeats", 1), ("gamma", 4), ("method_widths", ["8"])):
       if not flags.FLAGS[flag].present:
         flags.FLAGS[flag].value = value
   if PART.value == "hf":
