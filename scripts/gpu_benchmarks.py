@@ -26,7 +26,8 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
   - the cost-realistic pair: held-out demo inputs, greedy, batch 1,
     target-only vs speculative `generate` with each draft: speedup (paired,
     interleaved repeats), alpha, identical outputs;
-  - issue 22, with the demo 'small' draft embedded at t5_1_1_small: at each
+* `methods` (issue 22, its own process so a slow compile cannot cost `ours`):
+  with the demo 'small' draft embedded at t5_1_1_small: at each
     width W of --method_widths (8, 16), token-wise and block verification
     of a chain (gamma = min(7, W - 1)), a static token tree and a dynamic
     (EAGLE-2) tree, all at W: tokens per iteration, alpha, speedup against
@@ -47,7 +48,7 @@ from typing import Any, Dict
 from absl import app
 from absl import flags
 
-PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "report"], "What to run.")
+PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "methods", "report"], "What to run.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny shapes, few repeats: a CPU check of every "
                             "code path (the numbers mean nothing).")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "gpu_results", "Where JSON and Markdown go.")
@@ -60,6 +61,7 @@ NUM_INPUTS = flags.DEFINE_integer("num_inputs", 8, "Held-out inputs for the pair
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats.")
 GAMMA = flags.DEFINE_integer("gamma", 0, "Drafted tokens per iteration; 0: the theory's "
                              "optimum for each draft's measured alpha, c and C(k).")
+METHOD_INPUTS = flags.DEFINE_integer("method_inputs", 4, "Held-out inputs for the issue-22 rows.")
 METHOD_WIDTHS = flags.DEFINE_list("method_widths", ["8", "16"], "Block widths of the issue-22 "
                                   "rows (chain / block / tree / dynamic tree at one width).")
 # Per width: a static tree that fits (num_nodes <= W) and a dynamic tree of W nodes.
@@ -309,8 +311,6 @@ def run_ours() -> Dict[str, Any]:
         spec_ms_per_input=[s * 1e3 for s in timing.spec_seconds])
     log(f"pair with {name}: gamma {gamma}, alpha {alpha:.3f}, speedup "
         f"{pairs[name]['speedup']:.2f}X, identical {identical}/{len(inputs)}")
-  methods = run_methods(target, drafts[f"demo small embedded at {DRAFT_SHAPE}"],
-                        c[f"demo small embedded at {DRAFT_SHAPE}"], inputs, steps, enc, log)
   return dict(
       part="ours", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
       target_note=TARGET_NOTE.format(
@@ -324,16 +324,37 @@ def run_ours() -> Dict[str, Any]:
       cost_curve={str(k): v for k, v in cost_curve.items()},
       draft_step_ms={name: ms[1] for name, ms in draft_ms.items()}, c=c,
       default_attention=t5_decode.default_attention(), formulations=formulations,
-      pair_inputs=len(inputs), pair_new_tokens=steps, pairs=pairs, methods=methods,
+      pair_inputs=len(inputs), pair_new_tokens=steps, pairs=pairs,
       seconds=time.perf_counter() - wall)
 
 
-def run_methods(target, draft, c: float, inputs, steps: int, enc, log) -> Dict[str, Any]:
-  """Issue 22: chain (token / block), static and dynamic tree at each --method_widths W."""
+def run_methods() -> Dict[str, Any]:
+  """Issue 22: chain (token / block), static and dynamic tree at each --method_widths W,
+  the demo 'small' draft embedded at DRAFT_SHAPE against the embedded target (as in `ours`)."""
   import numpy as np
   import specdec_jax as sj
   from specdec_jax.core import theory
+  from specdec_jax.families.t5 import embed
   from specdec_jax.tools import profiling
+  from specdec_jax.tools import testing
+
+  wall = time.perf_counter()
+  log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)  # noqa
+  pair = sj.load_demo_pair()
+  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
+  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
+                                                      target_config))
+  draft_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
+  draft = sj.Model(draft_config, embed.embed_params(pair.drafts["small"].params,
+                                                    pair.drafts["small"].config, draft_config))
+  enc = testing.random_encoder_tokens(1, ENC_LEN.value, target_config.vocab_size, seed=0,
+                                      min_length=ENC_LEN.value)
+  inputs = pair.heldout_inputs(METHOD_INPUTS.value)
+  steps = min(pair.max_decode_steps, NEW_TOKENS.value) if DRY_RUN.value else pair.max_decode_steps
+  cost = profiling.time_block_calls({"target": target, "draft": draft}, enc, 128 if not
+                                    DRY_RUN.value else 8, [1], max(REPEATS.value, 3))
+  c = cost["draft"][1] / cost["target"][1]
+  log(f"built; c = {c:.3f}")
   out = {}
   widths = [int(w) for w in METHOD_WIDTHS.value]
   for width in widths:
@@ -353,6 +374,8 @@ def run_methods(target, draft, c: float, inputs, steps: int, enc, log) -> Dict[s
         f"tree {branching}": (dict(draft=tree), tree.depth),
         f"dynamic tree k={topk} d={depth} n={budget}": (dict(draft=dynamic), dynamic.depth),
     }
+    if DRY_RUN.value:  # token-wise chains run in `ours` already: keep the test short
+      methods.pop(f"chain gamma={gamma} (token)")
     rows = {}
     for name, (kwargs, calls) in methods.items():
       timing = profiling.time_generate_pairs(
@@ -385,7 +408,9 @@ def run_methods(target, draft, c: float, inputs, steps: int, enc, log) -> Dict[s
           f"identical {row['identical_rows']}/{len(inputs)}")
     out[str(width)] = dict(verify_cost=verify_cost, c=c, target_block_ms={
         str(k): v for k, v in ms.items()}, rows=rows)
-  return out
+  return dict(part="methods", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
+              draft=f"demo small embedded at {DRAFT_SHAPE}", c=c, inputs=len(inputs),
+              new_tokens=steps, widths=out, seconds=time.perf_counter() - wall)
 
 
 # ---------------------------------------------------------------------------
@@ -400,7 +425,7 @@ def report() -> str:
     with open(path) as f:
       return json.load(f)
 
-  ours, hf = load("ours"), load("hf")
+  ours, hf, methods = load("ours"), load("hf"), load("methods")
   if ours is None:
     raise FileNotFoundError(f"no ours.json in {OUTPUT_DIR.value}: run --part=ours first")
   cpu = ours["machine"]["backend"] == "cpu"
@@ -439,13 +464,13 @@ def report() -> str:
                  f"{p['predicted_theorem_3_8']:.2f}X | {p['predicted_cost_curve']:.2f}X | "
                  f"{p['speedup']:.2f}X [{p['speedup_min']:.2f}, {p['speedup_max']:.2f}] | "
                  f"{p['identical_rows']}/{p['rows']} |")
-  if ours.get("methods"):
+  if methods:
     lines += ["", "Block verification and token trees (issue 22), the demo 'small' draft embedded "
               f"at {DRAFT_SHAPE}, greedy, all methods at one width W; pred = tokens / (draft calls"
               " c + C(W)); baseline the fastest exact target-only decoding (width 1 or W).", "",
               "| W | C(W) | method | tokens/iter | α | pred | speedup | baseline W | identical |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for width, block in ours["methods"].items():
+    for width, block in methods["widths"].items():
       for name, r in block["rows"].items():
         lines.append(f"| {width} | {block['verify_cost']:.2f} | {name} | "
                      f"{r['tokens_per_iteration']:.2f} | {r['alpha']:.2f} | {r['predicted']:.2f}X | "
@@ -454,7 +479,7 @@ def report() -> str:
   text = "\n".join(lines) + "\n"
   with open(os.path.join(OUTPUT_DIR.value, "gpu_benchmarks.md"), "w") as f:
     f.write(text)
-  _write("gpu_benchmarks", dict(ours=ours, hf=hf))
+  _write("gpu_benchmarks", dict(ours=ours, hf=hf, methods=methods))
   return text
 
 
@@ -464,13 +489,16 @@ def main(argv):
   if DRY_RUN.value:
     # Every code path at tiny cost: the shapes above, two inputs, one repeat.
     for flag, value in (("new_tokens", 8), ("encoder_length", 8), ("num_inputs", 2),
-                        ("repeats", 1), ("gamma", 4), ("method_widths", ["8"])):
+                        ("repeats", 1), ("gamma", 4), ("method_widths", ["8"]),
+                        ("method_inputs", 2)):
       if not flags.FLAGS[flag].present:
         flags.FLAGS[flag].value = value
   if PART.value == "hf":
     _write("hf", run_hf())
   elif PART.value == "ours":
     _write("ours", run_ours())
+  elif PART.value == "methods":
+    _write("methods", run_methods())
   else:
     print(report())
 
