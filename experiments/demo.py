@@ -100,20 +100,22 @@ def main(argv):
   probe = sj.generate(pair.target, inputs, lengths, max_decode_steps=steps, draft=draft,
                       gamma=4, block_width=5)
   probe_alpha = probe.stats.alpha
-  gamma = GAMMA.value or choose_gamma(probe_alpha, c, curve)
+  compare = METHODS.value != ["chain"]
+  # At one shared width every method pays C(W): the narrow-width optimum does
+  # not apply there; --methods chains draft 4 tokens unless --gamma says otherwise.
+  gamma = GAMMA.value or (4 if compare else choose_gamma(probe_alpha, c, curve))
   print(f"Measured here: target step {step_ms:.2f} ms; cost curve C(k) = "
         + ", ".join(f"{v:.2f} (k={k})" for k, v in enumerate(curve, start=1) if k > 1)
         + f"; c = {c:.3f}; alpha on these inputs {probe_alpha:.2f}.")
   print(f"gamma = {gamma}" + (" (given)" if GAMMA.value else
+                              " (--methods: chains at one shared width)" if compare else
                               " (the theory's optimum for this cost curve)"))
   print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{draft_name}' "
         f"{draft.config.num_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
         f"{gamma}, greedy, batch 1, {steps} new tokens.")
 
-  if METHODS.value != ["chain"]:
-    # At one shared width every method pays C(W): the narrow-width optimum
-    # above does not apply; chains draft 4 tokens unless --gamma says otherwise.
-    return compare_methods(pair, draft, inputs, lengths, steps, GAMMA.value or 4, c)
+  if compare:
+    return compare_methods(pair, draft, inputs, lengths, steps, gamma, c)
 
   base_kwargs = dict(max_decode_steps=steps)
   # The narrowest exact width for this gamma: on a CPU every extra token in a
