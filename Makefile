@@ -13,7 +13,7 @@ export JAX_PLATFORMS ?= cpu
 T5X_PATH ?= ../shared/third_party
 VENV_T5X := .venv-t5x
 
-.PHONY: demo test test-multihost test-t5x venv venv-test clean
+.PHONY: demo demo-methods test test-multihost test-t5x venv venv-test clean
 
 $(VENV)/.core: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ venv-test: $(VENV)/.test
 
 demo: $(VENV)/.core
 	$(PY) -m experiments.demo
+
+# Issue 22: chain (token-wise / block verification), static and dynamic token
+# trees side by side at one block width on the demo pair (PAIR=decoder_only too).
+PAIR ?= t5
+demo-methods: $(VENV)/.core
+	$(PY) -m experiments.demo --pair=$(PAIR) --methods=chain,block,tree,dynamic
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 \

@@ -35,7 +35,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from absl import app
 from absl import flags
@@ -79,6 +79,26 @@ flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (random weights emit i
 flags.DEFINE_integer("cost_calls", 8, "Model calls per timed loop when measuring c and the "
                      "cost curve.")
 flags.DEFINE_string("output_json", "", "Write the results here (atomically).")
+# Issue 22: chain, block verification and token trees side by side at one width.
+flags.DEFINE_string("pair", "", "A shipped demo pair (t5 / decoder_only): its target, its drafts "
+                    "(--draft names them; default the first) and its held-out inputs "
+                    "(--num_inputs), instead of --target and random inputs.")
+flags.DEFINE_integer("num_inputs", 8, "--pair: held-out inputs (split into --batch_sizes).")
+flags.DEFINE_list("verifications", [], "Chain verifications to compare (token, block); with "
+                  "--trees/--dynamic_trees or more than 'token', rows compare methods side by side "
+                  "at one --block_width (see `method_rows`).")
+flags.DEFINE_string("trees", "", "Static token trees, ';'-separated branchings, e.g. "
+                    "'4,2,2,1;2,2,1' (sj.TreeDraft).")
+flags.DEFINE_string("dynamic_trees", "", "Dynamic (EAGLE-2) trees, ';'-separated "
+                    "'topk,depth,node_budget' (sj.DynamicTreeDraft).")
+flags.DEFINE_enum("children", "without_replacement", ["without_replacement", "iid", "topk"],
+                  "Static trees' children law.")
+flags.DEFINE_list("accelerator_verify_costs", ["0.92", "0.95"], "Scenario C(W) values for the "
+                  "accelerator predictions of method rows (H200: C(8) = 0.92 measured; wider W "
+                  "is an extrapolation).")
+flags.DEFINE_list("accelerator_draft_costs", ["0.126", "0.039"], "Scenario draft costs c for the "
+                  "accelerator predictions (H200: t5_1_1_small-shaped 0.126, 2-layer 0.039); "
+                  "this machine's measured c is used too.")
 
 # Never emitted: with it, every row decodes exactly max_decode_steps tokens.
 NO_EOS = -1
@@ -297,6 +317,315 @@ def _describe(model: Model) -> str:
 
 
 # ---------------------------------------------------------------------------
+# Issue 22: chain, block verification and token trees side by side.
+
+
+METHODS_METHOD = {
+    "width": "every method and the target-only reference run at one block width W (the target "
+             "scores W slots per call whatever the method); target-only decoding at width 1 is "
+             "timed too and the baseline is the faster of width 1 and width W.",
+    "timing": "each input batch is decoded once by every side (compile, and the stats), then "
+              "`repeats` rounds: in each round every batch is decoded by every side, the order "
+              "rotating each round and batch; a side's round time is its sum over batches; "
+              "speedup = median over rounds of baseline_round / method_round (paired).",
+    "predicted_tokens": "chain ('token'): eq. 1 (1 - a^(g+1)) / (1 - a) with the run's alpha a; "
+                        "block verification: none (measured only: Sun et al. 2025 accepts at "
+                        "least what token-wise does on the same drafts, no closed form here); "
+                        "static tree: theory.tree_expected_tokens(branching, the run's measured "
+                        "per-rank acceptance); dynamic tree: none (its topology changes every "
+                        "iteration), best_static_* gives the best static shape of the same budget "
+                        "under the measured per-rank acceptance.",
+    "draft_calls": "draft calls per iteration: gamma for a chain, the depth D for a tree (one "
+                   "call per depth).",
+    "costs": "c = draft k=1 call / target k=1 call; C(k) = target call scoring k tokens / 1 "
+             "token; timed in a jitted loop on a filled cache (`time_block_calls`), target and "
+             "draft interleaved in one call, max(repeats, 5) samples each.",
+    "predicted_speedup_here": "tokens_per_iteration (measured) / (draft_calls * c + C(W)) with "
+                              "this machine's c and C(W) (theory.predicted_tree_speedup).",
+    "accelerator_predictions": "the same formula with scenario C(W) and c values "
+                               "(--accelerator_verify_costs, --accelerator_draft_costs, plus "
+                               "this machine's c): keys 'C=<C(W)>,c=<c>'.",
+    "greedy_identity": "temperature 0: every row's sequences equal target-only decoding at width "
+                       "W, bit for bit.",
+}
+
+
+def parse_trees(spec: str) -> List[Tuple[int, ...]]:
+  """'4,2,2,1;2,2,1' -> [(4, 2, 2, 1), (2, 2, 1)] ('' -> [])."""
+  out = []
+  for part in spec.split(";"):
+    part = part.strip()
+    if part:
+      branching = tuple(int(b) for b in part.split(","))
+      if not branching or min(branching) < 1:
+        raise ValueError(f"a tree's branching must be ints >= 1, got {part!r}")
+      out.append(branching)
+  return out
+
+
+def parse_dynamic_trees(spec: str) -> List[Tuple[int, int, int]]:
+  """'4,4,16;2,3,8' -> [(4, 4, 16), (2, 3, 8)] as (topk, depth, node_budget)."""
+  out = []
+  for part in spec.split(";"):
+    part = part.strip()
+    if part:
+      values = tuple(int(v) for v in part.split(","))
+      if len(values) != 3:
+        raise ValueError(f"a dynamic tree is 'topk,depth,node_budget', got {part!r}")
+      out.append(values)
+  return out
+
+
+class Method(NamedTuple):
+  """One speculative side of a method comparison."""
+  name: str
+  kind: str            # 'chain' / 'block' / 'tree' / 'dynamic_tree'
+  kwargs: Dict[str, Any]  # generate() keyword arguments (draft, gamma, verification)
+  draft_calls: int
+  nodes: int           # target slots the method needs (gamma + 1 for chains)
+  spec: Any            # gamma, branching, or (topk, depth, node_budget)
+
+
+def build_methods(draft, gamma: int, verifications: Sequence[str],
+                  trees: Sequence[Tuple[int, ...]], dynamic_trees: Sequence[Tuple[int, int, int]],
+                  children: str = "without_replacement") -> List[Method]:
+  from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft
+  methods = []
+  for verification in verifications:
+    if verification not in ("token", "block"):
+      raise ValueError(f"--verifications takes token and/or block, got {verification!r}")
+    methods.append(Method(
+        f"chain g={gamma}" if verification == "token" else f"block g={gamma}",
+        "chain" if verification == "token" else "block",
+        dict(draft=draft, gamma=gamma, verification=verification), gamma, gamma + 1, gamma))
+  for branching in trees:
+    tree = TreeDraft(draft, branching, children=children)
+    methods.append(Method(f"tree {','.join(map(str, branching))}", "tree", dict(draft=tree),
+                          tree.depth, tree.num_nodes, tuple(branching)))
+  for topk, depth, budget in dynamic_trees:
+    tree = DynamicTreeDraft(draft, topk=topk, depth=depth, node_budget=budget)
+    methods.append(Method(f"dyn k={topk} d={depth} n={budget}", "dynamic_tree", dict(draft=tree),
+                          depth, budget, (topk, depth, budget)))
+  if not methods:
+    raise ValueError("no method: give --verifications, --trees or --dynamic_trees")
+  return methods
+
+
+def method_width(methods: Sequence[Method], block_width: Optional[int]) -> int:
+  """The one width W all methods share: block_width, or the smallest that holds every method."""
+  need = max(m.nodes for m in methods)
+  if block_width is None:
+    return need
+  if block_width < need:
+    worst = max(methods, key=lambda m: m.nodes)
+    raise ValueError(f"--block_width={block_width} is narrower than {worst.name!r} needs "
+                     f"({worst.nodes} slots): use --block_width >= {need}")
+  return int(block_width)
+
+
+def _sum_stats(stats_list) -> Dict[str, Any]:
+  """Counters of several `SpeculativeStats` (one per input batch), pooled."""
+  total = lambda name: sum(np.asarray(getattr(s, name)).sum(0) for s in stats_list)  # noqa
+  iterations, emitted = float(total("iterations")), float(total("emitted"))
+  out = dict(iterations=int(iterations), emitted=int(emitted),
+             tokens_per_iteration=emitted / max(iterations, 1),
+             alpha=float(total("beta_sum")) / max(float(total("beta_count")), 1),
+             acceptance_rate=float(total("accepted_raw")) / max(float(total("drafted")), 1))
+  if stats_list[0].rank_tried is not None:
+    tried, accepted = total("rank_tried"), total("rank_accepted")
+    out["per_rank_acceptance"] = (accepted / np.maximum(tried, 1)).tolist()
+    out["rank_tried"] = np.asarray(tried).tolist()
+    depth = max(s.depth_histogram.shape[1] for s in stats_list)
+    hist = np.zeros(depth, np.int64)
+    for s in stats_list:
+      h = s.depth_histogram.sum(0)
+      hist[:len(h)] += h
+    out["depth_histogram"] = hist.tolist()
+  else:
+    position = [s.position_accepted.sum(0) for s in stats_list]
+    drafted = [s.position_drafted.sum(0) for s in stats_list]
+    out["per_position_acceptance"] = (sum(position) / np.maximum(sum(drafted), 1)).tolist()
+  return out
+
+
+def predicted_tokens(method: Method, pooled: Dict[str, Any]) -> Dict[str, Any]:
+  """The theory's tokens per iteration for a method, from its own run's acceptance."""
+  if method.kind == "chain":
+    return dict(predicted_tokens_per_iteration=theory.expected_tokens_per_iteration(
+        pooled["alpha"], method.spec), predicted_from="eq. 1 with the run's alpha")
+  if method.kind == "block":
+    return dict(predicted_tokens_per_iteration=None,
+                predicted_from="measured only (block verification has no closed form here); "
+                               "eq. 1 at the run's alpha would give "
+                               f"{theory.expected_tokens_per_iteration(pooled['alpha'], method.spec):.3f}"
+                               " for token-wise verification")
+  rates = pooled["per_rank_acceptance"]
+  out = {}
+  if method.kind == "tree":
+    out = dict(predicted_tokens_per_iteration=theory.tree_expected_tokens(method.spec, rates),
+               predicted_from="tree_expected_tokens(branching, the run's per-rank acceptance)")
+  else:
+    out = dict(predicted_tokens_per_iteration=None,
+               predicted_from="measured only (the dynamic tree's topology changes per iteration)")
+  depth = method.spec[1] if method.kind == "dynamic_tree" else len(method.spec)
+  best = theory.best_tree_shape(rates, method.nodes, max_depth=depth)
+  out.update(best_static_shape=list(best),
+             best_static_expected_tokens=theory.tree_expected_tokens(best, rates))
+  return out
+
+
+def accelerator_predictions(tokens: float, draft_calls: int, verify_costs: Sequence[float],
+                            draft_costs: Sequence[float]) -> Dict[str, float]:
+  """{'C=<C(W)>,c=<c>': tokens / (draft_calls c + C(W))} for every scenario pair."""
+  return {f"C={C:g},c={c:g}": theory.predicted_tree_speedup(tokens, c, draft_calls, C)
+          for C in verify_costs for c in draft_costs}
+
+
+def method_rows(target, draft, draft_name: str, inputs, lengths, batch: int, gamma: int,
+                temperature: float, max_decode_steps: int, repeats: int, methods: Sequence[Method],
+                block_width: int, seed: int = 0, eos_id: Optional[int] = None,
+                cost_calls: int = 8, verify_costs: Sequence[float] = (0.92, 0.95),
+                draft_costs: Sequence[float] = (0.126, 0.039)) -> Dict[str, Any]:
+  """Every method of `methods` and target-only decoding (widths 1 and W) on the same inputs.
+
+  inputs [n, C] (lengths [n] or None: decoder-only prompt lengths) are split
+  into batches of `batch` rows (n must be a multiple). See METHODS_METHOD.
+  Returns a JSON-able dict: the shared figures and `methods`, one row each.
+  """
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  n = inputs.shape[0]
+  if n % batch:
+    raise ValueError(f"{n} inputs do not split into batches of {batch}")
+  width = block_width
+  chunks = [(inputs[i:i + batch], None if lengths is None else lengths[i:i + batch])
+            for i in range(0, n, batch)]
+  base = dict(max_decode_steps=max_decode_steps, temperature=temperature, eos_id=eos_id)
+  sides = {"target W=1": dict(base, block_width=1),
+           f"target W={width}": dict(base, block_width=width)}
+  for m in methods:
+    sides[m.name] = dict(base, block_width=width, **m.kwargs)
+
+  def call(side, b):
+    x, l = chunks[b]
+    return generate_sequences(target, x, prompt_lengths=l, rng=jax.random.PRNGKey(seed + b),
+                              **sides[side])
+
+  outputs = {side: [call(side, b) for b in range(len(chunks))] for side in sides}  # compile
+  compiles_before = generation.compile_count()
+  rounds = {side: [] for side in sides}
+  order = list(sides)
+  for repeat in range(repeats):
+    spent = {side: 0.0 for side in sides}
+    for b in range(len(chunks)):
+      shift = (repeat * len(chunks) + b) % len(order)
+      for side in order[shift:] + order[:shift]:
+        spent[side] += _seconds(lambda: call(side, b).sequences)
+    for side in sides:
+      rounds[side].append(spent[side])
+  compiles_after = generation.compile_count()
+  narrow, wide = rounds["target W=1"], rounds[f"target W={width}"]
+  baseline = "target W=1" if statistics.median(narrow) <= statistics.median(wide) else (
+      f"target W={width}")
+  base_rounds = rounds[baseline]
+
+  ks = sorted({1, width} | {m.nodes for m in methods})
+  draft_model = draft.model if hasattr(draft, "model") else draft
+  # Target and draft in one call: their samples interleave, so a shared
+  # machine's load hits c's numerator and denominator alike.
+  ms = time_block_calls({"target": target, "draft": draft_model}, inputs[:batch],
+                        max_decode_steps, ks, max(repeats, 5), cost_calls,
+                        lengths=None if lengths is None else lengths[:batch])
+  block_ms, draft_ms = ms["target"], ms["draft"]
+  c = draft_ms[1] / block_ms[1]
+  cost_curve = {str(k): block_ms[k] / block_ms[1] for k in ks}
+  verify_cost = cost_curve[str(width)]
+  reference = [np.asarray(o.sequences) for o in outputs[f"target W={width}"]]
+
+  rows = []
+  for m in methods:
+    outs = outputs[m.name]
+    pooled = _sum_stats([o.stats for o in outs])
+    tokens = pooled["tokens_per_iteration"]
+    speed = paired_ratios(base_rounds, rounds[m.name])
+    row = dict(method=m.name, kind=m.kind, spec=list(m.spec) if isinstance(m.spec, tuple)
+               else m.spec, draft_calls=m.draft_calls, nodes=m.nodes,
+               tokens_per_iteration=tokens, **predicted_tokens(m, pooled),
+               alpha=pooled["alpha"], acceptance_rate=pooled["acceptance_rate"],
+               stats=pooled, ms=statistics.median(rounds[m.name]) * 1e3,
+               ms_all=[s * 1e3 for s in rounds[m.name]],
+               speedup=speed["median"], speedup_min=speed["min"], speedup_max=speed["max"],
+               predicted_speedup_here=theory.predicted_tree_speedup(
+                   tokens, c, m.draft_calls, verify_cost),
+               accelerator_predictions=accelerator_predictions(
+                   tokens, m.draft_calls, verify_costs, list(draft_costs) + [c]),
+               identical_greedy_outputs=(all(np.array_equal(r, np.asarray(o.sequences))
+                                             for r, o in zip(reference, outs))
+                                         if temperature == 0 else None))
+    rows.append(row)
+  return dict(draft=draft_name, batch_size=batch, gamma=gamma, temperature=temperature,
+              max_decode_steps=max_decode_steps, repeats=repeats, num_inputs=n,
+              block_width=width, baseline=baseline,
+              target_ms_by_width={"1": statistics.median(narrow) * 1e3,
+                                  str(width): statistics.median(wide) * 1e3},
+              baseline_ms=statistics.median(base_rounds) * 1e3,
+              target_block_ms={str(k): v for k, v in block_ms.items()}, cost_curve=cost_curve,
+              verify_cost=verify_cost, c=c, draft_step_ms=draft_ms[1],
+              identical_checked_against=f"target-only decoding at block width {width}",
+              compile_count_before=compiles_before, compile_count_after=compiles_after,
+              recompiled=compiles_after != compiles_before, methods=rows)
+
+
+METHOD_HEADER = ("method", "T", "W", "calls", "tok/it", "pred", "alpha", "ms", "speedup [min,max]",
+                 "pred here", "identical")
+
+
+def format_method_table(results: Sequence[Dict[str, Any]]) -> str:
+  cells = [list(METHOD_HEADER)]
+  for res in results:
+    for r in res["methods"]:
+      pred = r["predicted_tokens_per_iteration"]
+      cells.append([r["method"], f"{res['temperature']:g}", str(res["block_width"]),
+                    str(r["draft_calls"]), f"{r['tokens_per_iteration']:.2f}",
+                    "-" if pred is None else f"{pred:.2f}", f"{r['alpha']:.2f}",
+                    f"{r['ms']:.0f}",
+                    f"{r['speedup']:.2f} [{r['speedup_min']:.2f},{r['speedup_max']:.2f}]",
+                    f"{r['predicted_speedup_here']:.2f}",
+                    {None: "-", True: "yes", False: "NO"}[r["identical_greedy_outputs"]]])
+  widths = [max(len(line[i]) for line in cells) for i in range(len(METHOD_HEADER))]
+  lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in cells]
+  notes = [f"T={res['temperature']:g}: baseline {res['baseline']} "
+           f"({res['baseline_ms']:.0f} ms; " + ", ".join(
+               f"W={w}: {ms:.0f} ms" for w, ms in res["target_ms_by_width"].items())
+           + f"), c = {res['c']:.3f}, C({res['block_width']}) = {res['verify_cost']:.2f}"
+           for res in results]
+  return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:] + notes)
+
+
+def run_methods(target, draft_models: Dict[str, Any], inputs_for, batch_sizes: Sequence[int],
+                gammas: Sequence[int], temperatures: Sequence[float], max_decode_steps: int,
+                repeats: int, verifications: Sequence[str], trees, dynamic_trees,
+                block_width: Optional[int], seed: int = 0, eos_id: Optional[int] = None,
+                cost_calls: int = 8, children: str = "without_replacement",
+                verify_costs=(0.92, 0.95), draft_costs=(0.126, 0.039)) -> List[Dict[str, Any]]:
+  """`method_rows` for every (draft, batch, gamma, temperature); inputs_for(batch) -> (x, l)."""
+  results = []
+  for draft_name, draft in draft_models.items():
+    for batch in batch_sizes:
+      inputs, lengths = inputs_for(batch)
+      for gamma in gammas:
+        methods = build_methods(draft, gamma, verifications, trees, dynamic_trees, children)
+        width = method_width(methods, block_width)
+        for temperature in temperatures:
+          logging.info("methods: draft=%s batch=%d gamma=%d W=%d temperature=%g", draft_name,
+                       batch, gamma, width, temperature)
+          results.append(method_rows(target, draft, draft_name, inputs, lengths, batch, gamma,
+                                     temperature, max_decode_steps, repeats, methods, width, seed,
+                                     eos_id, cost_calls, verify_costs, draft_costs))
+  return results
+
+
+# ---------------------------------------------------------------------------
 # Loading and the driver.
 
 
@@ -403,9 +732,80 @@ def run(target_name: str, drafts: Sequence[str], noises: Sequence[float],
               rows=rows)
 
 
+def methods_mode() -> bool:
+  """Whether the flags ask for the side-by-side method comparison (issue 22)."""
+  return bool(FLAGS.verifications or FLAGS.trees or FLAGS.dynamic_trees)
+
+
+def main_methods():
+  """--verifications / --trees / --dynamic_trees: `run_methods`, printed and written."""
+  if FLAGS.pair:
+    from specdec_jax.demo_pair import load_demo_pair
+    pair = load_demo_pair(FLAGS.pair, dtype=FLAGS.dtype or default_dtype())
+    target = pair.target
+    names = FLAGS.draft if FLAGS["draft"].present else [next(iter(pair.drafts))]
+    unknown = [n for n in names if n not in pair.drafts]
+    if unknown:
+      raise app.UsageError(f"--draft={unknown}: the {FLAGS.pair} pair's drafts are "
+                           f"{sorted(pair.drafts)}")
+    draft_models = {n: pair.drafts[n] for n in names}
+    steps = FLAGS.max_decode_steps if FLAGS["max_decode_steps"].present else (
+        pair.max_decode_steps)
+    # A trained pair stops at EOS unless told not to.
+    eos_id = NO_EOS if (FLAGS["stop_at_eos"].present and not FLAGS.stop_at_eos) else None
+
+    def inputs_for(batch):
+      x, l = pair.inputs(FLAGS.num_inputs // batch * batch)
+      return x, l
+    target_name = f"demo pair {FLAGS.pair}"
+  else:
+    target = load(FLAGS.target, FLAGS.vocab_size, FLAGS.seed, FLAGS.dtype)
+    draft_models = load_drafts(target, FLAGS.draft, [float(s) for s in FLAGS.draft_noise],
+                               FLAGS.vocab_size, FLAGS.seed, FLAGS.dtype)
+    steps = FLAGS.max_decode_steps
+    eos_id = None if FLAGS.stop_at_eos else NO_EOS
+
+    def inputs_for(batch):
+      return random_encoder_tokens(batch, FLAGS.encoder_length, target.config.vocab_size,
+                                   seed=FLAGS.seed, min_length=FLAGS.encoder_length), None
+    target_name = FLAGS.target
+  verifications = FLAGS.verifications or ["token"]
+  trees, dynamic = parse_trees(FLAGS.trees), parse_dynamic_trees(FLAGS.dynamic_trees)
+  results = run_methods(
+      target, draft_models, inputs_for, [int(b) for b in FLAGS.batch_sizes],
+      [int(g) for g in FLAGS.gammas], [float(t) for t in FLAGS.temperatures], steps,
+      FLAGS.repeats, verifications, trees, dynamic, FLAGS.block_width or None, FLAGS.seed,
+      eos_id, FLAGS.cost_calls, FLAGS.children,
+      [float(v) for v in FLAGS.accelerator_verify_costs],
+      [float(v) for v in FLAGS.accelerator_draft_costs])
+  document = dict(
+      machine=machine_info(), method=METHODS_METHOD,
+      settings=dict(target=target_name, target_config=str(target.config), pair=FLAGS.pair or None,
+                    drafts=list(draft_models), batch_sizes=[int(b) for b in FLAGS.batch_sizes],
+                    gammas=[int(g) for g in FLAGS.gammas],
+                    temperatures=[float(t) for t in FLAGS.temperatures], max_decode_steps=steps,
+                    repeats=FLAGS.repeats, verifications=verifications,
+                    trees=[list(t) for t in trees], dynamic_trees=[list(t) for t in dynamic],
+                    children=FLAGS.children, block_width=FLAGS.block_width or None,
+                    num_inputs=FLAGS.num_inputs if FLAGS.pair else None,
+                    eos_id=eos_id, seed=FLAGS.seed, cost_calls=FLAGS.cost_calls),
+      results=results)
+  print(f"target {target_name}, drafts {list(draft_models)}, {steps} new tokens max, machine "
+        f"{document['machine']['cpu']} x{document['machine']['nproc']}, load "
+        f"{document['machine']['load_average']}")
+  print(format_method_table(results))
+  if any(r["recompiled"] for r in results):
+    print("WARNING: the timed repeats compiled new programs (see compile_count_*)")
+  if FLAGS.output_json:
+    write_json_atomic(FLAGS.output_json, document)
+    print(f"wrote {FLAGS.output_json}")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if methods_mode():
+    return main_methods()
   result = run(FLAGS.target, FLAGS.draft, [float(s) for s in FLAGS.draft_noise],
                [int(b) for b in FLAGS.batch_sizes], [int(g) for g in FLAGS.gammas],
                [float(t) for t in FLAGS.temperatures], FLAGS.max_decode_steps,

@@ -25,7 +25,14 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
     trained acceptance), and a random t5_small-shaped model;
   - the cost-realistic pair: held-out demo inputs, greedy, batch 1,
     target-only vs speculative `generate` with each draft: speedup (paired,
-    interleaved repeats), alpha, identical outputs.
+    interleaved repeats), alpha, identical outputs;
+* `methods` (issue 22, its own process so a slow compile cannot cost `ours`):
+  with the demo 'small' draft embedded at t5_1_1_small: at each
+    width W of --method_widths (8, 16), token-wise and block verification
+    of a chain (gamma = min(7, W - 1)), a static token tree and a dynamic
+    (EAGLE-2) tree, all at W: tokens per iteration, alpha, speedup against
+    the fastest exact target-only decoding (width 1 or W), C(W) measured,
+    greedy identity with target-only decoding at W.
 
   scripts/gpu_benchmarks.sh               # on the GPU machine (<= 6 minutes)
   scripts/gpu_benchmarks.sh --dry_run     # CPU, tiny shapes, seconds (tested)
@@ -41,7 +48,7 @@ from typing import Any, Dict
 from absl import app
 from absl import flags
 
-PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "report"], "What to run.")
+PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "methods", "report"], "What to run.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny shapes, few repeats: a CPU check of every "
                             "code path (the numbers mean nothing).")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "gpu_results", "Where JSON and Markdown go.")
@@ -54,6 +61,12 @@ NUM_INPUTS = flags.DEFINE_integer("num_inputs", 8, "Held-out inputs for the pair
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats.")
 GAMMA = flags.DEFINE_integer("gamma", 0, "Drafted tokens per iteration; 0: the theory's "
                              "optimum for each draft's measured alpha, c and C(k).")
+METHOD_INPUTS = flags.DEFINE_integer("method_inputs", 4, "Held-out inputs for the issue-22 rows.")
+METHOD_WIDTHS = flags.DEFINE_list("method_widths", ["8", "16"], "Block widths of the issue-22 "
+                                  "rows (chain / block / tree / dynamic tree at one width).")
+# Per width: a static tree that fits (num_nodes <= W) and a dynamic tree of W nodes.
+TREES = {8: (2, 1, 1), 12: (2, 2, 1), 16: (3, 2, 1)}
+DYNAMIC_TREES = {8: (2, 4, 8), 12: (3, 4, 12), 16: (4, 4, 16)}
 
 # The draft the paper pairs with T5-XXL is T5-small-shaped; the demo 'small'
 # draft (emb 128, 1+1 layers, gated) embeds in t5_1_1_small's shape.
@@ -234,7 +247,7 @@ def run_ours() -> Dict[str, Any]:
       f"({_decoder_bytes(target) / 1e9:.2f} GB at {bandwidth:.0f} GB/s)")
 
   # Cost curve C(k) and c.
-  ks = [1, 2] if DRY_RUN.value else [1, 2, 3, 5, 8]
+  ks = [1, 2] if DRY_RUN.value else [1, 2, 3, 5, 8, 16]
   max_len = 2 * max(ks) + 2 if DRY_RUN.value else 128
   target_ms = profiling.time_block_calls({"target": target}, enc, max_len, ks,
                                          REPEATS.value)["target"]
@@ -315,6 +328,91 @@ def run_ours() -> Dict[str, Any]:
       seconds=time.perf_counter() - wall)
 
 
+def run_methods() -> Dict[str, Any]:
+  """Issue 22: chain (token / block), static and dynamic tree at each --method_widths W,
+  the demo 'small' draft embedded at DRAFT_SHAPE against the embedded target (as in `ours`)."""
+  import numpy as np
+  import specdec_jax as sj
+  from specdec_jax.core import theory
+  from specdec_jax.families.t5 import embed
+  from specdec_jax.tools import profiling
+  from specdec_jax.tools import testing
+
+  wall = time.perf_counter()
+  log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)  # noqa
+  pair = sj.load_demo_pair()
+  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
+  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
+                                                      target_config))
+  draft_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
+  draft = sj.Model(draft_config, embed.embed_params(pair.drafts["small"].params,
+                                                    pair.drafts["small"].config, draft_config))
+  enc = testing.random_encoder_tokens(1, ENC_LEN.value, target_config.vocab_size, seed=0,
+                                      min_length=ENC_LEN.value)
+  inputs = pair.heldout_inputs(METHOD_INPUTS.value)
+  steps = min(pair.max_decode_steps, NEW_TOKENS.value) if DRY_RUN.value else pair.max_decode_steps
+  cost = profiling.time_block_calls({"target": target, "draft": draft}, enc, 128 if not
+                                    DRY_RUN.value else 8, [1], max(REPEATS.value, 3))
+  c = cost["draft"][1] / cost["target"][1]
+  log(f"built; c = {c:.3f}")
+  out = {}
+  widths = [int(w) for w in METHOD_WIDTHS.value]
+  for width in widths:
+    ms = profiling.time_block_calls({"target": target}, enc, max(128, 2 * width + 2), [1, width],
+                                    REPEATS.value)["target"]
+    verify_cost = ms[width] / ms[1]
+    gamma = min(7, width - 1)
+    branching = TREES.get(width) or next(b for w, b in sorted(TREES.items(), reverse=True)
+                                         if w <= width)
+    topk, depth, budget = DYNAMIC_TREES.get(width, (4, 4, width))
+    tree = sj.TreeDraft(draft, branching)
+    dynamic = sj.DynamicTreeDraft(draft, topk=topk, depth=depth, node_budget=budget)
+    methods = {
+        f"chain gamma={gamma} (token)": (dict(draft=draft, gamma=gamma), gamma),
+        f"chain gamma={gamma} (block)": (dict(draft=draft, gamma=gamma, verification="block"),
+                                         gamma),
+        f"tree {branching}": (dict(draft=tree), tree.depth),
+        f"dynamic tree k={topk} d={depth} n={budget}": (dict(draft=dynamic), dynamic.depth),
+    }
+    if DRY_RUN.value:  # token-wise chains run in `ours` already: keep the test short
+      methods.pop(f"chain gamma={gamma} (token)")
+    rows = {}
+    for name, (kwargs, calls) in methods.items():
+      timing = profiling.time_generate_pairs(
+          target, inputs, REPEATS.value, dict(max_decode_steps=steps),
+          dict(max_decode_steps=steps, block_width=width, **kwargs))
+      ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
+      stats = [o.stats for o in timing.spec_outputs]
+      tokens = sum(int(s.emitted.sum()) for s in stats) / max(
+          sum(int(s.iterations.sum()) for s in stats), 1)
+      alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
+          sum(int(s.beta_count.sum()) for s in stats), 1)
+      row = dict(tokens_per_iteration=tokens, alpha=alpha, draft_calls=calls,
+                 speedup=statistics.median(ratios), speedup_min=min(ratios),
+                 speedup_max=max(ratios), baseline_width=timing.base_width,
+                 predicted=theory.predicted_tree_speedup(tokens, c, calls, verify_cost),
+                 identical_rows=int(sum(
+                     np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
+                     for r, s in zip(timing.reference_outputs, timing.spec_outputs))),
+                 rows=len(inputs))
+      if stats[0].rank_tried is not None:
+        tried = sum(s.rank_tried.sum(0) for s in stats)
+        rates = (sum(s.rank_accepted.sum(0) for s in stats) / np.maximum(tried, 1)).tolist()
+        row["per_rank_acceptance"] = rates
+        if name.startswith("tree"):
+          row["predicted_tokens_per_iteration"] = theory.tree_expected_tokens(branching, rates)
+      elif "(token)" in name:
+        row["predicted_tokens_per_iteration"] = theory.expected_tokens_per_iteration(alpha, gamma)
+      rows[name] = row
+      log(f"W={width} {name}: {tokens:.2f} tokens/iteration, speedup {row['speedup']:.2f}X, "
+          f"identical {row['identical_rows']}/{len(inputs)}")
+    out[str(width)] = dict(verify_cost=verify_cost, c=c, target_block_ms={
+        str(k): v for k, v in ms.items()}, rows=rows)
+  return dict(part="methods", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
+              draft=f"demo small embedded at {DRAFT_SHAPE}", c=c, inputs=len(inputs),
+              new_tokens=steps, widths=out, seconds=time.perf_counter() - wall)
+
+
 # ---------------------------------------------------------------------------
 # Report.
 
@@ -327,7 +425,7 @@ def report() -> str:
     with open(path) as f:
       return json.load(f)
 
-  ours, hf = load("ours"), load("hf")
+  ours, hf, methods = load("ours"), load("hf"), load("methods")
   if ours is None:
     raise FileNotFoundError(f"no ours.json in {OUTPUT_DIR.value}: run --part=ours first")
   cpu = ours["machine"]["backend"] == "cpu"
@@ -366,10 +464,22 @@ def report() -> str:
                  f"{p['predicted_theorem_3_8']:.2f}X | {p['predicted_cost_curve']:.2f}X | "
                  f"{p['speedup']:.2f}X [{p['speedup_min']:.2f}, {p['speedup_max']:.2f}] | "
                  f"{p['identical_rows']}/{p['rows']} |")
+  if methods:
+    lines += ["", "Block verification and token trees (issue 22), the demo 'small' draft embedded "
+              f"at {DRAFT_SHAPE}, greedy, all methods at one width W; pred = tokens / (draft calls"
+              " c + C(W)); baseline the fastest exact target-only decoding (width 1 or W).", "",
+              "| W | C(W) | method | tokens/iter | α | pred | speedup | baseline W | identical |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for width, block in methods["widths"].items():
+      for name, r in block["rows"].items():
+        lines.append(f"| {width} | {block['verify_cost']:.2f} | {name} | "
+                     f"{r['tokens_per_iteration']:.2f} | {r['alpha']:.2f} | {r['predicted']:.2f}X | "
+                     f"{r['speedup']:.2f}X [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}] | "
+                     f"{r['baseline_width']} | {r['identical_rows']}/{r['rows']} |")
   text = "\n".join(lines) + "\n"
   with open(os.path.join(OUTPUT_DIR.value, "gpu_benchmarks.md"), "w") as f:
     f.write(text)
-  _write("gpu_benchmarks", dict(ours=ours, hf=hf))
+  _write("gpu_benchmarks", dict(ours=ours, hf=hf, methods=methods))
   return text
 
 
@@ -379,13 +489,16 @@ def main(argv):
   if DRY_RUN.value:
     # Every code path at tiny cost: the shapes above, two inputs, one repeat.
     for flag, value in (("new_tokens", 8), ("encoder_length", 8), ("num_inputs", 2),
-                        ("repeats", 1), ("gamma", 4)):
+                        ("repeats", 1), ("gamma", 4), ("method_widths", ["8"]),
+                        ("method_inputs", 2)):
       if not flags.FLAGS[flag].present:
         flags.FLAGS[flag].value = value
   if PART.value == "hf":
     _write("hf", run_hf())
   elif PART.value == "ours":
     _write("ours", run_ours())
+  elif PART.value == "methods":
+    _write("methods", run_methods())
   else:
     print(report())
 

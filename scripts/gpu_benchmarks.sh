@@ -5,7 +5,7 @@
 # 11B model), against transformers on the same device, C(k), c of the demo and
 # T5-small-shaped drafts, and the demo drafts' real acceptance at that cost.
 # See scripts/gpu_benchmarks.py. Results: $OUT (default ./gpu_results):
-# hf.json, ours.json, gpu_benchmarks.json, gpu_benchmarks.md, logs.
+# hf.json, ours.json, methods.json, gpu_benchmarks.json, gpu_benchmarks.md, logs.
 #
 #   scripts/gpu_benchmarks.sh              # on the accelerator
 #   scripts/gpu_benchmarks.sh --dry_run    # CPU, tiny shapes (tests/test_gpu_benchmarks.py)
@@ -42,4 +42,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 "$PY" scripts/gpu_benchmarks.py --part=hf --output_dir="$OUT" "$@" 2>&1 | tee "$OUT/hf.log" \
   || echo "gpu_benchmarks.sh: the transformers part failed (see $OUT/hf.log)" >&2
 "$PY" scripts/gpu_benchmarks.py --part=ours --output_dir="$OUT" "$@" 2>&1 | tee -a "$OUT/ours.log"
+# Issue 22: block verification and token trees at W = 8, 16 (its own process).
+"$PY" scripts/gpu_benchmarks.py --part=methods --output_dir="$OUT" "$@" 2>&1 \
+  | tee "$OUT/methods.log" \
+  || echo "gpu_benchmarks.sh: the methods part failed (see $OUT/methods.log)" >&2
 "$PY" scripts/gpu_benchmarks.py --part=report --output_dir="$OUT" "$@"

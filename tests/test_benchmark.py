@@ -63,3 +63,55 @@ def test_smoke_run_has_every_field(tmp_path):
     assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
     assert row["efficiency"] == pytest.approx(row["speedup"] / row["prediction_generalised"])
   assert result["machine"]["nproc"] >= 1
+
+
+def test_parse_methods_flags():
+  assert benchmark.parse_trees("4,2,2,1; 2,2,1") == [(4, 2, 2, 1), (2, 2, 1)]
+  assert benchmark.parse_trees("") == []
+  assert benchmark.parse_dynamic_trees("4,4,16") == [(4, 4, 16)]
+  with pytest.raises(ValueError):
+    benchmark.parse_dynamic_trees("4,4")
+  with pytest.raises(ValueError):
+    benchmark.parse_trees("2,0")
+  # Scenario predictions: tokens / (calls c + C(W)).
+  pred = benchmark.accelerator_predictions(3.0, 2, [0.9], [0.05])
+  assert pred == {"C=0.9,c=0.05": pytest.approx(3.0 / (2 * 0.05 + 0.9))}
+
+
+def test_methods_side_by_side(tmp_path):
+  """--verifications/--trees/--dynamic_trees: every method at one width, tiny models."""
+  out = tmp_path / "methods.json"
+  try:
+    benchmark.FLAGS(["benchmark", "--target=tiny", "--draft=", "--draft_noise=0.1",
+                     "--vocab_size=64", "--batch_sizes=1", "--gammas=2", "--temperatures=0",
+                     "--max_decode_steps=6", "--encoder_length=5", "--repeats=1",
+                     "--cost_calls=2", "--verifications=token,block", "--trees=2,1",
+                     "--dynamic_trees=2,2,4", "--block_width=5", f"--output_json={out}"])
+    with pytest.raises(ValueError, match="block_width"):
+      benchmark.method_width(benchmark.build_methods(
+          benchmark.perturbed_model(benchmark.load("tiny", 64, 0), 0.1, 1), 2, ["token"],
+          [(2, 2)], []), 4)  # a (2, 2) tree has 7 slots
+    benchmark.main(["benchmark"])
+  finally:
+    benchmark.FLAGS.unparse_flags()
+  result = json.loads(out.read_text())
+  assert set(result) == {"machine", "method", "settings", "results"}
+  assert [r["temperature"] for r in result["results"]] == [0.0]
+  for res in result["results"]:
+    assert res["block_width"] == 5 and res["baseline"] in ("target W=1", "target W=5")
+    assert res["cost_curve"]["1"] == 1.0 and set(res["cost_curve"]) >= {"1", "5"}
+    assert res["recompiled"] is False
+    kinds = [r["kind"] for r in res["methods"]]
+    assert kinds == ["chain", "block", "tree", "dynamic_tree"]
+    for r in res["methods"]:
+      assert 1.0 <= r["tokens_per_iteration"] <= 5
+      assert r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
+      assert r["draft_calls"] == 2  # gamma 2; trees of depth 2
+      assert len(r["accelerator_predictions"]) == 2 * 3
+      if res["temperature"] == 0:
+        assert r["identical_greedy_outputs"] is True
+    chain, block, tree, dynamic = res["methods"]
+    assert chain["predicted_tokens_per_iteration"] > 0
+    assert block["predicted_tokens_per_iteration"] is None
+    assert tree["predicted_tokens_per_iteration"] >= 1 and "per_rank_acceptance" in tree["stats"]
+    assert dynamic["best_static_expected_tokens"] >= 1

@@ -35,3 +35,10 @@ def test_gpu_benchmarks_dry_run(tmp_path):
   table = (tmp_path / "gpu_benchmarks.md").read_text()
   assert "EMBEDDED" in table and "| C(k)" in table and "transformers" in table
   assert "| in_layout |" in table and "| dots |" in table
+  # Issue 22: block-verified chain, static and dynamic tree at W = 8 (the dry run
+  # skips the token-wise chain, which `ours` runs).
+  (block,) = merged["methods"]["widths"].values()
+  assert block["verify_cost"] > 0 and len(block["rows"]) == 3
+  for row in block["rows"].values():
+    assert row["identical_rows"] == row["rows"] == 2 and row["tokens_per_iteration"] >= 1
+  assert "| tree (2, 1, 1) |" in table and "(block)" in table
