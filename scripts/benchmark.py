@@ -80,10 +80,10 @@ flags.DEFINE_integer("cost_calls", 8, "Model calls per timed loop when measuring
                      "cost curve.")
 flags.DEFINE_string("output_json", "", "Write the results here (atomically).")
 # Issue 22: chain, block verification and token trees side by side at one width.
-flags.DEFINE_string("pair", "", "A shipped demo pair (t5 / decoder_only): its target, its drafts "
+flags.DEFINE_string("demo_pair", "", "A shipped demo pair (t5 / decoder_only): its target, its drafts "
                     "(--draft names them; default the first) and its held-out inputs "
                     "(--num_inputs), instead of --target and random inputs.")
-flags.DEFINE_integer("num_inputs", 8, "--pair: held-out inputs (split into --batch_sizes).")
+flags.DEFINE_integer("num_inputs", 8, "--demo_pair: held-out inputs (split into --batch_sizes).")
 flags.DEFINE_list("verifications", [], "Chain verifications to compare (token, block); with "
                   "--trees/--dynamic_trees or more than 'token', rows compare methods side by side "
                   "at one --block_width (see `method_rows`).")
@@ -739,14 +739,14 @@ def methods_mode() -> bool:
 
 def main_methods():
   """--verifications / --trees / --dynamic_trees: `run_methods`, printed and written."""
-  if FLAGS.pair:
+  if FLAGS.demo_pair:
     from specdec_jax.demo_pair import load_demo_pair
-    pair = load_demo_pair(FLAGS.pair, dtype=FLAGS.dtype or default_dtype())
+    pair = load_demo_pair(FLAGS.demo_pair, dtype=FLAGS.dtype or default_dtype())
     target = pair.target
     names = FLAGS.draft if FLAGS["draft"].present else [next(iter(pair.drafts))]
     unknown = [n for n in names if n not in pair.drafts]
     if unknown:
-      raise app.UsageError(f"--draft={unknown}: the {FLAGS.pair} pair's drafts are "
+      raise app.UsageError(f"--draft={unknown}: the {FLAGS.demo_pair} pair's drafts are "
                            f"{sorted(pair.drafts)}")
     draft_models = {n: pair.drafts[n] for n in names}
     steps = FLAGS.max_decode_steps if FLAGS["max_decode_steps"].present else (
@@ -757,7 +757,7 @@ def main_methods():
     def inputs_for(batch):
       x, l = pair.inputs(FLAGS.num_inputs // batch * batch)
       return x, l
-    target_name = f"demo pair {FLAGS.pair}"
+    target_name = f"demo pair {FLAGS.demo_pair}"
   else:
     target = load(FLAGS.target, FLAGS.vocab_size, FLAGS.seed, FLAGS.dtype)
     draft_models = load_drafts(target, FLAGS.draft, [float(s) for s in FLAGS.draft_noise],
@@ -780,14 +780,14 @@ def main_methods():
       [float(v) for v in FLAGS.accelerator_draft_costs])
   document = dict(
       machine=machine_info(), method=METHODS_METHOD,
-      settings=dict(target=target_name, target_config=str(target.config), pair=FLAGS.pair or None,
+      settings=dict(target=target_name, target_config=str(target.config), pair=FLAGS.demo_pair or None,
                     drafts=list(draft_models), batch_sizes=[int(b) for b in FLAGS.batch_sizes],
                     gammas=[int(g) for g in FLAGS.gammas],
                     temperatures=[float(t) for t in FLAGS.temperatures], max_decode_steps=steps,
                     repeats=FLAGS.repeats, verifications=verifications,
                     trees=[list(t) for t in trees], dynamic_trees=[list(t) for t in dynamic],
                     children=FLAGS.children, block_width=FLAGS.block_width or None,
-                    num_inputs=FLAGS.num_inputs if FLAGS.pair else None,
+                    num_inputs=FLAGS.num_inputs if FLAGS.demo_pair else None,
                     eos_id=eos_id, seed=FLAGS.seed, cost_calls=FLAGS.cost_calls),
       results=results)
   print(f"target {target_name}, drafts {list(draft_models)}, {steps} new tokens max, machine "
