@@ -25,3 +25,21 @@ def record_placements(monkeypatch):
     monkeypatch.setattr(family, "load", recording_load)
     return placed
   return record
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+  """Drops every compiled decode program after each test module.
+
+  `generate` keeps its programs for the life of the process, and an xdist
+  worker lives for the whole suite: without this a worker ends up holding
+  every program of every module it ran (hundreds), which is where XLA CPU
+  compiles crashed in a full run (twice, in different tree tests that pass
+  alone and in every smaller run).
+  """
+  yield
+  import jax
+  from specdec_jax import generation
+  generation._COMPILED.clear()
+  generation._MEMORY.clear()
+  jax.clear_caches()
