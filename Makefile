@@ -13,7 +13,7 @@ export JAX_PLATFORMS ?= cpu
 T5X_PATH ?= ../shared/third_party
 VENV_T5X := .venv-t5x
 
-.PHONY: demo demo-methods test test-multihost test-t5x venv venv-test clean
+.PHONY: demo demo-methods test test-slow test-multihost test-t5x venv venv-test clean
 
 $(VENV)/.core: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,14 @@ demo-methods: $(VENV)/.core
 	$(PY) -m experiments.demo --pair=$(PAIR) --methods=chain,block,tree,dynamic
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 \
+	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m "not slow" \
+	  --ignore=tests/test_multihost.py tests
+
+# The long statistical and method suites (token trees, tree and block
+# verification, the GPU benchmark dry run): marked `slow`, run by CI beside
+# `make test` so that `make test` stays under 15 minutes on 2 cores.
+test-slow: $(VENV)/.test
+	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m slow \
 	  --ignore=tests/test_multihost.py tests
 
 # Two jax.distributed processes x 4 CPU devices on localhost against one

@@ -6,6 +6,10 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: long statistical / method suites, run by `make test-slow`")
+
+
 @pytest.fixture
 def record_placements(monkeypatch):
   """`record(family) -> placed`: from then on, `family.load` records in `placed` each

@@ -34,6 +34,9 @@ from specdec_jax.tools import testing
 # tiny model's samples by enumeration, and the per-test false-alarm rate there (1e-4).
 from test_speculative import P_VALUE, _chi_square_ok, _distribution, _exact_sequence_distribution
 
+# `make test-slow` (CI runs it beside `make test`): the long statistical and method suites.
+pytestmark = pytest.mark.slow
+
 # Per-test false-alarm rate of the step-level chi-square tests here.
 STEP_P_VALUE = 1e-3
 

@@ -9,6 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# `make test-slow` (CI runs it beside `make test`): the long statistical and method suites.
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -46,6 +46,9 @@ from specdec_jax.core import speculative
 from specdec_jax.core import tree as tree_lib
 from specdec_jax.core import tree_verification as tv
 
+# `make test-slow` (CI runs it beside `make test`): the long statistical and method suites.
+pytestmark = pytest.mark.slow
+
 P_VALUE = 1e-4
 
 

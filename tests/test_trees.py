@@ -29,6 +29,9 @@ from specdec_jax.core import sampling
 from specdec_jax.families.registry import family_of
 from specdec_jax.tools import testing
 
+# `make test-slow` (CI runs it beside `make test`): the long statistical and method suites.
+pytestmark = pytest.mark.slow
+
 
 def _cast(model, dtype):
   return family_of(model).model_type(
