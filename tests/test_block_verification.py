@@ -390,6 +390,23 @@ def test_greedy_block_decode_equals_target_only(pair):
     np.testing.assert_array_equal(block.stats.accepted, token.stats.accepted)
 
 
+def test_greedy_block_decode_equals_target_only_bf16_decoder_only():
+  # bfloat16 is what accelerators run: the same width in both loops keeps the
+  # construction there too, for the other family.
+  target, draft = testing.tiny_pair(vocab_size=64, noise=0.12, seed=3, name="llama_tiny")
+  cast = lambda m: sj.family_of(m).model_type(  # noqa: E731
+      m.config.replace(dtype="bfloat16"),
+      jax.tree_util.tree_map(lambda x: x.astype("bfloat16"), m.params))
+  target, draft = cast(target), cast(draft)
+  prompts = np.random.default_rng(4).integers(2, 64, (6, 7)).astype(np.int32)
+  lengths = np.array([7, 3, 5, 1, 6, 2], np.int32)
+  ref = sj.generate(target, prompts, lengths, max_decode_steps=16, block_width=8)
+  out = sj.generate(target, prompts, lengths, max_decode_steps=16, draft=draft, gamma=4,
+                    verification="block", block_width=8)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(ref.sequences))
+  assert 0.05 < out.stats.acceptance_rate < 1.0, out.stats.summary()
+
+
 def test_t5x_adapter_decodes_like_generate(pair):
   from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
   target, draft = pair

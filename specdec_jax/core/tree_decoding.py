@@ -135,12 +135,12 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
     decodes [batch, length] int32 (0 after EOS) and the counters of
     `init_tree_stats`.
   """
-  if inputs.ndim != 2:
-    raise ValueError(f"inputs must be [batch, length] int, got shape {inputs.shape}")
+  # The chain loop's checks and step limit, so both loops refuse the same input.
+  decoding._check_inputs(inputs)
   sampling.validate_sampling(temperature, topk, topp)
   greedy = temperature < sampling.MIN_TEMPERATURE
   batch, length = inputs.shape
-  step_limit = length if max_decode_steps is None else min(int(max_decode_steps), length)
+  step_limit = decoding._step_limit(length, max_decode_steps)
   depth_cap = proposer.max_depth
   if decode_rng is None:
     decode_rng = jax.random.PRNGKey(0)
