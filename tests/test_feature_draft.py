@@ -75,3 +75,148 @@ def test_bad_feature_layers_are_named():
       feature_layers(cfg, bad)
   with pytest.raises(ValueError, match="does not expose its hidden states"):
     family_of(sj.load_model("tiny", vocab_size=32)).feature_dim(None)
+
+
+# ---------------------------------------------------------------------------
+# 2-4. FeatureDraft through the engine: greedy identity, the target's law, what it sees.
+
+def _cast(model, dtype):
+  return family_of(model).model_type(
+      model.config.replace(dtype=dtype),
+      jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
+
+
+def _prompts(batch, length, vocab, seed):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(2, vocab, (batch, length)).astype(np.int32)
+  lengths = rng.integers(1, length + 1, batch).astype(np.int32)
+  lengths[0] = length
+  lengths[1] = 1  # a one-token prompt: its first pair has no feature before it
+  return tokens, lengths
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab", [8, 64])
+def test_greedy_feature_draft_equals_target_only_at_the_same_width(dtype, vocab):
+  target = _cast(_target(vocab=vocab, seed=1), dtype)
+  tokens, lengths = _prompts(6, 7, vocab, seed=3)
+  kwargs = dict(max_decode_steps=24, block_width=8, eos_id=-1)
+  want = sj.generate(target, tokens, lengths, **kwargs)
+  for draft, gamma in ((sj.FeatureDraft(target, seed=2), 3), (_copy_head(target), 1),
+                       (_copy_head(target), 3)):
+    got = sj.generate(target, tokens, lengths, draft=draft, gamma=gamma, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+    assert got.stats.iterations.sum() > 0
+  assert got.stats.accepted.sum() > 0, got.stats.summary()  # the copy head is accepted
+
+
+def test_feature_draft_samples_follow_target_distribution():
+  import test_trees
+  from test_speculative import P_VALUE, _chi_square_ok
+  n, steps = 10_000, 3
+  target = sj.load_model("llama_tiny", vocab_size=8, seed=21, dtype="float32")
+  prompt = np.array([3, 5, 2], np.int32)
+  eos = family_of(target).eos_id(target.config)
+  expected = test_trees._exact_lm_distribution(target, prompt, steps, eos, temperature=1.0)
+  out = sj.generate(target, np.repeat(prompt[None], n, axis=0), max_decode_steps=steps,
+                    temperature=1.0, draft=sj.FeatureDraft(target, seed=5), gamma=2,
+                    block_width=3, rng=jax.random.PRNGKey(23))
+  assert 0.02 < out.stats.acceptance_rate < 0.98, out.stats.summary()
+  observed = collections.Counter(map(tuple, np.asarray(out.sequences).tolist()))
+  assert _chi_square_ok(observed, expected, n) > P_VALUE
+
+
+def _copy_head(target, seed=0):
+  """A FeatureDraft whose head passes the fed feature through (fc = [0 | I], the layer's
+  output projections zeroed): it predicts the feature of the previous position, so it
+  drafts repeats of the last token, which random tiny targets accept often."""
+  draft = sj.FeatureDraft(target, seed=seed)
+  h = target.config.emb_dim
+  dtype = target.config.dtype
+  params = jax.tree_util.tree_map(lambda x: x, draft.head_params)
+  params["fc"]["kernel"] = jnp.concatenate([jnp.zeros((h, h)), jnp.eye(h)]).astype(dtype)
+  params["layer"]["self_attn"]["o_proj"]["kernel"] = jnp.zeros_like(
+      params["layer"]["self_attn"]["o_proj"]["kernel"])
+  params["layer"]["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(
+      params["layer"]["mlp"]["down_proj"]["kernel"])
+  return sj.FeatureDraft(target, head_params=params)
+
+
+class _RecordingDraft(sj.FeatureDraft):
+  """A FeatureDraft that reports, at each proposal, the features it was handed."""
+
+  def __init__(self, *args, log, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.log = log
+
+  def static_key(self):
+    return super().static_key() + (id(self.log),)
+
+  def propose_fn(self, params, gamma, temperature, topk, topp):
+    inner = super().propose_fn(params, gamma, temperature, topk, topp)
+
+    def record(lengths, count, offset, features):
+      self.log.append(tuple(np.asarray(x) for x in (lengths, count, offset, features)))
+
+    def propose(rng, state, sequences, lengths, max_drafted=None):
+      jax.debug.callback(record, lengths, state["count"], state["offset"],
+                         state["pending_features"], ordered=True)
+      return inner(rng, state, sequences, lengths, max_drafted)
+
+    return propose
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_features_handed_to_the_draft_are_a_function_of_accepted_tokens(temperature):
+  """Every feature a draft receives equals the target's uncached feature at that
+  position of the final output, and nothing else arrives (zeros past the kept ones);
+  two different drafts (different proposals, different acceptances, different
+  iterations) are handed the same feature for the same row and accepted prefix."""
+  vocab = 8
+  target = _target(vocab=vocab, seed=1)
+  tokens, lengths = _prompts(3, 5, vocab, seed=4)
+  steps = 12
+  seen = []
+  for copy, gamma in ((False, 3), (True, 2)):
+    log = []
+    head = _copy_head(target).head_params if copy else None
+    draft = _RecordingDraft(target, head_params=head, seed=2, log=log)
+    out = sj.generate(target, tokens, lengths, draft=draft, gamma=gamma, block_width=8, eos_id=-1,
+                      max_decode_steps=steps, temperature=temperature,
+                      rng=jax.random.PRNGKey(0))
+    jax.effects_barrier()
+    sequences = np.asarray(out.sequences)
+    if temperature == 0.0:
+      np.testing.assert_array_equal(sequences, np.asarray(sj.generate(
+          target, tokens, lengths, max_decode_steps=steps, block_width=8, eos_id=-1).sequences))
+    at = {}
+    for b in range(tokens.shape[0]):
+      full = np.concatenate([tokens[b, :lengths[b]], sequences[b]])[None]
+      want = _uncached_features(target, full)[0]
+      for lengths_now, count, offset, features in log:
+        if lengths_now[b] >= steps:
+          continue
+        assert 1 <= count[b] <= gamma + 1
+        np.testing.assert_array_equal(features[b, count[b]:], 0.0)
+        for j in range(count[b]):
+          position = offset[b] + lengths_now[b] - count[b] + j  # absolute, of the feature
+          if position < 0:  # the first token's pair: no feature before it
+            np.testing.assert_array_equal(features[b, j], 0.0)
+            continue
+          np.testing.assert_allclose(features[b, j], want[position], rtol=1e-4, atol=1e-4)
+          at[(b, tuple(full[0, :position + 1]))] = features[b, j]
+    # Every position up to the last one handed over was handed over (the
+    # final iteration's features arrive after the last proposal: unrecorded).
+    for b in range(tokens.shape[0]):
+      positions = sorted(len(prefix) - 1 for row, prefix in at if row == b)
+      assert positions == list(range(max(lengths[b] - 2, 0), positions[-1] + 1)), positions
+      assert positions[-1] >= lengths[b] + steps - 2 - (gamma + 1)
+    if copy:
+      assert out.stats.accepted.sum() > 0, out.stats.summary()
+    seen.append((at, [tuple(entry[0]) for entry in log]))
+  (first, lengths_first), (second, lengths_second) = seen
+  assert lengths_first != lengths_second  # the two drafts' iterations ended elsewhere
+  shared = set(first) & set(second)  # the same row and accepted prefix
+  assert len(shared) >= tokens.shape[0] * 2, len(shared)
+  for key in shared:
+    np.testing.assert_allclose(first[key], second[key], rtol=1e-5, atol=1e-5)
