@@ -220,3 +220,42 @@ def test_features_handed_to_the_draft_are_a_function_of_accepted_tokens(temperat
   assert len(shared) >= tokens.shape[0] * 2, len(shared)
   for key in shared:
     np.testing.assert_allclose(first[key], second[key], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# 5. The EAGLE-1 loss with the trainer.
+
+def test_eagle1_loss_trains_the_head_and_raises_acceptance():
+  import functools
+  from specdec_jax.families.decoder_only.batch import lm_batch
+  from specdec_jax.train import feature as feature_train
+  from specdec_jax.train import trainer
+  target = _target(vocab=64, seed=0)
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(2, 64, (32, 4)).astype(np.int32)
+  samples = sj.generate(target, prompts, max_decode_steps=28, temperature=1.0, eos_id=-1,
+                        rng=jax.random.PRNGKey(1)).sequences
+  sequences = np.concatenate([prompts, np.asarray(samples)], axis=1)
+  batch = feature_train.feature_batch(target, lm_batch(sequences,
+                                                       np.full(32, sequences.shape[1])))
+  draft = sj.FeatureDraft(target, seed=3)
+  optimizer = trainer.make_optimizer("adamw", 3e-3)
+  state = trainer.create_train_state(draft.head_params, optimizer)
+  step = jax.jit(functools.partial(trainer.train_step, loss_fn=feature_train.feature_loss_fn(draft),
+                                   optimizer=optimizer))
+  losses = []
+  for _ in range(100):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < 0.8 * losses[0], losses[::10]
+  assert float(metrics["regression"]) < 0.5 * losses[0]
+  trained = sj.FeatureDraft(target, head_params=state.params)
+  test_prompts = rng.integers(2, 64, (8, 4)).astype(np.int32)
+  kwargs = dict(max_decode_steps=24, gamma=3, eos_id=-1, block_width=8)
+  before = sj.generate(target, test_prompts, draft=draft, **kwargs).stats
+  after = sj.generate(target, test_prompts, draft=trained, **kwargs)
+  np.testing.assert_array_equal(np.asarray(after.sequences), np.asarray(
+      sj.generate(target, test_prompts, max_decode_steps=24, eos_id=-1,
+                  block_width=8).sequences))
+  assert after.stats.acceptance_rate > before.acceptance_rate + 0.05, (
+      before.summary(), after.stats.summary())
