@@ -73,8 +73,20 @@ def test_bad_feature_layers_are_named():
   for bad in ((), (cfg.num_layers + 1,), "middle"):
     with pytest.raises(ValueError, match="feature layers"):
       feature_layers(cfg, bad)
+  t5 = sj.load_model("tiny", vocab_size=32)
   with pytest.raises(ValueError, match="does not expose its hidden states"):
-    family_of(sj.load_model("tiny", vocab_size=32)).feature_dim(None)
+    family_of(t5).feature_dim(None)
+  with pytest.raises(ValueError, match="serves decoder-only targets"):
+    sj.FeatureDraft(t5)
+  target = _target(vocab=32)
+  draft = sj.FeatureDraft(target)
+  with pytest.raises(ValueError, match="does not forward the target's features"):
+    sj.AdaptiveGammaDraft(draft)
+  with pytest.raises(TypeError, match="no distribution at every tree node"):
+    sj.TreeDraft(draft, (2,))
+  other = _target(vocab=64)
+  with pytest.raises(ValueError, match="another target config"):
+    sj.generate(other, np.ones((1, 3), np.int32), max_decode_steps=2, draft=draft)
 
 
 # ---------------------------------------------------------------------------
