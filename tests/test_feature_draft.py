@@ -122,17 +122,22 @@ def test_greedy_feature_draft_equals_target_only_at_the_same_width(dtype, vocab)
   assert got.stats.accepted.sum() > 0, got.stats.summary()  # the copy head is accepted
 
 
-def test_feature_draft_samples_follow_target_distribution():
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, topk=3),
+                                     dict(temperature=1.0, topp=0.8)],
+                         ids=["t1", "t0.7_top3", "topp0.8"])
+def test_feature_draft_samples_follow_target_distribution(setting):
+  """Whole 3-token decodes over a vocabulary of 8, 10,000 samples, against the exact
+  enumeration of the target's law (chi-square at 1e-4, as in test_trees.py)."""
   import test_trees
   from test_speculative import P_VALUE, _chi_square_ok
   n, steps = 10_000, 3
   target = sj.load_model("llama_tiny", vocab_size=8, seed=21, dtype="float32")
   prompt = np.array([3, 5, 2], np.int32)
   eos = family_of(target).eos_id(target.config)
-  expected = test_trees._exact_lm_distribution(target, prompt, steps, eos, temperature=1.0)
+  expected = test_trees._exact_lm_distribution(target, prompt, steps, eos, **setting)
   out = sj.generate(target, np.repeat(prompt[None], n, axis=0), max_decode_steps=steps,
-                    temperature=1.0, draft=sj.FeatureDraft(target, seed=5), gamma=2,
-                    block_width=3, rng=jax.random.PRNGKey(23))
+                    draft=sj.FeatureDraft(target, seed=5), gamma=2,
+                    block_width=3, rng=jax.random.PRNGKey(23), **setting)
   assert 0.02 < out.stats.acceptance_rate < 0.98, out.stats.summary()
   observed = collections.Counter(map(tuple, np.asarray(out.sequences).tolist()))
   assert _chi_square_ok(observed, expected, n) > P_VALUE
