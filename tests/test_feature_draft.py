@@ -3,7 +3,12 @@ chain loop, and `FeatureDraft` decoding exactly.
 
 The features a draft receives are checked against the target's own uncached
 forward pass over the final output: at every position they are a function of
-the accepted tokens only.
+the accepted tokens only. Negative control (run by hand): an engine that hands
+over the features of block positions 1..n+1 instead of 0..n (the first
+rejected draft's included) fails
+`test_features_handed_to_the_draft_are_a_function_of_accepted_tokens` at both
+temperatures; the greedy and chi-square tests, with a random head, do not
+notice it (exactness in law does not depend on what a random head reads).
 """
 
 import collections
@@ -276,3 +281,21 @@ def test_eagle1_loss_trains_the_head_and_raises_acceptance():
                   block_width=8).sequences))
   assert after.stats.acceptance_rate > before.acceptance_rate + 0.05, (
       before.summary(), after.stats.summary())
+
+
+def test_feature_draft_serves_a_tied_qwen2_target_and_refuses_learned_positions():
+  """Qwen2 layout: tied head (logits through the embedding table), q/k/v biases."""
+  target = sj.load_model("qwen2_tiny", vocab_size=8, seed=3, dtype="float32")
+  assert target.config.tie_word_embeddings
+  draft = _copy_head(target)
+  assert set(draft.params["target"]) == {"embed_tokens"}
+  assert draft.params["target"]["embed_tokens"]["embedding"] is (
+      target.params["embed_tokens"]["embedding"])  # a reference, not a copy
+  tokens, lengths = _prompts(4, 5, 8, seed=5)
+  kwargs = dict(max_decode_steps=16, block_width=8, eos_id=-1)
+  want = sj.generate(target, tokens, lengths, **kwargs)
+  got = sj.generate(target, tokens, lengths, draft=draft, gamma=3, **kwargs)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  assert got.stats.accepted.sum() > 0, got.stats.summary()
+  with pytest.raises(ValueError, match="learned positions"):
+    sj.FeatureDraft(sj.load_model("gpt2_tiny", vocab_size=8))
