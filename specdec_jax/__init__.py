@@ -5,7 +5,8 @@ Layers (each a folder or module; nothing imports upward from `core/`):
              loops, theory, outputs, dtypes
   families/  the family contract (base.py), the registry, and one folder per family
              (t5/, decoder_only/): network, fused decode, configs, checkpoints, axes
-  drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft
+  drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft,
+             FeatureDraft
   generation.py, loading.py, sharding.py   the entry points
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
@@ -21,8 +22,8 @@ from specdec_jax.core.sampling import adjust_probs
 from specdec_jax.core.speculative import batched_speculative_step, speculative_step
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
 from specdec_jax.core.tree import TreeShape
-from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, ModelDraft, NgramDraft,
-                                PromptLookupDraft, TreeDraft, DynamicTreeDraft,
+from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, FeatureDraft, ModelDraft,
+                                NgramDraft, PromptLookupDraft, TreeDraft, DynamicTreeDraft,
                                 as_draft)
 from specdec_jax.families.base import Context, DecodeStart, Family
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).

@@ -140,6 +140,50 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
                            draft_state=draft_state, gamma=gamma, verification=verification,
                            **settings)
 
+  def run_features(params, draft_params, tokens, lengths, rng):
+    # A feature draft: the same decode, the target's callbacks also returning its
+    # features (`Family.start_features` / `feature_block_fn`), which the loop hands
+    # the draft after each verification (`decoding.speculative_sample`'s observe_fn).
+    layers = draft.feature_layers
+    with target_axes():
+      start, prompt_features = family.start_features(config, params, tokens, lengths,
+                                                     max_decode_steps, layers)
+    cache = constrain_target(start.cache)
+    block = family.feature_block_fn(config, params, layers)
+
+    def target_fn(tokens, positions, cache):
+      with target_axes():
+        logits, features, cache = block(tokens, positions + start.offset, cache)
+      return logits, features, constrain_target(cache)
+
+    inputs = jnp.zeros((tokens.shape[0], max_decode_steps), jnp.int32).at[:, 0].set(
+        start.first_inputs)
+    with draft_axes():
+      draft_state = constrain_draft(draft.init_state(
+          draft_params, family.context(tokens, lengths), max_decode_steps,
+          features=prompt_features, gamma=gamma))
+    draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
+    draft_observe = draft.observe_fn(draft_params, gamma)
+
+    def propose(rng, state, sequences, lengths):
+      with draft_axes():
+        *proposal, state = draft_propose(rng, state, sequences, lengths)
+      return (*proposal, constrain_draft(state))
+
+    def observe(state, features, new_tokens, count):
+      with draft_axes():
+        return constrain_draft(draft_observe(state, features, new_tokens, count))
+
+    return decoding.decode(inputs, cache, target_fn, eos_id, rng, temperature=temperature,
+                           topk=topk, topp=topp, block_width=block_width, propose_fn=propose,
+                           draft_state=draft_state, gamma=gamma, verification=verification,
+                           observe_fn=observe)
+
+  if draft is not None and draft.wants_features:
+    if trees:
+      raise ValueError("a feature draft proposes chains here; feature trees are not built yet")
+    run = run_features  # noqa: F811
+
   if partitioner is None:
     return jax.jit(run)
   return jax.jit(run, in_shardings=in_shardings, out_shardings=partitioner.replicated())

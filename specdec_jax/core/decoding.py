@@ -289,6 +289,9 @@ def temperature_sample(inputs: Array,
 # Speculative decoding.
 
 ProposeFn = Callable[[Array, Any, Array, Array], Tuple[Array, Array, Array, Any]]
+# (draft state, features [batch, gamma + 1, f], tokens [batch, gamma + 1], count [batch])
+# -> draft state; see `speculative_sample`.
+ObserveFn = Callable[[Any, Array, Array, Array], Any]
 
 
 def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: float,
@@ -442,7 +445,8 @@ def speculative_sample(inputs: Array,
                        max_decode_steps: Optional[int] = None,
                        propose_fn: Optional[ProposeFn] = None,
                        block_width: Optional[int] = None,
-                       verification: str = "token"
+                       verification: str = "token",
+                       observe_fn: Optional[ObserveFn] = None
                        ) -> Tuple[Array, Dict[str, Array]]:
   """Speculative decoding loop; the output is distributed exactly as `temperature_sample`'s.
 
@@ -476,6 +480,16 @@ def speculative_sample(inputs: Array,
       (Leviathan et al., the first rejection ends the block) or "block"
       (Sun et al. 2025, `block_verification`: same output law, at least as
       many accepted drafts on average; greedy outputs identical).
+    observe_fn: for a feature draft (`drafts.FeatureDraft`): then
+      `tokens_to_logits` returns (logits, features [batch, W, f], cache) and
+      after each verification the draft state becomes `observe_fn(state,
+      features [batch, gamma + 1, f], tokens [batch, gamma + 1], count
+      [batch])`: with n drafts kept, count = n + 1, tokens = x_1..x_n and
+      the new (correction or bonus) token, features = the target's features
+      at block positions 0..n (the row's last token and the n kept drafts;
+      feature j produced the distribution of token j), and zeros past
+      count: nothing the target computed at a rejected draft, so the next
+      proposal is a function of the accepted prefix only (exactness).
   Returns:
     decodes [batch, length] int32 (0 after EOS) and per-row stats (see
     `init_stats`): iterations, drafted, accepted (drafts that reached the
@@ -509,7 +523,10 @@ def speculative_sample(inputs: Array,
         propose_rng, carry.draft_state, carry.sequences, lengths)
     last_token = carry.sequences[row_ids, lengths]
     block = pad_block(jnp.concatenate([last_token[:, None], draft_tokens], axis=1), width)
-    logits, cache = tokens_to_logits(block, lengths, carry.cache)
+    if observe_fn is None:
+      logits, cache = tokens_to_logits(block, lengths, carry.cache)
+    else:
+      logits, features, cache = tokens_to_logits(block, lengths, carry.cache)
     logits = logits[:, :gamma + 1]
     target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
     num_accepted, next_token = verify(
@@ -520,6 +537,10 @@ def speculative_sample(inputs: Array,
     padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     new_tokens = jnp.where(offsets < num_accepted[:, None], padded_drafts,
                            jnp.where(offsets == num_accepted[:, None], next_token[:, None], 0))
+    if observe_fn is not None:
+      kept = offsets[None, :, None] <= num_accepted[:, None, None]
+      draft_state = observe_fn(draft_state, jnp.where(kept, features[:, :gamma + 1], 0.0),
+                               new_tokens, num_accepted + 1)
     active = ~carry.done
     sequences, new_lengths, done, emitted = emit(carry.sequences, lengths, carry.done,
                                                  new_tokens, num_accepted + 1, eos_id,
@@ -556,7 +577,8 @@ def speculative_sample(inputs: Array,
 def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rng: Array, *,
            temperature: float, topk: int, topp: float, block_width: Optional[int],
            propose_fn: Optional[ProposeFn] = None, draft_state: Any = None, gamma: int = 0,
-           verification: str = "token") -> Tuple[Array, Optional[Dict[str, Array]]]:
+           verification: str = "token", observe_fn: Optional[ObserveFn] = None
+           ) -> Tuple[Array, Optional[Dict[str, Array]]]:
   """Target-only decoding, or speculative decoding when `propose_fn` is given.
 
   The one place both model families (generation.py, decoder_only_generation.py)
@@ -568,6 +590,8 @@ def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rn
     cache / tokens_to_logits: the target's cache and block callback.
     propose_fn / draft_state / gamma: the draft's proposer and state.
     verification: see `speculative_sample`; "token" only without a draft.
+    observe_fn: a feature draft's (`speculative_sample`); tokens_to_logits
+      then returns features too.
   Returns:
     decodes [batch, length] int32 and the speculative counters (None without
     a draft).
@@ -583,5 +607,5 @@ def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rn
   return speculative_sample(
       inputs, cache, tokens_to_logits, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
       temperature=temperature, topk=topk, topp=topp, propose_fn=propose_fn,
-      block_width=block_width, verification=verification)
+      block_width=block_width, verification=verification, observe_fn=observe_fn)
 

@@ -7,6 +7,7 @@
 * `AdaptiveGammaDraft`: wraps any draft with HF's `heuristic` length schedule.
 * `TreeDraft` / `DynamicTreeDraft`: a token tree (static shape, or grown EAGLE-2 style by
   cumulative draft probability) from a model or n-gram draft, verified in one call.
+* `FeatureDraft`: an EAGLE-1 head over the target's own hidden states (decoder-only).
 """
 
 from specdec_jax.drafts.base import Draft
@@ -27,3 +28,4 @@ from specdec_jax.drafts.adaptive import AdaptiveGammaDraft, heuristic_draft_leng
 from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402,F401
 from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402,F401
 from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft  # noqa: E402,F401
+from specdec_jax.drafts.feature import FeatureDraft  # noqa: E402,F401

@@ -52,6 +52,9 @@ class AdaptiveGammaDraft(Draft):
       if int(value) != value or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     self.draft = as_draft(draft)
+    if self.draft.wants_features:
+      raise ValueError(f"AdaptiveGammaDraft does not forward the target's features to a "
+                       f"{type(self.draft).__name__} yet: use it without the wrapper")
     self.initial_gamma = None if initial_gamma is None else int(initial_gamma)
     self.increase = int(increase)
     self.decrease = int(decrease)

@@ -32,6 +32,19 @@ class Draft(abc.ABC):
   # True for drafts that propose token trees (`TreeDraft`), decoded by
   # `core.tree_decoding` instead of the chain loop.
   proposes_trees: bool = False
+  # True for drafts that read the target's hidden states (`FeatureDraft`): the
+  # engine then starts and scores the target through its family's feature
+  # callbacks (`Family.start_features`, `feature_block_fn`) with
+  # `feature_layers`, calls `init_state(..., features=, gamma=)` with the
+  # prompt's features [batch, C, f], and hands the draft the features it may
+  # see after each verification through `observe_fn`.
+  wants_features: bool = False
+  feature_layers = None
+
+  def observe_fn(self, params: Any, gamma: int):
+    """Feature drafts: `observe(state, features [batch, gamma + 1, f], tokens
+    [batch, gamma + 1], count [batch]) -> state` (`decoding.speculative_sample`)."""
+    raise TypeError(f"a {type(self).__name__} reads no target features")
 
   @property
   @abc.abstractmethod

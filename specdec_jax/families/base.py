@@ -31,6 +31,15 @@ Vocabulary (shapes in every docstring):
   callback that knows nothing of trees (three arguments) stays valid.
 * *token trees*: `Family.move_cache` moves an accepted tree path's keys and
   values from their tree slots to their chain positions.
+* *features* (families with `supports_features`; feature drafts such as
+  `drafts.FeatureDraft`): `Family.feature_block_fn` is a causal block
+  callback `(tokens, positions, cache) -> (logits, features [batch, k, f]
+  float32, cache)` that also returns hidden states of the target for each
+  block token (the token's own state, which produced its logits): the last
+  layer's after the final norm (EAGLE-1) or a chosen set of layers
+  concatenated (EAGLE-3); `Family.start_features` is `start` plus the
+  prompt's features. A separate callback, so decoding without a feature
+  draft traces exactly the program it did before features existed.
 """
 
 import abc
@@ -227,6 +236,7 @@ class Family(abc.ABC):
   config_type: type
   model_type: type
   supports_trees: bool = False
+  supports_features: bool = False
 
   def __repr__(self) -> str:
     return f"<family {self.name}>"
@@ -275,6 +285,30 @@ class Family(abc.ABC):
   @abc.abstractmethod
   def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
     """Self-attention positions per row that `start` allocates."""
+
+  # -- Features (feature drafts) --------------------------------------------
+
+  def _no_features(self) -> ValueError:
+    return ValueError(f"the {self.name} family does not expose its hidden states to drafts "
+                      f"({type(self).__name__}.supports_features is False): a feature draft "
+                      "cannot serve it")
+
+  def feature_dim(self, config, layers=None) -> int:
+    """The width f of the features `layers` selects (None: the last layer's, after
+    the final norm; "eagle3": an early, a middle and a late layer's)."""
+    raise self._no_features()
+
+  def start_features(self, config, params, tokens: Array, lengths: Array,
+                     max_decode_steps: int, layers=None) -> Tuple[DecodeStart, Array]:
+    """`start`, and the target's features for every context slot [batch, C, f]
+    float32 (traced)."""
+    raise self._no_features()
+
+  def feature_block_fn(self, config, params, layers=None) -> Callable[..., Tuple[Array, Array, Any]]:
+    """`(tokens [batch, k], positions [batch], cache) -> (logits [batch, k, vocab]
+    float32, features [batch, k, f] float32, cache)` at absolute positions: the
+    block callback's logits and cache, and each block token's features."""
+    raise self._no_features()
 
   # -- Token trees -----------------------------------------------------------
 

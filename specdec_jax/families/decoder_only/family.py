@@ -31,8 +31,10 @@ from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       canonical_name)
 from specdec_jax.families.decoder_only.model import (DecoderOnlyModel, absolute_block_fn,
+                                                     absolute_feature_block_fn,
                                                      check_prompt_lengths, decode_cache_length,
-                                                     init_decoder_only_params, prefilled_cache)
+                                                     feature_layers, init_decoder_only_params,
+                                                     prefilled_cache, prefilled_cache_features)
 from specdec_jax.families.decoder_only.network import DecoderOnly
 from specdec_jax.families.base import check_tokens
 
@@ -44,6 +46,7 @@ class DecoderOnlyFamily(Family):
   config_type = DecoderOnlyConfig
   model_type = DecoderOnlyModel
   supports_trees = True
+  supports_features = True
 
   @property
   def architectures(self) -> Tuple[str, ...]:
@@ -91,6 +94,24 @@ class DecoderOnlyFamily(Family):
 
   def block_fn(self, config: DecoderOnlyConfig, params):
     return absolute_block_fn(config, params)
+
+  # -- Features (feature drafts) -------------------------------------------
+
+  def feature_dim(self, config: DecoderOnlyConfig, layers=None) -> int:
+    return len(feature_layers(config, layers)) * config.emb_dim
+
+  def start_features(self, config: DecoderOnlyConfig, params, tokens: Array, lengths: Array,
+                     max_decode_steps: int, layers=None):
+    """`start`, and the features of every prompt slot [batch, C, f] float32 (slot j
+    of row b: the token at absolute position j; junk past lengths[b])."""
+    features, cache = prefilled_cache_features(
+        config, params, tokens, self.cache_length(config, tokens.shape[1], max_decode_steps),
+        layers)
+    last = tokens[jnp.arange(tokens.shape[0]), lengths - 1]
+    return DecodeStart(cache, last, lengths.astype(jnp.int32) - 1), features
+
+  def feature_block_fn(self, config: DecoderOnlyConfig, params, layers=None):
+    return absolute_feature_block_fn(config, params, layers)
 
   def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
     return decode_cache_length(context_width, max_decode_steps)

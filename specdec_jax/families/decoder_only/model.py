@@ -5,6 +5,7 @@ a Hugging Face directory).
 """
 
 import functools
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,49 @@ def absolute_block_fn(config: DecoderOnlyConfig, params):
   module = DecoderOnly(config)
   return lambda tokens, positions, cache, tree=None: module.apply(
       {"params": params}, tokens, positions, cache, tree, method=DecoderOnly.decode_block)
+
+
+def feature_layers(config: DecoderOnlyConfig, layers=None) -> Tuple[int, ...]:
+  """The hidden-state indices of a feature set (`DecoderOnly._hidden`'s taps).
+
+  None or "last": (num_layers,), the output after the final norm (EAGLE-1).
+  "eagle3": (2, L // 2, L - 3), the inputs of an early, a middle and a late
+  layer (EAGLE-3's choice; HF `hidden_states` indices). A sequence of ints:
+  those indices, each in [0, num_layers] (i < L: layer i's input, L: after
+  the final norm), in that order.
+  """
+  num = config.num_layers
+  if layers is None or layers == "last":
+    return (num,)
+  if layers == "eagle3":
+    layers = (2, num // 2, num - 3)
+  if isinstance(layers, str):
+    raise ValueError(f"feature layers must be None, 'last', 'eagle3' or ints, got {layers!r}")
+  layers = tuple(int(i) for i in layers)
+  if not layers or any(i < 0 or i > num for i in layers):
+    raise ValueError(f"feature layers {layers} must be a non-empty sequence of hidden-state "
+                     f"indices in [0, {num}] (this model has {num} layers)")
+  return layers
+
+
+def absolute_feature_block_fn(config: DecoderOnlyConfig, params, layers=None):
+  """`(tokens, absolute positions, cache) -> (logits, features, cache)` for traced params
+  (`DecoderOnly.decode_block_features`; causal blocks only)."""
+  module = DecoderOnly(config)
+  taps = feature_layers(config, layers)
+  return lambda tokens, positions, cache: module.apply(
+      {"params": params}, tokens, positions, cache, taps,
+      method=DecoderOnly.decode_block_features)
+
+
+def prefilled_cache_features(config: DecoderOnlyConfig, params, prompts: Array, max_len: int,
+                             layers=None):
+  """`prefilled_cache` that also returns every prompt slot's features [batch, P, f]."""
+  cache = decoder_only.init_cache(config, prompts.shape[0], max_len)
+  features, cache = DecoderOnly(config).apply(
+      {"params": params}, prompts, cache, feature_layers(config, layers),
+      method=DecoderOnly.prefill_features)
+  return features, cache
 
 
 @functools.lru_cache(maxsize=None)

@@ -314,12 +314,18 @@ class DecoderLayer(nn.Module):
   With sandwich_norms (Gemma 2/3) each sub-block's output is normed too:
   x + post_attention_layernorm(attn(input_layernorm(x))), then
   x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
+
+  input_norm: False drops input_layernorm (attention reads x itself): the
+  layer of an EAGLE-1 feature head (`drafts.feature`), whose input is
+  already a projection of normed features. The target's layers keep it.
   """
   config: DecoderOnlyConfig
+  input_norm: bool = True
 
   def setup(self):
     cfg = self.config
-    self.input_layernorm = Norm(cfg)
+    if self.input_norm:
+      self.input_layernorm = Norm(cfg)
     self.self_attn = Attention(cfg)
     self.post_attention_layernorm = Norm(cfg)
     if cfg.sandwich_norms:
@@ -328,8 +334,8 @@ class DecoderLayer(nn.Module):
     self.mlp = Mlp(cfg)
 
   def __call__(self, x, bias, rotary, layer_cache=None, positions=None):
-    attended, new_cache = self.self_attn(self.input_layernorm(x), bias, rotary, layer_cache,
-                                         positions)
+    attended, new_cache = self.self_attn(self.input_layernorm(x) if self.input_norm else x,
+                                         bias, rotary, layer_cache, positions)
     if self.config.sandwich_norms:
       x = x + self.post_attention_layernorm(attended)
       x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -364,7 +370,7 @@ class DecoderOnly(nn.Module):
 
   def _hidden(self, tokens: Array, query_positions: Array, cache: Optional[Cache] = None,
               positions: Optional[Array] = None, key_positions: Optional[Array] = None,
-              allowed: Optional[Array] = None) -> Tuple[Array, Optional[List[Any]]]:
+              allowed: Optional[Array] = None, taps: Optional[Tuple[int, ...]] = None):
     """Runs the stack up to the final norm.
 
     Args:
@@ -376,8 +382,14 @@ class DecoderOnly(nn.Module):
         (a tree block: `core.tree.tree_positions`); None: the index itself.
       allowed: [batch, q, L] bool, ANDed into the masks (a tree block); None:
         the masks by position alone.
+      taps: None, or hidden-state indices to return as features (see
+        `feature_layers`): i < num_layers is layer i's input (HF's
+        `hidden_states[i]`; 0 the embeddings), num_layers the output after
+        the final norm. None traces exactly the program without features.
     Returns:
-      (hidden [batch, q, emb], list of updated layer caches, or None).
+      (hidden [batch, q, emb], list of updated layer caches, or None), and
+      with taps a third item: features [batch, q, len(taps) * emb] float32,
+      the tapped states concatenated in the order of `taps`.
     """
     cfg = self.config
     x = self.embed_tokens(tokens)
@@ -410,11 +422,19 @@ class DecoderOnly(nn.Module):
           rotaries["full_attention"])
     x = _axes(x, ("batch", "length", "embed"))
     new_layers = []
+    tapped = {}
     for i, layer in enumerate(self.layers):
+      if taps is not None and i in taps:
+        tapped[i] = x
       layer_cache = None if cache is None else cache["layers"][i]
       x, new_layer = layer(x, biases[types[i]], rotaries[types[i]], layer_cache, positions)
       new_layers.append(new_layer)
-    return self.norm(x), (None if cache is None else new_layers)
+    hidden = self.norm(x)
+    if taps is None:
+      return hidden, (None if cache is None else new_layers)
+    tapped[cfg.num_layers] = hidden
+    features = jnp.concatenate([tapped[i].astype(jnp.float32) for i in taps], axis=-1)
+    return hidden, (None if cache is None else new_layers), features
 
   def project_logits(self, hidden: Array) -> Array:
     """hidden [..., emb] -> logits [..., vocab] float32 (soft-capped with final_logit_softcap)."""
@@ -469,6 +489,25 @@ class DecoderOnly(nn.Module):
       hidden, layers = self._hidden(tokens, query_positions, cache, positions, key_positions,
                                     allowed)
     return self.project_logits(hidden), dict(cache, layers=layers)
+
+  def decode_block_features(self, tokens: Array, positions: Array, cache: Cache,
+                            taps: Tuple[int, ...]) -> Tuple[Array, Array, Cache]:
+    """`decode_block` (a causal block) that also returns the features `taps` names
+    (`_hidden`): (logits [batch, k, vocab] float32, features [batch, k, len(taps) * emb]
+    float32, cache). Feature i belongs to block token i (it produced logits i)."""
+    query_positions = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    hidden, layers, features = self._hidden(tokens, query_positions, cache, positions,
+                                            taps=taps)
+    return self.project_logits(hidden), features, dict(cache, layers=layers)
+
+  def prefill_features(self, prompts: Array, cache: Cache, taps: Tuple[int, ...]
+                       ) -> Tuple[Array, Cache]:
+    """`prefill`'s cache writes, returning the features of every prompt slot
+    [batch, P, len(taps) * emb] float32 (padding slots hold junk) instead of logits."""
+    positions = jnp.zeros((prompts.shape[0],), jnp.int32)
+    _, layers, features = self._hidden(prompts, jnp.arange(prompts.shape[1])[None], cache,
+                                       positions, taps=taps)
+    return features, dict(cache, layers=layers)
 
   def prefill(self, prompts: Array, prompt_lengths: Array, cache: Cache) -> Tuple[Array, Cache]:
     """Writes right-padded prompts [batch, P] into the cache at positions 0..P-1.
