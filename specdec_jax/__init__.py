@@ -37,7 +37,8 @@ from specdec_jax.families.t5.embed import EmbeddingError, embed_model
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.generation import generate
-from specdec_jax.loading import export_hf, load_model, load_sharded_model, shard_model
+from specdec_jax.loading import (export_hf, load_feature_draft, load_model, load_sharded_model,
+                                 save_feature_draft, shard_model)
 from specdec_jax.sharding import (Partitioner, make_partitioners, plan_memory,
                                   plan_speculative_memory)
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel

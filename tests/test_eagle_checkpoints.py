@@ -152,11 +152,12 @@ def test_eagle3_head_matches_the_public_code_transcribed_in_torch():
   table = torch.tensor(np.asarray(target.params["embed_tokens"]["embedding"]))
 
   # Ours: the engine's layout (a zero pair at position 0, pair i at position i + 1).
-  cache = head.init_cache(batch, 1 + pairs + steps)
-  zero = jnp.zeros((batch, 1, head.feature_dim))
+  cache = head.init_cache(params, batch, 1 + pairs + steps)
+  zero = jnp.zeros((batch, 1, head.hidden_dim))
   _, cache = head.apply(params, refs, jnp.asarray(tokens[:, :1]), zero,
                         jnp.zeros((batch,), jnp.int32), cache)
-  out, cache = head.apply(params, refs, jnp.asarray(tokens[:, :pairs]), jnp.asarray(features),
+  reduced = head.reduce_features(params, refs, jnp.asarray(features))
+  out, cache = head.apply(params, refs, jnp.asarray(tokens[:, :pairs]), reduced,
                           jnp.ones((batch,), jnp.int32), cache)
   ours_out, ours_logits = [np.asarray(out)], [np.asarray(head.logits(params, refs, out))]
   last = out[:, -1:]

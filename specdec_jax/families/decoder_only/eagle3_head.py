@@ -22,9 +22,11 @@ What it computes (the public EAGLE-3 code, SafeAILab/EAGLE `eagle/model/cnets.py
   targets are that shallow.
 * Multi-step drafting feeds back `out` itself, before the final norm (cnets.py
   `topK_genrate`: `input_hidden = out_hidden[...]`; it is h wide, so `forward`
-  skips fc: `if hidden_states.shape[-1] != inputs_embeds.shape[-1]`). The
-  head's `apply` makes the same choice by the fed features' width, so the
-  draft loop needs no EAGLE-3 case.
+  skips fc: `if hidden_states.shape[-1] != inputs_embeds.shape[-1]`). Here
+  fc is the head's `reduce_features` (the feature-head contract: target
+  features are reduced once, when they arrive), so `apply` reads h-wide
+  features either way and the draft loop needs no EAGLE-3 case. The zero
+  feature of the first pair is zero either way (fc has no bias).
 * Reduced vocabulary: `lm_head` maps to draft_vocab_size ids; draft id d is
   target id d + d2t[d]. `logits` returns target-vocabulary logits with -inf at
   every target id outside the draft vocabulary (`t2d` false there): the draft's
@@ -70,6 +72,19 @@ from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, Attention, Dense, Mlp, Norm,
                                                        rotary_tables)
+try:  # The family-owned contract (branch t5feat); until it lands, a stand-in.
+  from specdec_jax.families.feature_head import FeatureHead
+except ImportError:  # pragma: no cover
+  class FeatureHead:
+    config = None
+
+    @property
+    def vocab_size(self):
+      return self.config.vocab_size
+
+    @property
+    def hidden_dim(self):
+      return self.config.emb_dim
 
 Array = jax.Array
 
@@ -122,21 +137,19 @@ class Eagle3Network(nn.Module):
       self.embed_tokens = self.param("embed_tokens", nn.initializers.normal(0.02),
                                      (cfg.vocab_size, cfg.emb_dim), jnp.float32)
 
-  def __call__(self, embeddings, features, positions, cache):
-    """One block of pairs through the head.
+  def __call__(self, embeddings, hidden, positions, cache):
+    """One block of pairs through the midlayer.
 
     Args:
       embeddings: [batch, k, h] the tokens' embeddings.
-      features: [batch, k, 3H] target features (through fc), or [batch, k, h]
-        the head's own outputs (fed as they are).
+      hidden: [batch, k, h] fc's output of target features (`reduce`), or the
+        head's own previous outputs (fed as they are, EAGLE-3's choice).
       positions: [batch] int32, absolute position of each row's first pair.
       cache: dict(self_key, self_value) [batch, max_len, kv_heads, head_dim].
     Returns:
       (out [batch, k, h] before the final norm, cache).
     """
     cfg = self.config
-    if features.shape[-1] != cfg.emb_dim:
-      features = self.fc(features)
     query_at = positions[:, None] + jnp.arange(embeddings.shape[1])[None, :]
     key_at = jnp.arange(cache["self_key"].shape[1])[None, None, None, :]
     query = query_at[:, None, :, None]
@@ -145,15 +158,19 @@ class Eagle3Network(nn.Module):
     visible = (key_at <= query) & ((key_at > 0) | (query == 0))
     bias = jnp.where(visible, 0.0, _MASK_VALUE).astype(jnp.float32)
     rotary = rotary_tables(query_at, cfg)
-    return self.midlayer(embeddings, features, bias, rotary, cache, positions)
+    return self.midlayer(embeddings, hidden, bias, rotary, cache, positions)
+
+  def reduce(self, features):
+    """Target features [..., 3H] -> fc's output [..., h] (no bias: zeros stay zeros)."""
+    return self.fc(features)
 
   def draft_logits(self, out):
     """out [..., h] -> draft-vocabulary logits [..., draft_vocab] float32."""
     return self.lm_head(self.norm(out))
 
   def init_all(self, embeddings, features, positions, cache):
-    """Touches every submodule (for `init`; features [.., 3H] so fc runs)."""
-    out, _ = self(embeddings, features, positions, cache)
+    """Touches every submodule (for `init`): fc, the midlayer, the output head."""
+    out, _ = self(embeddings, self.reduce(features), positions, cache)
     return self.draft_logits(out)
 
 
@@ -182,16 +199,16 @@ def head_config_like(target_config: DecoderOnlyConfig) -> DecoderOnlyConfig:
                                mlp_bias=False, activation="silu")
 
 
-class Eagle3Head:
+class Eagle3Head(FeatureHead):
   """An EAGLE-3 head for a decoder-only target (the family's `FeatureHead` contract).
 
   Args:
     target_config: the target's `DecoderOnlyConfig` (a Llama / Qwen2 / Mistral
       layout): its features (`feature_layers(.., "eagle3")`), vocabulary and
-      embedding table are the head's inputs.
-    config: the head's own layer config (emb_dim = the target's; heads, mlp
-      width and rotary settings may differ, as a checkpoint's config.json
-      says); None: the target's config with one layer.
+      embedding table are the head's inputs. The head's `config`.
+    layer_config: the head's own layer (emb_dim = the target's; heads, mlp
+      width, rotary settings and dtype may differ, as a checkpoint's
+      config.json says); None: `head_config_like(target_config)`.
     draft_to_target: [draft_vocab] target ids of the draft vocabulary (EAGLE's
       arange + d2t); None: the whole target vocabulary, in order.
     own_embeddings: the head holds its own `embed_tokens` [vocab, h] instead of
@@ -199,9 +216,11 @@ class Eagle3Head:
   """
 
   kind = "eagle3"
+  feature_layers = "eagle3"
 
-  def __init__(self, target_config: DecoderOnlyConfig, config: Optional[DecoderOnlyConfig] = None,
-               draft_to_target=None, own_embeddings: bool = False):
+  def __init__(self, target_config: DecoderOnlyConfig,
+               layer_config: Optional[DecoderOnlyConfig] = None, draft_to_target=None,
+               own_embeddings: bool = False):
     if not isinstance(target_config, DecoderOnlyConfig):
       raise ValueError(f"an EAGLE-3 head serves decoder-only targets, got a "
                        f"{type(target_config).__name__}")
@@ -209,27 +228,32 @@ class Eagle3Head:
       raise ValueError(f"an EAGLE-3 head serves Llama-layout rotary targets "
                        f"({', '.join(SUPPORTED_TARGET_FAMILIES)}); a {target_config.family} "
                        f"target is not supported")
-    self.target_config = target_config
-    if config is None:
-      config = head_config_like(target_config)
-    if config.emb_dim != target_config.emb_dim:
-      raise ValueError(f"the head's hidden size {config.emb_dim} differs from the target's "
-                       f"emb_dim {target_config.emb_dim}")
-    if config.family != "llama":
-      raise ValueError(f"an EAGLE-3 head is a Llama layer, got a {config.family} config")
-    self.config = config.replace(vocab_size=target_config.vocab_size, dtype=target_config.dtype)
+    self.config = target_config
+    if layer_config is None:
+      layer_config = head_config_like(target_config)
+    if layer_config.emb_dim != target_config.emb_dim:
+      raise ValueError(f"the head's hidden size {layer_config.emb_dim} differs from the "
+                       f"target's emb_dim {target_config.emb_dim}")
+    if (layer_config.family != "llama" or layer_config.qkv_bias or layer_config.out_bias or
+        layer_config.mlp_bias or layer_config.activation != "silu"):
+      raise ValueError("an EAGLE-3 head's layer is a Llama layer (no biases, SiLU); got "
+                       f"family={layer_config.family} qkv_bias={layer_config.qkv_bias} "
+                       f"out_bias={layer_config.out_bias} mlp_bias={layer_config.mlp_bias} "
+                       f"activation={layer_config.activation}")
+    self.layer_config = layer_config.replace(vocab_size=target_config.vocab_size, num_layers=1,
+                                             layer_types=None, sliding_window=None)
     if draft_to_target is None:
       draft_to_target = np.arange(target_config.vocab_size)
     self.draft_to_target = check_draft_to_target(draft_to_target, target_config.vocab_size)
     self.draft_vocab_size = int(self.draft_to_target.size)
     self.own_embeddings = bool(own_embeddings)
-    self.feature_layers = feature_layers(target_config, "eagle3")
-    self.vocab_size = target_config.vocab_size
+    self.taps = feature_layers(target_config, "eagle3")
     self._map_digest = hashlib.sha1(self.draft_to_target.tobytes()).hexdigest()
 
   @property
   def feature_dim(self) -> int:
-    return len(self.feature_layers) * self.target_config.emb_dim
+    """3H: the width of the target features the head reads."""
+    return len(self.taps) * self.config.emb_dim
 
   def in_draft_vocab(self) -> np.ndarray:
     """[vocab] bool: the target ids the head can draft (EAGLE's `t2d`)."""
@@ -237,19 +261,21 @@ class Eagle3Head:
     mask[self.draft_to_target] = True
     return mask
 
-  def _network(self):
-    return Eagle3Network(self.config, self.draft_vocab_size, self.own_embeddings)
+  @property
+  def network(self) -> Eagle3Network:
+    return Eagle3Network(self.layer_config, self.draft_vocab_size, self.own_embeddings)
 
   def static_key(self) -> Hashable:
-    return ("eagle3", self.config, self.target_config, self.own_embeddings, self._map_digest)
+    return ("eagle3", self.layer_config, self.config, self.own_embeddings, self._map_digest)
 
   def init_params(self, seed: int = 0):
-    """Random params (normal(0.02) kernels, unit norms) in config.dtype."""
-    h = self.config.emb_dim
-    params = self._network().init(
+    """Random params (normal(0.02) kernels, unit norms) in the layer config's dtype."""
+    h = self.hidden_dim
+    params = self.network.init(
         jax.random.PRNGKey(seed), jnp.zeros((1, 1, h)), jnp.zeros((1, 1, self.feature_dim)),
-        jnp.zeros((1,), jnp.int32), self.init_cache(1, 1), method=Eagle3Network.init_all)["params"]
-    return jax.tree_util.tree_map(lambda x: x.astype(self.config.dtype), params)
+        jnp.zeros((1,), jnp.int32), self.init_cache(None, 1, 1),
+        method=Eagle3Network.init_all)["params"]
+    return jax.tree_util.tree_map(lambda x: x.astype(self.layer_config.dtype), params)
 
   def target_refs(self, target_params):
     """The target's arrays the head reads: its embedding table (a reference, not a copy)."""
@@ -257,32 +283,40 @@ class Eagle3Head:
       return {}
     return {"embed_tokens": target_params["embed_tokens"]}
 
-  def init_cache(self, batch: int, max_len: int, memory=None):
-    del memory  # Decoder-only: no encoder outputs to attend to.
-    shape = (batch, max_len, self.config.num_kv_heads, self.config.head_dim)
-    return dict(self_key=jnp.zeros(shape, self.config.dtype),
-                self_value=jnp.zeros(shape, self.config.dtype))
+  def reduce_features(self, params, refs, features: Array) -> Array:
+    """Target features [..., 3H] -> fc's output [..., h] float32."""
+    del refs
+    return self.network.apply({"params": params}, features,
+                              method=Eagle3Network.reduce).astype(jnp.float32)
+
+  def init_cache(self, params, batch: int, max_len: int, memory=None):
+    """dict(self_key, self_value) [batch, max_len, kv_heads, head_dim]; no memory."""
+    del params
+    if memory is not None:
+      raise ValueError("a decoder-only feature head reads no memory")
+    cfg = self.layer_config
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return dict(self_key=jnp.zeros(shape, cfg.dtype), self_value=jnp.zeros(shape, cfg.dtype))
 
   def embed(self, params, refs, tokens: Array) -> Array:
-    """tokens [batch, k] -> embeddings [batch, k, h] in config.dtype (raw table rows)."""
+    """tokens [batch, k] -> embeddings [batch, k, h] (raw table rows, EAGLE's nn.Embedding)."""
     table = (params["embed_tokens"] if self.own_embeddings else
              refs["embed_tokens"]["embedding"])
-    return jnp.take(table, tokens, axis=0, mode="clip").astype(self.config.dtype)
+    return jnp.take(table, tokens, axis=0, mode="clip").astype(self.layer_config.dtype)
 
   def apply(self, params, refs, tokens: Array, features: Array, positions: Array, cache):
     """Pairs (features[:, i], tokens[:, i]) at absolute positions positions[b] + i.
 
-    tokens [batch, k] int32; features [batch, k, 3H] (the target's) or [batch,
-    k, h] (the head's own outputs); positions [batch]. Returns (out [batch, k,
-    h] before the final norm, the fed-back feature; cache).
+    tokens [batch, k] int32; features [batch, k, h]: reduced target features
+    or the head's own outputs; positions [batch]. Returns (out [batch, k, h]
+    before the final norm, the feature fed back; cache).
     """
-    return self._network().apply({"params": params}, self.embed(params, refs, tokens), features,
-                                 positions, cache)
+    return self.network.apply({"params": params}, self.embed(params, refs, tokens), features,
+                              positions, cache)
 
   def draft_logits(self, params, hidden: Array) -> Array:
     """hidden [..., h] -> logits over the draft vocabulary [..., draft_vocab] float32."""
-    return self._network().apply({"params": params}, hidden,
-                                 method=Eagle3Network.draft_logits)
+    return self.network.apply({"params": params}, hidden, method=Eagle3Network.draft_logits)
 
   def logits(self, params, refs, hidden: Array) -> Array:
     """hidden [..., h] -> target-vocabulary logits [..., vocab] float32, -inf outside

@@ -41,8 +41,8 @@ from specdec_jax.families.decoder_only import checkpoints as hf_checkpoints
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.eagle3_head import (SUPPORTED_TARGET_FAMILIES, Eagle3Head,
                                                            check_draft_to_target)
-from specdec_jax.families.tensor_io import (CheckpointError, hf_weight_files, raise_on_mismatch,
-                                            write_safetensors)
+from specdec_jax.families.tensor_io import (CheckpointError, cast, hf_weight_files,
+                                            raise_on_mismatch, write_safetensors)
 
 FORMATS = ("eagle1", "eagle3")
 
@@ -68,17 +68,17 @@ def eagle3_names(own_embeddings: bool = False) -> Dict[str, Tuple[str, bool]]:
   return names
 
 
-def eagle1_names(fc_bias: bool) -> Dict[str, Tuple[str, bool]]:
-  """Our EAGLE-1 param path -> (checkpoint tensor name, transposed)."""
-  names = {"fc/kernel": ("fc.weight", True),
-           "layer/post_attention_layernorm/scale": ("layers.0.post_attention_layernorm.weight",
-                                                    False)}
-  if fc_bias:
-    names["fc/bias"] = ("fc.bias", False)
-  for proj in _ATTENTION:
-    names[f"layer/self_attn/{proj}/kernel"] = (f"layers.0.self_attn.{proj}.weight", True)
-  for proj in _MLP:
-    names[f"layer/mlp/{proj}/kernel"] = (f"layers.0.mlp.{proj}.weight", True)
+def eagle1_names(paths) -> Dict[str, Tuple[str, bool]]:
+  """Our EAGLE-1 param paths ('/'-joined: fc/..., layer/...) -> (checkpoint tensor name,
+  transposed): fc/{kernel,bias} -> fc.{weight,bias}; layer/A/B/{kernel,bias,scale} ->
+  layers.0.A.B.{weight,bias,weight} (so a Qwen2 target's q/k/v biases map too)."""
+  names = {}
+  for path in paths:
+    *module, leaf = path.split("/")
+    suffix = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
+    if module[0] == "layer":
+      module = ["layers", "0"] + module[1:]
+    names[path] = (".".join(module + [suffix]), leaf == "kernel")
   return names
 
 
@@ -197,14 +197,43 @@ def _embeddings_match(files, target_params, origin: str) -> bool:
   return bool(np.allclose(theirs, np.asarray(table, np.float32), rtol=1e-2, atol=1e-3))
 
 
-def read_head(directory, target_config: DecoderOnlyConfig, target_params,
-              dtype: Optional[str] = None):
-  """Reads a public EAGLE head directory for `target`.
+def _eagle1_head(target_config: DecoderOnlyConfig, fc_bias: bool):
+  from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
+  return DecoderOnlyFeatureHead(target_config, fc_bias=fc_bias)
 
+
+def _check_eagle1_layer(layer: DecoderOnlyConfig, target_config: DecoderOnlyConfig,
+                        origin: str) -> None:
+  """An EAGLE-1 head's layer is one of the target's: its config.json must say so."""
+  for ours, key in (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                    ("head_dim", "head_dim"), ("mlp_dim", "intermediate_size"),
+                    ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling")):
+    if getattr(layer, ours) != getattr(target_config, ours):
+      raise CheckpointError(f"{origin}: {key} gives the head's layer {ours}="
+                            f"{getattr(layer, ours)!r}, the target's is "
+                            f"{getattr(target_config, ours)!r}; an EAGLE-1 head's layer is the "
+                            f"target's (DecoderOnlyConfig.{ours})")
+
+
+def flat_shapes(head) -> Dict[str, Tuple[int, ...]]:
+  """The head's param paths ('/'-joined) -> shapes (no allocation)."""
+  tree = jax.eval_shape(head.init_params)
+  return {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
+
+
+def load_head(directory, target_config: DecoderOnlyConfig, target_params,
+              dtype: Optional[str] = None):
+  """Reads a public EAGLE head directory for a target.
+
+  Args:
+    directory: config.json + model.safetensors / pytorch_model.bin (or sharded).
+    target_config, target_params: the target's config and params (its embedding
+      table is compared with a stored `embed_tokens.weight`).
+    dtype: the head's params (and EAGLE-3 compute) dtype; default the target's.
+      An EAGLE-1 head computes in the target's dtype (its layer is the target's).
   Returns:
-    dict(format='eagle1'|'eagle3', config=the head's layer config, params=the
-    head's param tree in `dtype`, and for EAGLE-3 draft_to_target [draft_vocab]
-    int32 and own_embeddings, for EAGLE-1 fc_bias).
+    (head: an `Eagle3Head` or the family's EAGLE-1 `DecoderOnlyFeatureHead`,
+     params: its param tree).
   Raises:
     CheckpointError: naming the file, tensor or config key at fault.
   """
@@ -215,9 +244,9 @@ def read_head(directory, target_config: DecoderOnlyConfig, target_params,
   files = hf_weight_files(directory)
   kind = detect_format(files, hf, directory)
   dtype = dtype or target_config.dtype
-  config = head_config(hf, target_config, origin, dtype)
-  out = dict(format=kind, config=config)
+  layer = head_config(hf, target_config, origin, dtype)
   used = set()
+  own = False
   if "embed_tokens.weight" in files:
     used.add("embed_tokens.weight")
     own = not _embeddings_match(files, target_params, directory)
@@ -225,18 +254,19 @@ def read_head(directory, target_config: DecoderOnlyConfig, target_params,
       raise CheckpointError(f"{files['embed_tokens.weight'].source}: differs from the target's "
                             f"embedding table; an EAGLE-1 head reads the target's embeddings, so "
                             f"this head belongs to another target")
-  else:
-    own = False
   if kind == "eagle3":
-    out["draft_to_target"] = _vocabulary_map(files, hf, target_config, directory)
-    out["own_embeddings"] = own
+    head = Eagle3Head(target_config, layer, _vocabulary_map(files, hf, target_config, directory),
+                      own_embeddings=own)
     used |= {"d2t", "t2d"}
     names = eagle3_names(own)
-    shapes = _eagle3_shapes(config, target_config, out["draft_to_target"].size, own)
   else:
-    out["fc_bias"] = "fc.bias" in files
-    names = eagle1_names(out["fc_bias"])
-    shapes = _eagle1_shapes(config, out["fc_bias"])
+    _check_eagle1_layer(layer, target_config, origin)
+    head = _eagle1_head(target_config, "fc.bias" in files)
+  shapes = flat_shapes(head)
+  if kind == "eagle1":
+    names = eagle1_names(shapes)
+  if set(names) != set(shapes):  # A mapping bug, not bad input.
+    raise AssertionError(f"{kind} names {sorted(names)} vs head params {sorted(shapes)}")
   used |= {theirs for theirs, _ in names.values()}
   missing = [f"{theirs} (for {ours})" for ours, (theirs, _) in names.items() if theirs not in files]
   unexpected = [files[k].source for k in sorted(files)
@@ -244,99 +274,73 @@ def read_head(directory, target_config: DecoderOnlyConfig, target_params,
   mismatched = []
   for ours, (theirs, transpose) in names.items():
     if theirs in files:
-      shape = tuple(files[theirs].shape)
-      shape = tuple(reversed(shape)) if transpose else shape
-      if shape != shapes[ours]:
-        want = tuple(reversed(shapes[ours])) if transpose else shapes[ours]
+      want = tuple(reversed(shapes[ours])) if transpose else shapes[ours]
+      if tuple(files[theirs].shape) != want:
         mismatched.append(f"{files[theirs].source}: {tuple(files[theirs].shape)} vs expected "
                           f"{want}")
   raise_on_mismatch(f"EAGLE-{kind[-1]} head {directory} does not match its config.json and "
                     f"the target (hidden {target_config.emb_dim}, vocab "
-                    f"{target_config.vocab_size}, {config.num_heads}/{config.num_kv_heads} heads x "
-                    f"{config.head_dim}, mlp {config.mlp_dim}):", missing, unexpected, mismatched)
+                    f"{target_config.vocab_size}; head layer {layer.num_heads}/"
+                    f"{layer.num_kv_heads} heads x {layer.head_dim}, mlp {layer.mlp_dim}):",
+                    missing, unexpected, mismatched)
   np_dtype = jnp.dtype(dtype)
   flat = {}
   for ours, (theirs, transpose) in names.items():
     array = files[theirs].read(None)
-    array = array.T if transpose else array
-    flat[tuple(ours.split("/"))] = jax.device_put(np.asarray(array).astype(np_dtype))
-  out["params"] = traverse_util.unflatten_dict(flat)
-  return out
-
-
-def _eagle3_shapes(config, target_config, draft_vocab: int, own: bool):
-  h, hd, m = config.emb_dim, config.head_dim, config.mlp_dim
-  shapes = {"fc/kernel": (3 * target_config.emb_dim, h), "norm/scale": (h,),
-            "lm_head/kernel": (h, draft_vocab)}
-  for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
-    shapes[f"midlayer/{norm}/scale"] = (h,)
-  shapes.update({"midlayer/self_attn/q_proj/kernel": (2 * h, config.num_heads * hd),
-                 "midlayer/self_attn/k_proj/kernel": (2 * h, config.num_kv_heads * hd),
-                 "midlayer/self_attn/v_proj/kernel": (2 * h, config.num_kv_heads * hd),
-                 "midlayer/self_attn/o_proj/kernel": (config.num_heads * hd, h),
-                 "midlayer/mlp/gate_proj/kernel": (h, m), "midlayer/mlp/up_proj/kernel": (h, m),
-                 "midlayer/mlp/down_proj/kernel": (m, h)})
-  if own:
-    shapes["embed_tokens"] = (target_config.vocab_size, h)
-  return shapes
-
-
-def _eagle1_shapes(config, fc_bias: bool):
-  h, hd, m = config.emb_dim, config.head_dim, config.mlp_dim
-  shapes = {"fc/kernel": (2 * h, h), "layer/post_attention_layernorm/scale": (h,),
-            "layer/self_attn/q_proj/kernel": (h, config.num_heads * hd),
-            "layer/self_attn/k_proj/kernel": (h, config.num_kv_heads * hd),
-            "layer/self_attn/v_proj/kernel": (h, config.num_kv_heads * hd),
-            "layer/self_attn/o_proj/kernel": (config.num_heads * hd, h),
-            "layer/mlp/gate_proj/kernel": (h, m), "layer/mlp/up_proj/kernel": (h, m),
-            "layer/mlp/down_proj/kernel": (m, h)}
-  if fc_bias:
-    shapes["fc/bias"] = (h,)
-  return shapes
+    flat[tuple(ours.split("/"))] = jax.device_put(cast(array, np_dtype, transpose))
+  return head, traverse_util.unflatten_dict(flat)
 
 
 # ----------------------------------------------------------------------------
 # Writing.
 
-def _hf_head_config(config: DecoderOnlyConfig, target_config: DecoderOnlyConfig
-                    ) -> Dict[str, Any]:
-  hf = hf_checkpoints.decoder_config_to_hf_config(config.replace(num_layers=1))
-  hf.update(num_hidden_layers=1, vocab_size=target_config.vocab_size,
-            torch_dtype={"float32": "float32", "bfloat16": "bfloat16",
-                         "float16": "float16"}[config.dtype])
-  return hf
+def head_format(head) -> str:
+  """'eagle3' for an `Eagle3Head`, 'eagle1' for the family's EAGLE-1 head."""
+  from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
+  if isinstance(head, Eagle3Head):
+    return "eagle3"
+  if isinstance(head, DecoderOnlyFeatureHead):
+    return "eagle1"
+  raise ValueError(f"a {type(head).__name__} has no public EAGLE checkpoint format (EAGLE-1: "
+                   f"the decoder-only family's head; EAGLE-3: Eagle3Head)")
 
 
-def write_head(directory, kind: str, config: DecoderOnlyConfig, target_config: DecoderOnlyConfig,
-               params, draft_to_target=None, fc_bias: bool = False) -> None:
-  """Writes a head in a public format: config.json + model.safetensors.
+def save_head(head, params, directory, format: Optional[str] = None) -> None:
+  """Writes a head in its public format: config.json + model.safetensors.
 
   Args:
-    kind: 'eagle1' or 'eagle3'.
-    config: the head's layer config; params: its param tree (`eagle3_names` /
-      `eagle1_names` paths).
-    draft_to_target: EAGLE-3: [draft_vocab] target ids (written as d2t, t2d).
+    head: an `Eagle3Head` ('eagle3') or the decoder-only EAGLE-1 head ('eagle1').
+    params: its param tree (kept in their dtype).
+    format: None (the head's own) or 'eagle1' / 'eagle3', which must be the head's.
   """
-  if kind not in FORMATS:
-    raise ValueError(f"format must be one of {FORMATS}, got {kind!r}")
+  kind = head_format(head)
+  if format is not None and format not in FORMATS:
+    raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+  if format is not None and format != kind:
+    raise ValueError(f"this head is an {kind} head; it cannot be written as {format} (the two "
+                     f"formats hold different layers)")
+  check_target(head.config, f"an {kind} head")
   directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
   flat = {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
-  hf = _hf_head_config(config, target_config)
+  shapes = flat_shapes(head)
+  wrong = sorted(k for k in set(flat) | set(shapes)
+                 if k not in flat or k not in shapes or tuple(flat[k].shape) != shapes[k])
+  if wrong:
+    raise ValueError(f"these params are not this {kind} head's (missing, unexpected or "
+                     f"mis-shaped): {wrong}")
+  target_config = head.config
+  dtype = np.dtype(next(iter(flat.values())).dtype).name
   if kind == "eagle3":
-    own = "embed_tokens" in flat
-    names = eagle3_names(own)
-    ids = np.asarray(draft_to_target, np.int64)
-    hf.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(ids.size),
+    names = eagle3_names(head.own_embeddings)
+    layer = head.layer_config
+    hf = hf_checkpoints.decoder_config_to_hf_config(layer)
+    hf.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=head.draft_vocab_size,
               target_hidden_size=target_config.emb_dim)
   else:
-    names = eagle1_names(fc_bias)
-    hf.update(architectures=["LlamaForCausalLM"], bias=bool(fc_bias))
-  missing = sorted(set(names) - set(flat))
-  extra = sorted(set(flat) - set(names))
-  if missing or extra:
-    raise ValueError(f"these params are not an {kind} head's: missing {missing}, unexpected "
-                     f"{extra}")
+    names = eagle1_names(shapes)
+    hf = hf_checkpoints.decoder_config_to_hf_config(target_config)
+    hf["bias"] = bool(head.fc_bias)
+  hf.update(num_hidden_layers=1, vocab_size=target_config.vocab_size, torch_dtype=dtype)
   tensors = []
   for ours, (theirs, transpose) in sorted(names.items(), key=lambda item: item[1][0]):
     array = flat[ours]
@@ -344,11 +348,12 @@ def write_head(directory, kind: str, config: DecoderOnlyConfig, target_config: D
     tensors.append((theirs, shape, np.dtype(array.dtype),
                     lambda a=array, t=transpose: np.asarray(a).T if t else np.asarray(a)))
   if kind == "eagle3":
-    mask = np.zeros(target_config.vocab_size, np.bool_)
-    mask[ids] = True
+    ids = head.draft_to_target.astype(np.int64)
     d2t = ids - np.arange(ids.size)
+    mask = head.in_draft_vocab()
     tensors.append(("d2t", d2t.shape, np.dtype(np.int64), lambda: d2t))
     tensors.append(("t2d", mask.shape, np.dtype(np.bool_), lambda: mask))
+  os.makedirs(directory, exist_ok=True)
   write_safetensors(os.path.join(directory, "model.safetensors"), tensors,
                     metadata={"format": "pt"})
   with open(os.path.join(directory, "config.json"), "w") as f:
