@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.drafts import feature as feature_draft
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import DecoderOnly
 
@@ -64,21 +63,21 @@ def feature_loss_fn(draft, ce_weight: float = 0.1):
   """The EAGLE-1 loss of `draft`'s head params on `feature_batch`es, summed over
   learned positions (the trainer's LossFn); aux: tokens, correct (head argmax ==
   target argmax), regression and cross_entropy sums."""
-  config, refs, fc_bias = draft.config, draft.target_params, draft.fc_bias
+  config, refs, head = draft.config, draft.target_params, draft.head
 
   def fn(head_params, batch):
     tokens, features = batch["tokens"], batch["features"].astype(jnp.float32)
     weights = batch["weights"].astype(jnp.float32)
     b, t, h = features.shape
     fed = jnp.concatenate([jnp.zeros((b, 1, h), jnp.float32), features[:, :-1]], axis=1)
-    cache = feature_draft.head_cache(config, b, t)
-    predicted, _ = feature_draft.FeatureHead(config, fc_bias).apply(
-        {"params": head_params}, feature_draft.embed(config, refs, tokens), fed,
-        jnp.zeros((b,), jnp.int32), cache)
+    cache = head.init_cache(head_params, b, t)
+    predicted, _ = head.apply(head_params, refs, tokens, fed, jnp.zeros((b,), jnp.int32), cache)
     predicted = predicted.astype(jnp.float32)
     regression = jnp.mean(smooth_l1(predicted, features), axis=-1)
-    target_logits = jax.lax.stop_gradient(feature_draft.project(config, refs, features))
-    head_logits = feature_draft.project(config, refs, predicted.astype(config.dtype))
+    # An EAGLE-1 head's logits are the target's own LM head: applied to the
+    # target's features they are the target's distribution.
+    target_logits = jax.lax.stop_gradient(head.logits(head_params, refs, features))
+    head_logits = head.logits(head_params, refs, predicted.astype(config.dtype))
     target_probs = jax.nn.softmax(target_logits, axis=-1)
     cross_entropy = -jnp.sum(target_probs * jax.nn.log_softmax(head_logits, axis=-1), axis=-1)
     loss = jnp.sum(weights * (regression + ce_weight * cross_entropy))
