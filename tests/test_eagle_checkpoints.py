@@ -205,7 +205,7 @@ def test_eagle3_features_are_the_public_layer_inputs():
     states = hf(torch.tensor(tokens, dtype=torch.long), output_hidden_states=True).hidden_states
   want = torch.cat([states[2], states[LAYERS // 2], states[LAYERS - 3]], dim=-1).numpy()
   family = family_of(target)
-  _, got = family.start_features(target.config, target.params, jnp.asarray(tokens),
+  _, got, _ = family.start_features(target.config, target.params, jnp.asarray(tokens),
                                  jnp.array([7, 7], jnp.int32), 2, "eagle3")
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 

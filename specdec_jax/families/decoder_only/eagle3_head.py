@@ -72,19 +72,7 @@ from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, Attention, Dense, Mlp, Norm,
                                                        rotary_tables)
-try:  # The family-owned contract (branch t5feat); until it lands, a stand-in.
-  from specdec_jax.families.feature_head import FeatureHead
-except ImportError:  # pragma: no cover
-  class FeatureHead:
-    config = None
-
-    @property
-    def vocab_size(self):
-      return self.config.vocab_size
-
-    @property
-    def hidden_dim(self):
-      return self.config.emb_dim
+from specdec_jax.families.feature_head import FeatureHead
 
 Array = jax.Array
 
@@ -246,6 +234,9 @@ class Eagle3Head(FeatureHead):
       draft_to_target = np.arange(target_config.vocab_size)
     self.draft_to_target = check_draft_to_target(draft_to_target, target_config.vocab_size)
     self.draft_vocab_size = int(self.draft_to_target.size)
+    # [vocab] int32: each target id's draft id (0 where it has none; masked in `logits`).
+    self.target_to_draft = np.zeros(target_config.vocab_size, np.int32)
+    self.target_to_draft[self.draft_to_target] = np.arange(self.draft_vocab_size)
     self.own_embeddings = bool(own_embeddings)
     self.taps = feature_layers(target_config, "eagle3")
     self._map_digest = hashlib.sha1(self.draft_to_target.tobytes()).hexdigest()
@@ -323,5 +314,9 @@ class Eagle3Head(FeatureHead):
     the draft vocabulary."""
     del refs
     draft = self.draft_logits(params, hidden)
-    full = jnp.full(draft.shape[:-1] + (self.vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., jnp.asarray(self.draft_to_target)].set(draft)
+    # A gather from the draft logits, not a scatter into -inf's: with the
+    # scatter, XLA CPU left the bf16 x bf16 -> f32 lm_head dot to a DotThunk
+    # that does not implement it ("Unsupported element type for
+    # DotThunk::Execute: BF16 x BF16 = F32", bf16 decodes at batch 6).
+    full = jnp.take(draft, jnp.asarray(self.target_to_draft), axis=-1)
+    return jnp.where(jnp.asarray(self.in_draft_vocab()), full, -jnp.inf)
