@@ -30,6 +30,7 @@ from specdec_jax.families.feature_head import FeatureHead
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       get_decoder_config)
+from specdec_jax.families.decoder_only.eagle3_head import Eagle3Head
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.families.registry import families, family_of, register
 from specdec_jax.families.t5.checkpoints import export_t5x, save_model
