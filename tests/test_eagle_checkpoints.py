@@ -12,7 +12,12 @@
   (greedy identity in float32 and bfloat16, chi-square at temperature 1);
   drafted tokens lie in the draft vocabulary; `save_feature_draft` writes what
   `load_feature_draft` reads.
+* A loaded head's first proposals are EAGLE-3's own greedy chain (torch).
 * Bad directories: each error names its problem.
+
+Negative control (run by hand): letting later queries see the engine's zero
+first pair (the head's position-0 mask removed) fails both the torch forward
+comparison and the greedy-chain check.
 """
 
 import collections
@@ -376,8 +381,35 @@ class _RecordingDraft(sj.FeatureDraft):
 
 
 def _loaded(tmp_path, target, draft_ids, seed, name="e3"):
-  write_eagle3_dir(tmp_path / name, target, draft_ids, seed=seed)
-  return sj.load_feature_draft(tmp_path / name, target)
+  """(the loaded draft, the torch tensors written)."""
+  written = write_eagle3_dir(tmp_path / name, target, draft_ids, seed=seed)
+  return sj.load_feature_draft(tmp_path / name, target), written
+
+
+def _eagle3_greedy_chain(weights, target, prompt, draft_ids, gamma):
+  """EAGLE-3's own greedy chain after a prompt (torch, float32): pairs (h_t, token_{t+1})
+  at positions 0.., the last output's argmax draft id d -> target id d + d2t[d], then
+  its output fed back with that token, gamma times. Target features: the family's
+  "eagle3" features (checked against transformers in
+  test_eagle3_features_are_the_public_layer_inputs)."""
+  family = family_of(target)
+  n = len(prompt)
+  _, features, _ = family.start_features(target.config, target.params, jnp.asarray(prompt[None]),
+                                         jnp.array([n], jnp.int32), 2, "eagle3")
+  table = torch.tensor(np.asarray(target.params["embed_tokens"]["embedding"], np.float32))
+  tokens = list(prompt[1:])
+  with torch.no_grad():
+    hidden = torch.tensor(np.asarray(features)[:, :n - 1]) @ weights["fc.weight"].T
+    drafted = []
+    for _ in range(gamma):
+      emb = table[torch.tensor(tokens, dtype=torch.long)][None]
+      out, logits = torch_eagle3(weights, target.config, emb, hidden,
+                                 torch.arange(len(tokens)))
+      token = int(draft_ids[int(torch.argmax(logits[0, -1]))])
+      drafted.append(token)
+      tokens.append(token)
+      hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+  return drafted
 
 
 def _prompts(batch, length, vocab, seed):
@@ -408,7 +440,7 @@ def _greedy_target(dtype):
 def test_loaded_eagle3_head_greedy_equals_target_only(tmp_path, dtype):
   target = _greedy_target(dtype)
   draft_ids = _draft_ids(VOCAB, 24, seed=7)
-  draft = _loaded(tmp_path, target, draft_ids, seed=8)
+  draft, written = _loaded(tmp_path, target, draft_ids, seed=8)
   assert draft.head.layer_config.dtype == dtype and _flat(draft.head_params)[
       "fc/kernel"].dtype == jnp.dtype(dtype)
   tokens, lengths = _prompts(6, 7, VOCAB, seed=3)
@@ -424,6 +456,14 @@ def test_loaded_eagle3_head_greedy_equals_target_only(tmp_path, dtype):
     for b in range(drafted.shape[0]):
       assert np.isin(drafted[b, :limit[b]], draft_ids).all(), drafted[b]
     np.testing.assert_array_equal(laws[..., outside], 0.0)  # q is zero outside
+  if dtype == "float32":
+    # The first proposal of each row is EAGLE-3's own greedy chain (rows with at least
+    # two prompt tokens: EAGLE has no pair before that).
+    first = log[0][0]
+    rows = [b for b in range(len(lengths)) if lengths[b] >= 2]
+    for b in rows:
+      want = _eagle3_greedy_chain(written, target, tokens[b, :lengths[b]], draft_ids, 3)
+      assert first[b].tolist() == want, (b, first[b], want)
 
 
 @pytest.mark.slow
@@ -437,7 +477,7 @@ def test_loaded_eagle3_head_samples_follow_target_distribution(tmp_path):
   n, steps, vocab = 10_000, 3, 8
   target = _target(vocab=vocab, seed=21, layers=DECODE_LAYERS)
   draft_ids = np.array([0, 2, 3, 5, 6])
-  draft = _loaded(tmp_path, target, draft_ids, seed=9)
+  draft, _ = _loaded(tmp_path, target, draft_ids, seed=9)
   prompt = np.array([3, 5, 2], np.int32)
   eos = family_of(target).eos_id(target.config)
   expected = test_trees._exact_lm_distribution(target, prompt, steps, eos, temperature=1.0)
