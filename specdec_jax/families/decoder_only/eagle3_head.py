@@ -16,10 +16,11 @@ What it computes (the public EAGLE-3 code, SafeAILab/EAGLE `eagle/model/cnets.py
   decoder layer idx for idx in {2, L // 2, L - 3}, in ascending idx, i.e. HF
   `hidden_states[idx]`; vLLM's aux hidden states (`hidden_states + residual` at
   the same layer inputs) are the same vectors. That is
-  `families.decoder_only.model.feature_layers(config, "eagle3")`. For L < 8 two
-  of the taps coincide (L = 6: (2, 3, 3)); the public code would then append
-  one state fewer (its test is an `or`), ours repeats it: only tiny test
-  targets are that shallow.
+  `families.decoder_only.model.feature_layers(config, "eagle3")`. They are
+  distinct and ascending, as the public code takes them, for L >= 7 only:
+  for L = 4..6 two coincide (L = 6: (2, 3, 3); the public code would append
+  one state fewer, its test being an `or`, ours repeats it) and for L = 3
+  they descend, (2, 1, 0). Only tiny test targets are that shallow.
 * Multi-step drafting feeds back `out` itself, before the final norm (cnets.py
   `topK_genrate`: `input_hidden = out_hidden[...]`; it is h wide, so `forward`
   skips fc: `if hidden_states.shape[-1] != inputs_embeds.shape[-1]`). Here
@@ -54,7 +55,7 @@ Param tree (kernels [in, out]; HF Linear weights are their transpose):
   midlayer/mlp/down_proj/kernel                    [mlp, h]
   norm/scale                                       [h]
   lm_head/kernel                                   [h, draft_vocab]
-  embed_tokens/embedding (optional)                [vocab, h]
+  embed_tokens (optional)                          [vocab, h]
 The draft-to-target id map is not a param (nothing trains it, and a cast of
 the tree to bfloat16 must not touch it): it is the head's `draft_to_target`
 [draft_vocab] int32, part of its static key.
