@@ -32,6 +32,7 @@ from specdec_jax.families.t5.feature_head import T5FeatureHead
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       get_decoder_config)
+from specdec_jax.families.decoder_only.eagle3_head import Eagle3Head
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.families.registry import families, family_of, register
 from specdec_jax.families.t5.checkpoints import export_t5x, save_model
@@ -40,7 +41,8 @@ from specdec_jax.families.t5.embed import EmbeddingError, embed_model
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.generation import generate
-from specdec_jax.loading import export_hf, load_model, load_sharded_model, shard_model
+from specdec_jax.loading import (export_hf, load_feature_draft, load_model, load_sharded_model,
+                                 save_feature_draft, shard_model)
 from specdec_jax.sharding import (Partitioner, make_partitioners, plan_memory,
                                   plan_speculative_memory)
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel

@@ -144,3 +144,44 @@ def export_hf(model, directory) -> None:
   if not is_model(model):
     raise TypeError(f"export_hf takes a model (config + params), got {type(model).__name__}")
   family.export_hf(model, directory)
+
+
+def load_feature_draft(path, target, *, dtype=None):
+  """A `FeatureDraft` from a public EAGLE-1 or EAGLE-3 head directory, for `target`.
+
+  Args:
+    path: a directory with config.json and model.safetensors or
+      pytorch_model.bin (or sharded, with an index): EAGLE-1 (`fc.*`,
+      `layers.0.*`; the target's embeddings and LM head) or EAGLE-3
+      (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`,
+      `t2d`), told apart by the tensor names.
+    target: the decoder-only Llama-layout model the head was trained for
+      (Llama, Qwen2, Mistral layouts).
+    dtype: the head's params dtype (EAGLE-3: also its compute dtype); default
+      the target's.
+  Raises:
+    CheckpointError: missing files or tensors, unexpected tensors (named),
+      the head's hidden size or vocabulary not the target's, a target layout
+      the formats do not serve.
+  """
+  from specdec_jax.drafts.feature import FeatureDraft
+  from specdec_jax.families.decoder_only import eagle_checkpoints
+  if not is_model(target):
+    raise TypeError(f"load_feature_draft takes the target model, got {type(target).__name__}")
+  head, params = eagle_checkpoints.load_head(path, target.config, target.params,
+                                             optional_dtype(dtype))
+  return FeatureDraft(target, head_params=params, head=head)
+
+
+def save_feature_draft(draft, path, format=None) -> None:
+  """Writes a `FeatureDraft`'s head as a public EAGLE checkpoint (config.json +
+  model.safetensors) that `load_feature_draft` (and EAGLE's own loaders) read.
+
+  format: None (the head's own), 'eagle1' (the decoder-only family's EAGLE-1
+  head) or 'eagle3' (an `Eagle3Head`); a head cannot be written in the other's.
+  """
+  from specdec_jax.drafts.feature import FeatureDraft
+  from specdec_jax.families.decoder_only import eagle_checkpoints
+  if not isinstance(draft, FeatureDraft):
+    raise TypeError(f"save_feature_draft takes a FeatureDraft, got {type(draft).__name__}")
+  eagle_checkpoints.save_head(draft.head, draft.head_params, path, format)

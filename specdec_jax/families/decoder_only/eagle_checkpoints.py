@@ -1,0 +1,360 @@
+"""Public EAGLE-1 / EAGLE-3 head checkpoints for decoder-only targets: reading and writing.
+
+A head directory holds `config.json` and `model.safetensors` or
+`pytorch_model.bin` (sharded with an index too: `tensor_io.hf_weight_files`).
+The format is told by the tensor names (and config.json's `draft_vocab_size`):
+
+EAGLE-3 (SafeAILab/EAGLE `Model`, vLLM / SGLang `LlamaForCausalLMEagle3`):
+  fc.weight [h, 3H]                                  -> fc/kernel (transposed)
+  midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight
+                                                     -> midlayer/{...}/scale
+  midlayer.self_attn.{q,k,v,o}_proj.weight           -> midlayer/self_attn/{...}/kernel (T)
+  midlayer.mlp.{gate,up,down}_proj.weight            -> midlayer/mlp/{...}/kernel (T)
+  norm.weight                                        -> norm/scale
+  lm_head.weight [draft_vocab, h]                    -> lm_head/kernel (T)
+  d2t [draft_vocab] int64, t2d [vocab] bool          -> the head's draft_to_target = arange + d2t
+  embed_tokens.weight [vocab, h] (optional)          -> the target's table when equal to it,
+                                                        else the head's own embed_tokens
+EAGLE-1 (SafeAILab/EAGLE `cnets1.py`; the embeddings and LM head are the target's):
+  fc.weight [h, 2h] (+ fc.bias [h])                  -> fc/kernel (T) (+ fc/bias)
+  layers.0.self_attn.{q,k,v,o}_proj.weight           -> layer/self_attn/{...}/kernel (T)
+  layers.0.mlp.{gate,up,down}_proj.weight            -> layer/mlp/{...}/kernel (T)
+  layers.0.post_attention_layernorm.weight           -> layer/post_attention_layernorm/scale
+  embed_tokens.weight (optional)                     must equal the target's table
+
+The head's layer shapes (heads, head_dim, intermediate_size, rotary base and
+scaling, rms_norm_eps) come from its config.json, read as a one-layer Llama
+config; its hidden size must be the target's (`hidden_size`, and
+`target_hidden_size` where given), its `vocab_size` the target's.
+"""
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from specdec_jax.families.decoder_only import checkpoints as hf_checkpoints
+from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.eagle3_head import (SUPPORTED_TARGET_FAMILIES, Eagle3Head,
+                                                           check_draft_to_target)
+from specdec_jax.families.tensor_io import (CheckpointError, cast, hf_weight_files,
+                                            raise_on_mismatch, write_safetensors)
+
+FORMATS = ("eagle1", "eagle3")
+
+# Buffers old checkpoints carry that are not parameters.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def eagle3_names(own_embeddings: bool = False) -> Dict[str, Tuple[str, bool]]:
+  """Our EAGLE-3 param path -> (checkpoint tensor name, transposed)."""
+  names = {"fc/kernel": ("fc.weight", True), "norm/scale": ("norm.weight", False),
+           "lm_head/kernel": ("lm_head.weight", True)}
+  for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+    names[f"midlayer/{norm}/scale"] = (f"midlayer.{norm}.weight", False)
+  for proj in _ATTENTION:
+    names[f"midlayer/self_attn/{proj}/kernel"] = (f"midlayer.self_attn.{proj}.weight", True)
+  for proj in _MLP:
+    names[f"midlayer/mlp/{proj}/kernel"] = (f"midlayer.mlp.{proj}.weight", True)
+  if own_embeddings:
+    names["embed_tokens"] = ("embed_tokens.weight", False)
+  return names
+
+
+def eagle1_names(paths) -> Dict[str, Tuple[str, bool]]:
+  """Our EAGLE-1 param paths ('/'-joined: fc/..., layer/...) -> (checkpoint tensor name,
+  transposed): fc/{kernel,bias} -> fc.{weight,bias}; layer/A/B/{kernel,bias,scale} ->
+  layers.0.A.B.{weight,bias,weight} (so a Qwen2 target's q/k/v biases map too)."""
+  names = {}
+  for path in paths:
+    *module, leaf = path.split("/")
+    suffix = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
+    if module[0] == "layer":
+      module = ["layers", "0"] + module[1:]
+    names[path] = (".".join(module + [suffix]), leaf == "kernel")
+  return names
+
+
+def detect_format(tensor_names, hf: Mapping[str, Any], origin: str) -> str:
+  """'eagle3' (midlayer.* tensors or draft_vocab_size), 'eagle1' (layers.0.*), else an error."""
+  names = set(tensor_names)
+  if any(n.startswith("midlayer.") for n in names):
+    return "eagle3"
+  if any(n.startswith("layers.0.") for n in names):
+    if "draft_vocab_size" in hf:
+      raise CheckpointError(f"{origin}: config.json has draft_vocab_size (EAGLE-3) but the "
+                            f"tensors are EAGLE-1's (layers.0.*, no midlayer.*)")
+    return "eagle1"
+  raise CheckpointError(f"{origin}: neither an EAGLE-1 head (layers.0.* tensors) nor an EAGLE-3 "
+                        f"head (midlayer.* tensors); its tensors: {sorted(names)[:12]}")
+
+
+def check_target(target_config, what: str = "an EAGLE head") -> None:
+  if not isinstance(target_config, DecoderOnlyConfig):
+    raise CheckpointError(f"{what} drafts for decoder-only Llama-layout targets; the target is "
+                          f"a {type(target_config).__name__} model")
+  if target_config.family not in SUPPORTED_TARGET_FAMILIES:
+    raise CheckpointError(f"{what} drafts for Llama-layout rotary targets "
+                          f"({', '.join(SUPPORTED_TARGET_FAMILIES)}); a {target_config.family} "
+                          f"target layout is not supported")
+
+
+def head_config(hf: Mapping[str, Any], target_config: DecoderOnlyConfig, origin: str,
+                dtype: str) -> DecoderOnlyConfig:
+  """The head's one-layer Llama config from its config.json, checked against the target."""
+  hidden = hf.get("hidden_size")
+  if hidden != target_config.emb_dim:
+    raise CheckpointError(f"{origin}: the head's hidden_size {hidden} differs from the target's "
+                          f"hidden size {target_config.emb_dim} (DecoderOnlyConfig.emb_dim, "
+                          f"config.json hidden_size): this head was trained for another target")
+  if "target_hidden_size" in hf and hf["target_hidden_size"] not in (None,
+                                                                     target_config.emb_dim):
+    raise CheckpointError(f"{origin}: target_hidden_size {hf['target_hidden_size']} differs from "
+                          f"the target's hidden size {target_config.emb_dim} "
+                          f"(DecoderOnlyConfig.emb_dim)")
+  if hf.get("vocab_size", target_config.vocab_size) != target_config.vocab_size:
+    raise CheckpointError(f"{origin}: vocab_size {hf['vocab_size']} differs from the target's "
+                          f"vocabulary of {target_config.vocab_size} (DecoderOnlyConfig."
+                          f"vocab_size): the head's token ids are another tokenizer's")
+  for key in ("attention_bias", "mlp_bias", "norm_before_residual"):
+    if hf.get(key):
+      raise CheckpointError(f"{origin}: {key}=true is not supported in an EAGLE head")
+  llama = dict(hf, architectures=["LlamaForCausalLM"], model_type="llama",
+               num_hidden_layers=1, vocab_size=target_config.vocab_size)
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    llama.pop(key, None)  # The target's token conventions apply.
+  config = hf_checkpoints.hf_config_to_decoder_config(llama, origin, dtype)
+  return config.replace(bos_id=target_config.bos_id, eos_id=target_config.eos_id,
+                        pad_id=target_config.pad_id)
+
+
+def _read_json(directory: str) -> Dict[str, Any]:
+  path = os.path.join(directory, "config.json")
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"{directory}: no such directory (an EAGLE head directory holds "
+                          f"config.json and model.safetensors or pytorch_model.bin)")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{directory}: not an EAGLE head directory (no config.json; found "
+                          f"{sorted(os.listdir(directory))})")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: cannot read: {e}") from None
+
+
+def _vocabulary_map(files, hf, target_config: DecoderOnlyConfig, origin: str) -> np.ndarray:
+  """draft_to_target [draft_vocab] int32 from d2t/t2d, every inconsistency named."""
+  vocab = target_config.vocab_size
+  rows = files["lm_head.weight"].shape[0] if "lm_head.weight" in files else None
+  draft_vocab = hf.get("draft_vocab_size", rows)
+  if "d2t" not in files and "t2d" not in files:
+    if draft_vocab != vocab:
+      raise CheckpointError(f"{origin}: a draft vocabulary of {draft_vocab} ids "
+                            f"(draft_vocab_size) but no d2t / t2d tensors to map it to the "
+                            f"target's {vocab}")
+    return np.arange(vocab, dtype=np.int32)
+  for name in ("d2t", "t2d"):
+    if name not in files:
+      raise CheckpointError(f"{origin}: has {'t2d' if name == 'd2t' else 'd2t'} but no {name}")
+  d2t = np.asarray(files["d2t"].read(None))
+  t2d = np.asarray(files["t2d"].read(None))
+  if d2t.shape != (draft_vocab,):
+    raise CheckpointError(f"{origin}: d2t has shape {d2t.shape}, but draft_vocab_size is "
+                          f"{draft_vocab}: it needs one offset per draft id")
+  if t2d.shape != (vocab,):
+    raise CheckpointError(f"{origin}: t2d has shape {t2d.shape}, but the target's vocabulary "
+                          f"has {vocab} ids (DecoderOnlyConfig.vocab_size)")
+  try:
+    ids = check_draft_to_target(np.arange(draft_vocab) + d2t.astype(np.int64), vocab,
+                                f"{origin}: d2t")
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
+  mask = np.zeros(vocab, bool)
+  mask[ids] = True
+  if not np.array_equal(mask, t2d.astype(bool)):
+    wrong = np.flatnonzero(mask != t2d.astype(bool))
+    raise CheckpointError(f"{origin}: t2d disagrees with d2t at target ids {wrong[:8].tolist()} "
+                          f"(t2d must be true exactly at the ids d2t maps to)")
+  return ids
+
+
+def _embeddings_match(files, target_params, origin: str) -> bool:
+  """Whether the checkpoint's embed_tokens.weight equals the target's table (shape checked)."""
+  stored = files["embed_tokens.weight"]
+  table = target_params["embed_tokens"]["embedding"]
+  if tuple(stored.shape) != tuple(table.shape):
+    raise CheckpointError(f"{stored.source}: shape {tuple(stored.shape)}, but the target's "
+                          f"embedding table is {tuple(table.shape)} (vocab x hidden)")
+  theirs = stored.read(np.float32)
+  return bool(np.allclose(theirs, np.asarray(table, np.float32), rtol=1e-2, atol=1e-3))
+
+
+def _eagle1_head(target_config: DecoderOnlyConfig, fc_bias: bool):
+  from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
+  return DecoderOnlyFeatureHead(target_config, fc_bias=fc_bias)
+
+
+def _check_eagle1_layer(layer: DecoderOnlyConfig, target_config: DecoderOnlyConfig,
+                        origin: str) -> None:
+  """An EAGLE-1 head's layer is one of the target's: its config.json must say so."""
+  for ours, key in (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                    ("head_dim", "head_dim"), ("mlp_dim", "intermediate_size"),
+                    ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling")):
+    if getattr(layer, ours) != getattr(target_config, ours):
+      raise CheckpointError(f"{origin}: {key} gives the head's layer {ours}="
+                            f"{getattr(layer, ours)!r}, the target's is "
+                            f"{getattr(target_config, ours)!r}; an EAGLE-1 head's layer is the "
+                            f"target's (DecoderOnlyConfig.{ours})")
+
+
+def flat_shapes(head) -> Dict[str, Tuple[int, ...]]:
+  """The head's param paths ('/'-joined) -> shapes (no allocation)."""
+  tree = jax.eval_shape(head.init_params)
+  return {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
+
+
+def load_head(directory, target_config: DecoderOnlyConfig, target_params,
+              dtype: Optional[str] = None):
+  """Reads a public EAGLE head directory for a target.
+
+  Args:
+    directory: config.json + model.safetensors / pytorch_model.bin (or sharded).
+    target_config, target_params: the target's config and params (its embedding
+      table is compared with a stored `embed_tokens.weight`).
+    dtype: the head's params (and EAGLE-3 compute) dtype; default the target's.
+      An EAGLE-1 head computes in the target's dtype (its layer is the target's).
+  Returns:
+    (head: an `Eagle3Head` or the family's EAGLE-1 `DecoderOnlyFeatureHead`,
+     params: its param tree).
+  Raises:
+    CheckpointError: naming the file, tensor or config key at fault.
+  """
+  directory = os.fspath(directory)
+  check_target(target_config)
+  hf = _read_json(directory)
+  origin = os.path.join(directory, "config.json")
+  files = hf_weight_files(directory)
+  kind = detect_format(files, hf, directory)
+  dtype = dtype or target_config.dtype
+  layer = head_config(hf, target_config, origin, dtype)
+  used = set()
+  own = False
+  if "embed_tokens.weight" in files:
+    used.add("embed_tokens.weight")
+    own = not _embeddings_match(files, target_params, directory)
+    if own and kind == "eagle1":
+      raise CheckpointError(f"{files['embed_tokens.weight'].source}: differs from the target's "
+                            f"embedding table; an EAGLE-1 head reads the target's embeddings, so "
+                            f"this head belongs to another target")
+  if kind == "eagle3":
+    head = Eagle3Head(target_config, layer, _vocabulary_map(files, hf, target_config, directory),
+                      own_embeddings=own)
+    used |= {"d2t", "t2d"}
+    names = eagle3_names(own)
+  else:
+    _check_eagle1_layer(layer, target_config, origin)
+    head = _eagle1_head(target_config, "fc.bias" in files)
+  shapes = flat_shapes(head)
+  if kind == "eagle1":
+    names = eagle1_names(shapes)
+  if set(names) != set(shapes):  # A mapping bug, not bad input.
+    raise AssertionError(f"{kind} names {sorted(names)} vs head params {sorted(shapes)}")
+  used |= {theirs for theirs, _ in names.values()}
+  missing = [f"{theirs} (for {ours})" for ours, (theirs, _) in names.items() if theirs not in files]
+  unexpected = [files[k].source for k in sorted(files)
+                if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
+  mismatched = []
+  for ours, (theirs, transpose) in names.items():
+    if theirs in files:
+      want = tuple(reversed(shapes[ours])) if transpose else shapes[ours]
+      if tuple(files[theirs].shape) != want:
+        mismatched.append(f"{files[theirs].source}: {tuple(files[theirs].shape)} vs expected "
+                          f"{want}")
+  raise_on_mismatch(f"EAGLE-{kind[-1]} head {directory} does not match its config.json and "
+                    f"the target (hidden {target_config.emb_dim}, vocab "
+                    f"{target_config.vocab_size}; head layer {layer.num_heads}/"
+                    f"{layer.num_kv_heads} heads x {layer.head_dim}, mlp {layer.mlp_dim}):",
+                    missing, unexpected, mismatched)
+  np_dtype = jnp.dtype(dtype)
+  flat = {}
+  for ours, (theirs, transpose) in names.items():
+    array = files[theirs].read(None)
+    flat[tuple(ours.split("/"))] = jax.device_put(cast(array, np_dtype, transpose))
+  return head, traverse_util.unflatten_dict(flat)
+
+
+# ----------------------------------------------------------------------------
+# Writing.
+
+def head_format(head) -> str:
+  """'eagle3' for an `Eagle3Head`, 'eagle1' for the family's EAGLE-1 head."""
+  from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
+  if isinstance(head, Eagle3Head):
+    return "eagle3"
+  if isinstance(head, DecoderOnlyFeatureHead):
+    return "eagle1"
+  raise ValueError(f"a {type(head).__name__} has no public EAGLE checkpoint format (EAGLE-1: "
+                   f"the decoder-only family's head; EAGLE-3: Eagle3Head)")
+
+
+def save_head(head, params, directory, format: Optional[str] = None) -> None:
+  """Writes a head in its public format: config.json + model.safetensors.
+
+  Args:
+    head: an `Eagle3Head` ('eagle3') or the decoder-only EAGLE-1 head ('eagle1').
+    params: its param tree (kept in their dtype).
+    format: None (the head's own) or 'eagle1' / 'eagle3', which must be the head's.
+  """
+  kind = head_format(head)
+  if format is not None and format not in FORMATS:
+    raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+  if format is not None and format != kind:
+    raise ValueError(f"this head is an {kind} head; it cannot be written as {format} (the two "
+                     f"formats hold different layers)")
+  check_target(head.config, f"an {kind} head")
+  directory = os.fspath(directory)
+  flat = {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
+  shapes = flat_shapes(head)
+  wrong = sorted(k for k in set(flat) | set(shapes)
+                 if k not in flat or k not in shapes or tuple(flat[k].shape) != shapes[k])
+  if wrong:
+    raise ValueError(f"these params are not this {kind} head's (missing, unexpected or "
+                     f"mis-shaped): {wrong}")
+  target_config = head.config
+  dtype = np.dtype(next(iter(flat.values())).dtype).name
+  if kind == "eagle3":
+    names = eagle3_names(head.own_embeddings)
+    layer = head.layer_config
+    hf = hf_checkpoints.decoder_config_to_hf_config(layer)
+    hf.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=head.draft_vocab_size,
+              target_hidden_size=target_config.emb_dim)
+  else:
+    names = eagle1_names(shapes)
+    hf = hf_checkpoints.decoder_config_to_hf_config(target_config)
+    hf["bias"] = bool(head.fc_bias)
+  hf.update(num_hidden_layers=1, vocab_size=target_config.vocab_size, torch_dtype=dtype)
+  tensors = []
+  for ours, (theirs, transpose) in sorted(names.items(), key=lambda item: item[1][0]):
+    array = flat[ours]
+    shape = tuple(reversed(array.shape)) if transpose else tuple(array.shape)
+    tensors.append((theirs, shape, np.dtype(array.dtype),
+                    lambda a=array, t=transpose: np.asarray(a).T if t else np.asarray(a)))
+  if kind == "eagle3":
+    ids = head.draft_to_target.astype(np.int64)
+    d2t = ids - np.arange(ids.size)
+    mask = head.in_draft_vocab()
+    tensors.append(("d2t", d2t.shape, np.dtype(np.int64), lambda: d2t))
+    tensors.append(("t2d", mask.shape, np.dtype(np.bool_), lambda: mask))
+  os.makedirs(directory, exist_ok=True)
+  write_safetensors(os.path.join(directory, "model.safetensors"), tensors,
+                    metadata={"format": "pt"})
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2, sort_keys=True)
