@@ -69,14 +69,15 @@ from specdec_jax import text
 from specdec_jax.core import theory
 from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.core.tree import TreeShape
-from specdec_jax.drafts import (Draft, DynamicTreeDraft, ModelDraft, NgramDraft,
-                                PromptLookupDraft, TreeDraft)
+from specdec_jax.drafts import (Draft, DynamicTreeDraft, FeatureDraft, ModelDraft,
+                                NgramDraft, PromptLookupDraft, TreeDraft)
 from specdec_jax.drafts.tree import LAWS as TREE_LAWS
 from specdec_jax.core.outputs import SpeculativeStats
 from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.generation import generate
-from specdec_jax.loading import load_model, shard_model
+from specdec_jax import demo_pair
+from specdec_jax.loading import load_feature_draft, load_model, shard_model
 from specdec_jax.tools.testing import perturbed_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,17 +147,24 @@ class DraftKind:
 
   Attributes:
     kind: 'prompt_lookup' (copies what followed the last n-gram of the
-      context; `PromptLookupDraft`) or 'ngram' (`NgramDraft`).
+      context; `PromptLookupDraft`), 'ngram' (`NgramDraft`) or 'feature'
+      (an EAGLE-style head over the target's hidden states, `FeatureDraft`;
+      configs/drafts/feature.gin).
     max_ngram / min_ngram: prompt lookup's n-gram lengths.
     path: n-gram: a file `NgramDraft.save` wrote; None fits a bigram on the
-      task's tokenized inputs.
+      task's tokenized inputs. Feature: a public EAGLE-1 / EAGLE-3 head
+      directory (config.json + weights; `load_feature_draft`) or a directory
+      with a head trained here (feature_head.npz + feature_head.json, as the
+      demo pairs ship; `experiments/train_feature_heads.py`); None: a random
+      head of the target's family (smoke tests and cost measurements only:
+      it drafts noise, logged as such).
   """
   kind: str = gin.REQUIRED
   max_ngram: int = 3
   min_ngram: int = 1
   path: Optional[str] = None
 
-  KINDS = ("prompt_lookup", "ngram")
+  KINDS = ("prompt_lookup", "ngram", "feature")
 
   @property
   def name(self) -> str:
@@ -165,12 +173,24 @@ class DraftKind:
   def validate(self) -> None:
     if self.kind not in self.KINDS:
       raise ValueError(f"unknown DraftKind.kind {self.kind!r}; known: {list(self.KINDS)}")
-    if self.path is not None and not os.path.isfile(self.path):
+    if self.kind == "feature":
+      if self.path is not None and not os.path.isdir(self.path):
+        raise FileNotFoundError(f"feature head directory not found: {self.path!r}")
+    elif self.path is not None and not os.path.isfile(self.path):
       raise FileNotFoundError(f"n-gram draft file not found: {self.path!r}")
 
-  def build(self, target_config, rows: Sequence[Sequence[int]]) -> Draft:
-    """The draft for a target of `target_config`; rows: the tokenized inputs."""
+  @property
+  def reads_target(self) -> bool:
+    """Whether the draft is built from the target's params (after they are placed)."""
+    return self.kind == "feature"
+
+  def build(self, target, rows: Sequence[Sequence[int]]) -> Draft:
+    """The draft for `target` (a model; n-gram kinds read only its config); rows: the
+    tokenized inputs."""
+    target_config = target.config
     family = family_of(target_config)
+    if self.kind == "feature":
+      return self._feature_draft(target)
     if self.kind == "prompt_lookup":
       return PromptLookupDraft(target_config.vocab_size, self.max_ngram, self.min_ngram)
     if self.path is not None:
@@ -179,11 +199,21 @@ class DraftKind:
                           order=2, eos_id=family.eos_id(target_config),
                           pad_id=target_config.pad_id)
 
+  def _feature_draft(self, target) -> Draft:
+    if self.path is None:
+      logging.warning("draft: a RANDOM feature head (DraftKind.path unset): it drafts noise; "
+                      "set --gin.DraftKind.path to an EAGLE head or a head trained here")
+      return FeatureDraft(target)
+    if os.path.isfile(os.path.join(self.path, demo_pair.FEATURE_HEAD_FILES[0])):
+      return demo_pair.load_feature_head(self.path, target)
+    return load_feature_draft(self.path, target)
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
-  """A token-tree draft (`TreeDraft` / `DynamicTreeDraft`) around a model or n-gram draft.
+  """A token-tree draft (`TreeDraft` / `DynamicTreeDraft`) around a model, n-gram or feature
+  draft.
 
   configs/drafts/tree.gin and dynamic_tree.gin bind it. The target's block
   width (BLOCK_WIDTH, `Experiment.block_width`) must hold the tree's
@@ -193,8 +223,8 @@ class TreeSpec:
 
   Attributes:
     inner: the draft that scores every node: the pair's `ModelSpec` (default
-      in the gin files: @draft/ModelSpec()) or an n-gram `DraftKind` (prompt
-      lookup gives no law at every node).
+      in the gin files: @draft/ModelSpec()), an n-gram or a feature-head
+      `DraftKind` (prompt lookup gives no law at every node).
     kind: 'tree' (static `TreeDraft`: `branching` children per depth, drawn
       by `children`) or 'dynamic_tree' (`DynamicTreeDraft`: `topk`, `depth`,
       `node_budget`, grown by cumulative draft probability).
@@ -353,7 +383,7 @@ def load_draft(spec: Union[ModelSpec, DraftKind, Draft], target, rows) -> Draft:
   if isinstance(spec, Draft):
     return spec
   if isinstance(spec, DraftKind):
-    return spec.build(target.config, rows)
+    return spec.build(target, rows)
   if spec.perturb_target is not None:
     logging.info("draft: the target with %.0f%% weight noise", 100 * spec.perturb_target)
     return ModelDraft(perturbed_model(target, spec.perturb_target, seed=spec.seed + 1))
@@ -585,6 +615,8 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   family.check_inputs(config, inputs, prompt_lengths, exp.max_decode_steps)
   # A tree wraps the draft that scores its nodes (sharded below like any other).
   draft_spec = tree_spec.inner if tree_spec is not None else exp.draft
+  # A feature head reads the target's arrays: built once they are placed (below).
+  reads_target = isinstance(draft_spec, DraftKind) and draft_spec.reads_target
   draft = load_draft(draft_spec, target, rows)
   draft.check_compatible(config)
   if isinstance(draft, ModelDraft):
@@ -600,6 +632,8 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     if isinstance(draft, ModelDraft):
       draft = ModelDraft(shard_model(draft.model, draft_part), draft.confidence_threshold,
                          draft.vocab_size if draft.padding else None)
+    elif reads_target:
+      draft = load_draft(draft_spec, target, rows)
   draft_model = draft.model if isinstance(draft, ModelDraft) else None
   if tree_spec is not None:
     draft = tree_spec.build(draft)

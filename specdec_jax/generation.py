@@ -144,24 +144,36 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
     # A feature draft: the same decode, the target's callbacks also returning its
     # features (`Family.start_features` / `feature_block_fn`), which the loop hands
     # the draft after each verification (`decoding.speculative_sample`'s observe_fn).
+    # In a tree (`TreeDraft(FeatureDraft(...))`) the loop hands over the accepted
+    # path (`TreeProposer.observe`), up to the tree's depth.
     layers = draft.feature_layers
     with target_axes():
       start, prompt_features, memory = family.start_features(config, params, tokens, lengths,
-                                                             max_decode_steps, layers)
+                                                             max_decode_steps + room, layers)
     cache = constrain_target(start.cache)
-    block = family.feature_block_fn(config, params, layers)
+    block = shift_block_fn(family.feature_block_fn(config, params, layers), start.offset)
 
-    def target_fn(tokens, positions, cache):
+    def target_fn(tokens, positions, cache, tree=None):
+      family.check_tree(tree)
       with target_axes():
-        logits, features, cache = block(tokens, positions + start.offset, cache)
+        logits, features, cache = call_block(block, tokens, positions, cache, tree)
       return logits, features, constrain_target(cache)
 
     inputs = jnp.zeros((tokens.shape[0], max_decode_steps), jnp.int32).at[:, 0].set(
         start.first_inputs)
+    greedy = temperature < sampling.MIN_TEMPERATURE
     with draft_axes():
       draft_state = constrain_draft(draft.init_state(
-          draft_params, family.context(tokens, lengths), max_decode_steps,
-          features=prompt_features, memory=memory, gamma=gamma, start=start))
+          draft_params, family.context(tokens, lengths),
+          max_decode_steps + (draft.room(block_width) if trees else 0),
+          features=prompt_features, memory=memory,
+          gamma=draft.max_depth(greedy, block_width) if trees else gamma, start=start))
+    if trees:
+      return _tree_decode(family, draft, draft_params, inputs, cache, block, start.offset,
+                          draft_state, eos_id, rng, temperature=temperature, topk=topk,
+                          topp=topp, block_width=block_width, target_axes=target_axes,
+                          draft_axes=draft_axes, constrain_target=constrain_target,
+                          constrain_draft=constrain_draft, target_fn=target_fn)
     draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
     draft_observe = draft.observe_fn(draft_params, gamma)
 
@@ -180,8 +192,6 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
                            observe_fn=observe)
 
   if draft is not None and draft.wants_features:
-    if trees:
-      raise ValueError("a feature draft proposes chains here; feature trees are not built yet")
     run = run_features  # noqa: F811
 
   if partitioner is None:
@@ -191,14 +201,17 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
 
 def _tree_decode(family, draft, draft_params, inputs, cache, block, offset, draft_state, eos_id,
                  rng, *, temperature, topk, topp, block_width, target_axes, draft_axes,
-                 constrain_target, constrain_draft):
-  """`_build`'s decode with a tree draft: `tree_decoding.tree_sample` on the same callbacks."""
+                 constrain_target, constrain_draft, target_fn=None):
+  """`_build`'s decode with a tree draft: `tree_decoding.tree_sample` on the same callbacks
+  (target_fn: the target's tree callback when it is not `block`'s, e.g. one that also
+  returns features for a feature draft)."""
   proposer = draft.tree_proposer(draft_params, temperature, topk, topp, block_width)
 
-  def target_fn(tokens, positions, cache, tree):
-    with target_axes():
-      logits, cache = call_block(block, tokens, positions, cache, tree)
-    return logits, constrain_target(cache)
+  if target_fn is None:
+    def target_fn(tokens, positions, cache, tree):
+      with target_axes():
+        logits, cache = call_block(block, tokens, positions, cache, tree)
+      return logits, constrain_target(cache)
 
   def move(cache, positions, sources):
     return constrain_target(family.move_cache(cache, positions + offset, sources))
@@ -215,9 +228,15 @@ def _tree_decode(family, draft, draft_params, inputs, cache, block, offset, draf
   def init(*args):
     return constrain_draft(proposer.init(*args))
 
+  observe = None
+  if proposer.observe is not None:
+    def observe(*args):
+      with draft_axes():
+        return constrain_draft(proposer.observe(*args))
+
   return tree_decoding.tree_sample(
       inputs, cache, target_fn, move,
-      proposer._replace(init=init, propose=propose, accept=accept),
+      proposer._replace(init=init, propose=propose, accept=accept, observe=observe),
       draft_state, eos_id, decode_rng=rng, temperature=temperature, topk=topk, topp=topp)
 
 

@@ -89,3 +89,21 @@ def test_named_shape_takes_the_small_models_vocabulary():
   assert (large.emb_dim, large.num_heads, large.mlp_dim, large.num_decoder_layers) == (
       xxl.emb_dim, xxl.num_heads, xxl.mlp_dim, xxl.num_decoder_layers)
   assert large.vocab_size == 97 and large.dtype == "bfloat16"
+
+
+def test_embedded_feature_head_drafts_what_the_small_head_drafts():
+  """A T5 feature head grown with its target (`embed_feature_head_params`): the large pair
+  drafts and accepts exactly what the small pair does (greedy, float32)."""
+  small = sj.load_model("tiny", vocab_size=97, seed=3, dtype="float32")
+  shape = small.config.replace(emb_dim=192, num_heads=6, head_dim=24, mlp_dim=200,
+                               num_encoder_layers=3, num_decoder_layers=4)
+  large = embed.embed_model(small, shape)
+  head = sj.FeatureDraft(small, seed=4)
+  large_head = sj.FeatureDraft(large, head_params=embed.embed_feature_head_params(
+      head.head_params, small.config, large.config))
+  enc = testing.random_encoder_tokens(3, 9, 97, seed=1)
+  want = sj.generate(small, enc, max_decode_steps=12, draft=head, gamma=3)
+  got = sj.generate(large, enc, max_decode_steps=12, draft=large_head, gamma=3)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  np.testing.assert_array_equal(np.asarray(got.stats.accepted), np.asarray(want.stats.accepted))
+  assert int(want.stats.iterations.sum()) > 0

@@ -85,8 +85,7 @@ def test_bad_feature_layers_are_named():
   draft = sj.FeatureDraft(target)
   with pytest.raises(ValueError, match="does not forward the target's features"):
     sj.AdaptiveGammaDraft(draft)
-  with pytest.raises(TypeError, match="no distribution at every tree node"):
-    sj.TreeDraft(draft, (2,))
+  # Trees of feature drafts: tests/test_feature_trees.py.
   other = _target(vocab=64)
   with pytest.raises(ValueError, match="another target config"):
     sj.generate(other, np.ones((1, 3), np.int32), max_decode_steps=2, draft=draft)

@@ -58,6 +58,17 @@ class TreeProposer(NamedTuple):
   max_depth: the deepest node any tree can have (pending included).
   max_children: the most children a node can have.
   width: W, the tree's slots (the target's block width).
+  observe: None, or for a feature draft (`drafts.FeatureDraft` inside a
+    tree): then the target's callback also returns features, and after each
+    verification the state becomes observe(state, features [batch, max_depth
+    + 1, f], tokens [batch, max_depth + 1], count [batch]): with n drafts on
+    the accepted path, count = n + 1, tokens = the path's n tokens and the
+    new (correction or bonus) token, features = the target's at the path's
+    nodes (root first; feature j produced the law of token j), zeros past
+    count: what the chain loop hands over (`decoding.speculative_sample`),
+    a function of accepted tokens only. Greedy hands over the whole accepted
+    path, pending tokens included (they are accepted tokens; the next tree
+    starts with them).
   """
   init: Callable
   propose: Callable
@@ -66,6 +77,7 @@ class TreeProposer(NamedTuple):
   max_depth: int
   max_children: int
   width: int
+  observe: Optional[Callable] = None
 
 
 def init_tree_stats(batch: int, max_depth: int, max_children: int) -> Dict[str, Array]:
@@ -125,7 +137,8 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
     cache: the target's cache, at least length + width positions.
     tokens_to_logits: the target's block callback, called with a
       `TreeAttention` (`(tokens [batch, W], positions, cache, tree) ->
-      (logits [batch, W, vocab], cache)`).
+      (logits [batch, W, vocab], cache)`; with `proposer.observe`, (logits,
+      features [batch, W, f], cache)).
     move_cache: `(cache, positions [batch], sources [batch, m]) -> cache`, the
       target family's `move_cache`.
     proposer / draft_state: the tree draft (`TreeProposer`) and its state.
@@ -156,7 +169,10 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
     tree, draft_state = proposer.propose(propose_rng, carry.draft_state, carry.sequences,
                                          lengths, carry.pending, carry.num_pending)
     attention = whole_tree_attention(tree.parents, tree.depths, tree.valid, depth_cap)
-    logits, cache = tokens_to_logits(tree.tokens, lengths, carry.cache, attention)
+    if proposer.observe is None:
+      logits, cache = tokens_to_logits(tree.tokens, lengths, carry.cache, attention)
+    else:
+      logits, features, cache = tokens_to_logits(tree.tokens, lengths, carry.cache, attention)
     target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
     verdict = tree_verification.batched_verify_tree(
         jax.random.split(verify_rng, batch), tree.tokens, tree.parents, tree.ranks, tree.valid,
@@ -189,6 +205,11 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
       sources = jnp.where(offsets < kept[:, None], jnp.maximum(path, 0), offsets)
       cache = move_cache(cache, lengths, sources)
     draft_state = proposer.accept(draft_state, lengths, path, kept)
+    if proposer.observe is not None:
+      on_path = offsets[None, :] <= num_accepted[:, None]
+      path_features = jnp.take_along_axis(features, jnp.maximum(path, 0)[:, :, None], axis=1)
+      draft_state = proposer.observe(draft_state, jnp.where(on_path[:, :, None], path_features,
+                                                            0.0), new_tokens, num_accepted + 1)
 
     stats = carry.stats
     drafted_nodes = jnp.sum(tree.valid, axis=1) - 1

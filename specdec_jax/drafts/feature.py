@@ -117,8 +117,12 @@ class FeatureDraft(Draft):
       raise ValueError("this FeatureDraft was built for another target config: a feature head "
                        "reads one target's hidden states, embedding and LM head")
 
-  def _apply(self, params, tokens, features, positions, cache):
-    return self.head.apply(params["head"], params["target"], tokens, features, positions, cache)
+  def _apply(self, params, tokens, features, positions, cache, tree=None):
+    if tree is None:  # heads written before trees take no tree argument
+      return self.head.apply(params["head"], params["target"], tokens, features, positions,
+                             cache)
+    return self.head.apply(params["head"], params["target"], tokens, features, positions, cache,
+                           tree)
 
   def _reduce(self, params, features):
     return self.head.reduce_features(params["head"], params["target"],
@@ -213,3 +217,61 @@ class FeatureDraft(Draft):
       return draft_tokens, draft_probs, limit, dict(state, cache=cache)
 
     return propose
+
+  def tree_expander(self, params, temperature, topk, topp):
+    """Scores tree nodes with the head (`drafts.tree.TreeExpander`): `TreeDraft(FeatureDraft
+    (target), ...)` and `DynamicTreeDraft(...)` grow trees from the head's laws.
+
+    `start` feeds the pairs the loop handed over (`TreeProposer.observe`: the
+    accepted path with the target's features, greedy pending tokens
+    included, so they end at the chain's end, the sub-tree's root) and keeps
+    the head's output there as the root's predicted feature. `expand` feeds
+    one depth of nodes, each paired with its parent's predicted feature
+    (the parent read off the tree's visibility: the visible slot one depth
+    up), with the tree's attention over the head's cache, and keeps their
+    outputs for their children. `move` leaves the cache as it is: the next
+    `start` re-feeds the accepted path, with the target's features instead
+    of the head's guesses, over the same positions (as the chain does).
+    State: the head's predicted feature at each of a tree's draft slots,
+    `node_hidden` [batch, slots, h] (float32; `init`).
+    """
+    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    head = self.head
+
+    def laws(hidden):
+      logits = head.logits(params["head"], params["target"], hidden)
+      scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+      return scores, sampling.adjust_probs(logits, temperature, topk, topp)
+
+    def init(state, batch, slots):
+      return dict(state, node_hidden=jnp.zeros((batch, slots, head.hidden_dim), jnp.float32))
+
+    def start(state, sequences, lengths, chain, chain_len):
+      rows = jnp.arange(sequences.shape[0])
+      count = state["count"]
+      end = lengths + chain_len  # the chain's end: the last pair's token position
+      hidden, cache = self._apply(params, state["pending_tokens"], state["pending_features"],
+                                  end - count + 1 + state["offset"], state["cache"])
+      root = hidden[rows, jnp.clip(count - 1, 0, hidden.shape[1] - 1)].astype(jnp.float32)
+      scores, probs = laws(root)
+      return scores, probs, dict(state, cache=cache,
+                                 node_hidden=state["node_hidden"].at[:, 0].set(root))
+
+    def expand(state, lengths, chain_len, tokens, attention, block_offset):
+      # Each node's parent: the slot it sees one depth above its own.
+      parent_depth = attention.slot_depths[:, None, :] == attention.depths[:, :, None] - 1
+      parent = jnp.argmax(attention.visible & parent_depth, axis=-1)  # [batch, n]
+      parent_hidden = jnp.take_along_axis(state["node_hidden"], parent[:, :, None], axis=1)
+      positions = lengths + chain_len + block_offset + state["offset"]
+      hidden, cache = self._apply(params, tokens, parent_hidden, positions, state["cache"],
+                                  tree=attention)
+      hidden = hidden.astype(jnp.float32)
+      scores, probs = laws(hidden)
+      node_hidden = jax.lax.dynamic_update_slice_in_dim(state["node_hidden"], hidden,
+                                                        block_offset, axis=1)
+      return scores, probs, dict(state, cache=cache, node_hidden=node_hidden)
+
+    def move(state, lengths, sources):
+      return state
+
+    return TreeExpander(start, expand, move, init)

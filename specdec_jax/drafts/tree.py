@@ -53,12 +53,15 @@ class TreeExpander(NamedTuple):
   move(state, lengths [batch], sources [batch, m]) -> state: the entries at
     positions lengths + t take those at lengths + sources[t] (see
     `Family.move_cache`); a draft without a cache returns state.
-  room: extra positions the draft's cache needs past the decode for a tree
-    of `n` slots (a function of n).
+  init: None, or (state, batch, slots) -> state, once before the loop: a draft
+    that keeps per-node arrays beside its cache adds them here, for the
+    `slots` nodes one tree feeds it (tree slots 0..slots-1 of `expand`'s
+    block_offset numbering; a feature head keeps its predicted features).
   """
   start: Any
   expand: Any
   move: Any
+  init: Any = None
 
 
 class _Layout(NamedTuple):
@@ -162,9 +165,25 @@ class TreeDraft(Draft):
     self.eos_id = self.inner.eos_id
     self.pad_id = self.inner.pad_id
 
+  # A feature draft inside a tree reads the target's features as it does in a
+  # chain: the engine's feature callbacks, `init_state`'s features and the
+  # proposer's `observe`.
+  @property
+  def wants_features(self) -> bool:
+    return self.inner.wants_features
+
+  @property
+  def feature_layers(self):
+    return self.inner.feature_layers
+
   @property
   def num_nodes(self) -> int:
     """Slots of one tree, root included: the smallest block width that holds it."""
+    return self.shape.num_nodes
+
+  @property
+  def fed_slots(self) -> int:
+    """Draft slots one tree writes (`expand`'s block_offset numbering, root 0)."""
     return self.shape.num_nodes
 
   @property
@@ -186,9 +205,10 @@ class TreeDraft(Draft):
   def constrain_state(self, state, partitioner):
     return dict(state, inner=self.inner.constrain_state(state["inner"], partitioner))
 
-  def init_state(self, params, context, max_decode_len):
+  def init_state(self, params, context, max_decode_len, **features):
     # `tree_proposer`'s init adds the slots' draft offsets, once the width is known.
-    return dict(inner=self.inner.init_state(params, context, max_decode_len))
+    # features: a feature draft's (`FeatureDraft.init_state`: features, memory, start).
+    return dict(inner=self.inner.init_state(params, context, max_decode_len, **features))
 
   def propose_fn(self, params, gamma, temperature, topk, topp):
     raise TypeError("a TreeDraft proposes trees: decode it through `generate`, which calls "
@@ -246,10 +266,19 @@ class TreeDraft(Draft):
       return dict(state, inner=expander.move(state["inner"], lengths, sources))
 
     def init(state, batch):
-      return dict(state, offsets=jnp.zeros((batch, width), jnp.int32))
+      inner = (state["inner"] if expander.init is None else
+               expander.init(state["inner"], batch, self.fed_slots))
+      return dict(state, inner=inner, offsets=jnp.zeros((batch, width), jnp.int32))
+
+    observe = None
+    if self.inner.wants_features:
+      inner_observe = self.inner.observe_fn(params, self.max_depth(greedy, width))
+
+      def observe(state, features, tokens, count):
+        return dict(state, inner=inner_observe(state["inner"], features, tokens, count))
 
     return TreeProposer(init, propose, accept, self.law(greedy), self.max_depth(greedy, width),
-                        self.max_children, width)
+                        self.max_children, width, observe)
 
   def _grow(self, rng, expander, inner, lengths, chain_len, root_token, root_scores, root_probs,
             greedy):
@@ -333,6 +362,10 @@ class DynamicTreeDraft(TreeDraft):
   @property
   def num_nodes(self) -> int:
     return self.node_budget
+
+  @property
+  def fed_slots(self) -> int:
+    return 1 + (self._depth - 1) * self.topk
 
   @property
   def depth(self) -> int:

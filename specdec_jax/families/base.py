@@ -313,9 +313,10 @@ class Family(abc.ABC):
     raise self._no_features()
 
   def feature_block_fn(self, config, params, layers=None) -> Callable[..., Tuple[Array, Array, Any]]:
-    """`(tokens [batch, k], positions [batch], cache) -> (logits [batch, k, vocab]
-    float32, features [batch, k, f] float32, cache)` at absolute positions: the
-    block callback's logits and cache, and each block token's features."""
+    """`(tokens [batch, k], positions [batch], cache, tree=None) -> (logits [batch, k,
+    vocab] float32, features [batch, k, f] float32, cache)` at absolute positions: the
+    block callback's logits and cache, and each block token's features (with a
+    `TreeAttention`, a tree block's, for families with `supports_trees`)."""
     raise self._no_features()
 
   def feature_head(self, config, **options):

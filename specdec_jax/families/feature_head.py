@@ -113,16 +113,22 @@ class FeatureHead(abc.ABC):
 
   @abc.abstractmethod
   def apply(self, params, refs, tokens: Array, features: Array, positions: Array,
-            cache) -> Tuple[Array, Any]:
+            cache, tree=None) -> Tuple[Array, Any]:
     """Scores k pairs per row from the cache.
 
     Args:
       params, refs: `init_params`' and `target_refs`' trees.
       tokens: [batch, k] int32, token_t of each pair.
       features: [batch, k, hidden_dim], feature_{t-1} of each pair (reduced).
-      positions: [batch] int32, the absolute position t of each row's first
-        pair (pair i at positions + i); the head's own keys there are set.
+      positions: [batch] int32, the cache index of each row's first pair: the
+        head's own keys of pair i are set at positions + i. Without a tree it
+        is also pair 0's absolute position t (pair i at t + i).
       cache: from `init_cache`.
+      tree: None, or a `core.tree.TreeAttention` (a token tree's nodes, one
+        depth at a time, `FeatureDraft.tree_expander`): pair i then sits at
+        absolute position root + tree.depths[i] (root = positions -
+        tree.root_offset) and sees what `core.tree.tree_positions` allows,
+        as in a family's tree block.
     Returns:
       (hidden [batch, k, hidden_dim], the predicted feature_t of each pair,
       in config.dtype or float32; cache).

@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core.tree import tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, DecoderLayer, DecoderOnly,
                                                        Dense, rotary_tables)
@@ -50,19 +51,25 @@ class HeadNetwork(nn.Module):
     self.layer = DecoderLayer(self.config, input_norm=False)
 
   def __call__(self, embeddings: Array, features: Array, positions: Array, cache,
-               learned_positions=None):
-    """embeddings, features [batch, k, emb] at absolute positions positions[b] + 0..k-1;
+               learned_positions=None, query_at=None, key_at=None, allowed=None):
+    """embeddings, features [batch, k, emb], written at cache indices positions[b] + 0..k-1;
     cache dict(self_key, self_value) [batch, max_len, kv_heads, head_dim];
-    learned_positions: None, or [batch, k, emb] added to fc's output (GPT-2).
+    learned_positions: None, or [batch, k, emb] added to fc's output (GPT-2);
+    query_at [batch, k] / key_at [batch, max_len] / allowed [batch, k, max_len]: a tree
+    block's absolute positions and visibility (`core.tree.tree_positions`); None: a
+    causal block at absolute positions positions[b] + 0..k-1.
     Returns (predicted features [batch, k, emb] in config.dtype, cache)."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     x = self.fc(jnp.concatenate([embeddings.astype(dtype), features.astype(dtype)], axis=-1))
     if learned_positions is not None:
       x = x + learned_positions.astype(dtype)
-    query_at = positions[:, None] + jnp.arange(x.shape[1])[None, :]
-    key_at = jnp.arange(cache["self_key"].shape[1])[None]
+    if query_at is None:
+      query_at = positions[:, None] + jnp.arange(x.shape[1])[None, :]
+      key_at = jnp.arange(cache["self_key"].shape[1])[None]
     causal = key_at[:, None, None, :] <= query_at[:, None, :, None]
+    if allowed is not None:
+      causal = causal & allowed[:, None]
     bias = jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)
     rotary = rotary_tables(query_at, cfg) if cfg.uses_rotary else None
     return self.layer(x, bias, rotary, cache, positions)
@@ -128,15 +135,19 @@ class DecoderOnlyFeatureHead(FeatureHead):
       x = x * jnp.asarray(config.emb_dim ** 0.5, x.dtype)
     return x
 
-  def apply(self, params, refs, tokens, features, positions, cache):
+  def apply(self, params, refs, tokens, features, positions, cache, tree=None):
+    query_at = key_at = allowed = None
+    if tree is not None:
+      query_at, key_at, allowed = tree_positions(tree, positions, cache["self_key"].shape[1])
     learned = None
     if not self.config.uses_rotary:
-      at = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
+      at = (positions[:, None] + jnp.arange(tokens.shape[1])[None, :] if query_at is None
+            else query_at)
       # Clipped as the target clips: positions past the table belong to
       # drafts beyond the decode, never emitted.
       learned = jnp.take(refs["embed_positions"]["embedding"], at, axis=0, mode="clip")
     return self.network.apply({"params": params}, self.embed(refs, tokens), features,
-                              positions, cache, learned)
+                              positions, cache, learned, query_at, key_at, allowed)
 
   def logits(self, params, refs, hidden):
     """The target's LM head: hidden [..., emb] -> logits [..., vocab] float32."""

@@ -152,12 +152,12 @@ def feature_layers(config: DecoderOnlyConfig, layers=None) -> Tuple[int, ...]:
 
 
 def absolute_feature_block_fn(config: DecoderOnlyConfig, params, layers=None):
-  """`(tokens, absolute positions, cache) -> (logits, features, cache)` for traced params
-  (`DecoderOnly.decode_block_features`; causal blocks only)."""
+  """`(tokens, absolute positions, cache, tree=None) -> (logits, features, cache)` for
+  traced params (`DecoderOnly.decode_block_features`; causal or tree blocks)."""
   module = DecoderOnly(config)
   taps = feature_layers(config, layers)
-  return lambda tokens, positions, cache: module.apply(
-      {"params": params}, tokens, positions, cache, taps,
+  return lambda tokens, positions, cache, tree=None: module.apply(
+      {"params": params}, tokens, positions, cache, taps, tree,
       method=DecoderOnly.decode_block_features)
 
 

@@ -491,13 +491,20 @@ class DecoderOnly(nn.Module):
     return self.project_logits(hidden), dict(cache, layers=layers)
 
   def decode_block_features(self, tokens: Array, positions: Array, cache: Cache,
-                            taps: Tuple[int, ...]) -> Tuple[Array, Array, Cache]:
-    """`decode_block` (a causal block) that also returns the features `taps` names
-    (`_hidden`): (logits [batch, k, vocab] float32, features [batch, k, len(taps) * emb]
-    float32, cache). Feature i belongs to block token i (it produced logits i)."""
-    query_positions = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
-    hidden, layers, features = self._hidden(tokens, query_positions, cache, positions,
-                                            taps=taps)
+                            taps: Tuple[int, ...], tree: Optional[TreeAttention] = None
+                            ) -> Tuple[Array, Array, Cache]:
+    """`decode_block` (a causal or a tree block) that also returns the features `taps`
+    names (`_hidden`): (logits [batch, k, vocab] float32, features [batch, k, len(taps) *
+    emb] float32, cache). Feature i belongs to block token i (it produced logits i)."""
+    if tree is None:
+      query_positions = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
+      hidden, layers, features = self._hidden(tokens, query_positions, cache, positions,
+                                              taps=taps)
+    else:
+      query_positions, key_positions, allowed = tree_positions(
+          tree, positions, cache["layers"][0]["self_key"].shape[1])
+      hidden, layers, features = self._hidden(tokens, query_positions, cache, positions,
+                                              key_positions, allowed, taps=taps)
     return self.project_logits(hidden), features, dict(cache, layers=layers)
 
   def prefill_features(self, prompts: Array, cache: Cache, taps: Tuple[int, ...]

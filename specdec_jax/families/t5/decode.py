@@ -430,9 +430,9 @@ def block_fn(params, config: T5Config, attention: Optional[str] = None):
 
 def feature_block_fn(params, config: T5Config, taps: Tuple[int, ...],
                      attention: Optional[str] = None):
-  """`block_fn` for causal blocks that also returns the features `taps` names:
-  `(tokens, positions, cache) -> (logits, features [batch, k, len(taps) * emb]
-  float32, cache)` (`decode_block`'s taps)."""
+  """`block_fn` that also returns the features `taps` names: `(tokens, positions,
+  cache, tree=None) -> (logits, features [batch, k, len(taps) * emb] float32,
+  cache)` (`decode_block`'s taps; a tree block's features are its nodes')."""
   prepared = prepare_decode_params(params, config)
-  return lambda tokens, positions, cache: decode_block(
-      prepared, config, tokens, positions, cache, attention, None, taps)
+  return lambda tokens, positions, cache, tree=None: decode_block(
+      prepared, config, tokens, positions, cache, attention, tree, taps)

@@ -107,6 +107,82 @@ def _grow(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, pad)
 
 
+class _Grower:
+  """The growing rules of the module docstring, one method per kind of tensor (T5X trees)."""
+
+  def __init__(self, config: T5Config, large: T5Config):
+    self.r = check_embeddable(config, large)
+    self.config, self.large = config, large
+    self.dtype = jnp.dtype(large.dtype)
+
+  def done(self, x):
+    return x.astype(self.dtype)
+
+  def wide(self, x, axis):  # residual-stream axis: repeat each dimension r times
+    return jnp.repeat(jnp.asarray(x, jnp.float32), self.r, axis=axis)
+
+  def input_kernel(self, kernel, out_size):  # [emb, out] -> [r emb, out_size]
+    return self.done(_grow(self.wide(kernel, 0) / self.r, 1, out_size))
+
+  def head_input_kernel(self, kernel):  # [emb, h d] -> [r emb, hl dl]
+    config, large = self.config, self.large
+    k = jnp.asarray(kernel, jnp.float32).reshape(config.emb_dim, config.num_heads,
+                                                 config.head_dim)
+    k = _grow(_grow(k, 1, large.num_heads), 2, large.head_dim).reshape(
+        config.emb_dim, large.num_heads * large.head_dim)
+    return self.done(self.wide(k, 0) / self.r)
+
+  def head_output_kernel(self, kernel):  # [h d, emb] -> [hl dl, r emb]
+    config, large = self.config, self.large
+    k = jnp.asarray(kernel, jnp.float32).reshape(config.num_heads, config.head_dim,
+                                                 config.emb_dim)
+    k = _grow(_grow(k, 0, large.num_heads), 1, large.head_dim).reshape(
+        large.num_heads * large.head_dim, config.emb_dim)
+    return self.done(self.wide(k, 1))
+
+  def scale(self, tree):
+    return {"scale": self.done(self.wide(tree["scale"], 0))}
+
+  def attention(self, tree):
+    out = {name: {"kernel": self.head_input_kernel(tree[name]["kernel"])}
+           for name in ("query", "key", "value")}
+    out["out"] = {"kernel": self.head_output_kernel(tree["out"]["kernel"])}
+    return out
+
+  def mlp(self, tree):
+    mlp_dim = self.large.mlp_dim
+    out = {name: {"kernel": self.input_kernel(k["kernel"], mlp_dim)}
+           for name, k in tree.items() if name != "wo"}
+    out["wo"] = {"kernel": self.done(self.wide(
+        _grow(jnp.asarray(tree["wo"]["kernel"], jnp.float32), 0, mlp_dim), 1))}
+    return out
+
+  def layer(self, tree):
+    return {name: (self.scale(sub) if name.endswith("layer_norm") else
+                   self.mlp(sub) if name == "mlp" else self.attention(sub))
+            for name, sub in tree.items()}
+
+  def relpos(self, tree):
+    return {"rel_embedding": self.done(_grow(jnp.asarray(tree["rel_embedding"], jnp.float32),
+                                             0, self.large.num_heads))}
+
+  def identity_layer(self, template):
+    """A layer shaped like `template` (already large) that adds nothing."""
+    dtype = self.dtype
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: (jnp.ones(x.shape, dtype) if "layer_norm" in jax.tree_util.keystr(path)
+                         else jnp.zeros(x.shape, dtype)), template)
+
+  def stack(self, tree, small_layers, large_layers, norm_name):
+    out: Dict[str, Any] = {"relpos_bias": self.relpos(tree["relpos_bias"]),
+                           norm_name: self.scale(tree[norm_name])}
+    for i in range(small_layers):
+      out[f"layers_{i}"] = self.layer(tree[f"layers_{i}"])
+    for i in range(small_layers, large_layers):
+      out[f"layers_{i}"] = self.identity_layer(out[f"layers_{small_layers - 1}"])
+    return out
+
+
 def embed_params(params, config: T5Config, large: T5Config):
   """The large model's T5X parameter tree computing the small model's function.
 
@@ -119,76 +195,36 @@ def embed_params(params, config: T5Config, large: T5Config):
     float32, then cast), so peak memory is about the large tree plus its
     largest tensor.
   """
-  r = check_embeddable(config, large)
-  dtype = jnp.dtype(large.dtype)
-  h, d, hl, dl = config.num_heads, config.head_dim, large.num_heads, large.head_dim
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  done = lambda x: x.astype(dtype)
-
-  def wide(x, axis):  # residual-stream axis: repeat each dimension r times
-    return jnp.repeat(f32(x), r, axis=axis)
-
-  def input_kernel(kernel, out_size):  # [emb, out] -> [r emb, out_size]
-    return done(_grow(wide(kernel, 0) / r, 1, out_size))
-
-  def head_input_kernel(kernel):  # [emb, h d] -> [r emb, hl dl]
-    k = f32(kernel).reshape(config.emb_dim, h, d)
-    k = _grow(_grow(k, 1, hl), 2, dl).reshape(config.emb_dim, hl * dl)
-    return done(wide(k, 0) / r)
-
-  def head_output_kernel(kernel):  # [h d, emb] -> [hl dl, r emb]
-    k = f32(kernel).reshape(h, d, config.emb_dim)
-    k = _grow(_grow(k, 0, hl), 1, dl).reshape(hl * dl, config.emb_dim)
-    return done(wide(k, 1))
-
-  def scale(tree):
-    return {"scale": done(wide(tree["scale"], 0))}
-
-  def attention(tree):
-    out = {name: {"kernel": head_input_kernel(tree[name]["kernel"])}
-           for name in ("query", "key", "value")}
-    out["out"] = {"kernel": head_output_kernel(tree["out"]["kernel"])}
-    return out
-
-  def mlp(tree):
-    out = {name: {"kernel": input_kernel(k["kernel"], large.mlp_dim)}
-           for name, k in tree.items() if name != "wo"}
-    out["wo"] = {"kernel": done(wide(_grow(f32(tree["wo"]["kernel"]), 0, large.mlp_dim), 1))}
-    return out
-
-  def layer(tree):
-    return {name: (scale(sub) if name.endswith("layer_norm") else
-                   mlp(sub) if name == "mlp" else attention(sub))
-            for name, sub in tree.items()}
-
-  def relpos(tree):
-    return {"rel_embedding": done(_grow(f32(tree["rel_embedding"]), 0, hl))}
-
-  def identity_layer(template):
-    """A layer shaped like `template` (already large) that adds nothing."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: (jnp.ones(x.shape, dtype) if "layer_norm" in jax.tree_util.keystr(path)
-                         else jnp.zeros(x.shape, dtype)), template)
-
-  def stack(tree, small_layers, large_layers, norm_name):
-    out: Dict[str, Any] = {"relpos_bias": relpos(tree["relpos_bias"]),
-                           norm_name: scale(tree[norm_name])}
-    for i in range(small_layers):
-      out[f"layers_{i}"] = layer(tree[f"layers_{i}"])
-    for i in range(small_layers, large_layers):
-      out[f"layers_{i}"] = identity_layer(out[f"layers_{small_layers - 1}"])
-    return out
-
-  decoder = stack(params["decoder"], config.num_decoder_layers, large.num_decoder_layers,
-                  "decoder_norm")
-  decoder["logits_dense"] = {"kernel": input_kernel(params["decoder"]["logits_dense"]["kernel"],
-                                                    large.vocab_size)}
+  grow = _Grower(config, large)
+  decoder = grow.stack(params["decoder"], config.num_decoder_layers, large.num_decoder_layers,
+                       "decoder_norm")
+  decoder["logits_dense"] = {"kernel": grow.input_kernel(
+      params["decoder"]["logits_dense"]["kernel"], large.vocab_size)}
   return {
-      "token_embedder": {"embedding": done(wide(params["token_embedder"]["embedding"], 1))},
-      "encoder": stack(params["encoder"], config.num_encoder_layers, large.num_encoder_layers,
-                       "encoder_norm"),
+      "token_embedder": {"embedding": grow.done(grow.wide(
+          params["token_embedder"]["embedding"], 1))},
+      "encoder": grow.stack(params["encoder"], config.num_encoder_layers,
+                            large.num_encoder_layers, "encoder_norm"),
       "decoder": decoder,
   }
+
+
+def embed_feature_head_params(head_params, config: T5Config, large: T5Config):
+  """A T5 feature head (`families.t5.feature_head`) of the small target, grown to drive the
+  embedded target (`embed_params(..., large)`) with the same function.
+
+  The head reads the embedded target's features (the small ones, each
+  dimension repeated r times) and embedding; fc's two input halves grow like
+  any input kernel and its output like the residual stream, the relative
+  position table and the layer like the decoder's own.
+  """
+  grow = _Grower(config, large)
+  emb = config.emb_dim
+  fc = jnp.asarray(head_params["fc"]["kernel"], jnp.float32)  # [2 emb, emb]
+  halves = [grow.wide(grow.wide(fc[i * emb:(i + 1) * emb], 0) / grow.r, 1) for i in range(2)]
+  return {"fc": {"kernel": grow.done(jnp.concatenate(halves, axis=0))},
+          "relpos_bias": grow.relpos(head_params["relpos_bias"]),
+          "layer": grow.layer(head_params["layer"])}
 
 
 def embed_model(model: Model, shape: Union[str, T5Config], dtype: Optional[str] = None) -> Model:

@@ -128,7 +128,7 @@ class T5Family(Family):
 
   def feature_block_fn(self, config: T5Config, params, layers=None):
     """The fused block callback (`decode.decode_block`) that also returns the
-    decoder's features `layers` names (causal blocks)."""
+    decoder's features `layers` names (causal or tree blocks)."""
     return t5_decode.feature_block_fn(params, config,
                                       feature_taps(config.num_decoder_layers, layers))
 

@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core.tree import tree_positions
 from specdec_jax.families.feature_head import FeatureHead
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import (_MASK_VALUE, Decoder, DecoderLayer, Dense,
@@ -58,15 +59,23 @@ class HeadNetwork(nn.Module):
     """encoded [batch, S, emb] -> the layer's cross key, value [batch, heads, S, head_dim]."""
     return self.layer.cross_key_value(encoded)
 
-  def __call__(self, embeddings: Array, features: Array, positions: Array, cache):
-    """embeddings, features [batch, k, emb] at positions[b] + 0..k-1; cache: the head's
+  def __call__(self, embeddings: Array, features: Array, positions: Array, cache, tree=None):
+    """embeddings, features [batch, k, emb], written at cache indices positions[b] + 0..k-1
+    (a causal block at those positions, or a `TreeAttention` block: positions and
+    visibility from `core.tree.tree_positions`); cache: the head's
     (`T5FeatureHead.init_cache`). Returns (predicted features [batch, k, emb], cache)."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     x = self.fc(jnp.concatenate([embeddings.astype(dtype), features.astype(dtype)], axis=-1))
-    query_positions = positions[:, None] + jnp.arange(x.shape[1])[None, :]
-    key_positions = jnp.arange(cache["self_key"].shape[2])[None]
-    causal = key_positions[:, None, None, :] <= query_positions[:, None, :, None]
+    if tree is None:
+      query_positions = positions[:, None] + jnp.arange(x.shape[1])[None, :]
+      key_positions = jnp.arange(cache["self_key"].shape[2])[None]
+      allowed = True
+    else:
+      query_positions, key_positions, allowed = tree_positions(tree, positions,
+                                                               cache["self_key"].shape[2])
+      allowed = allowed[:, None]
+    causal = (key_positions[:, None, None, :] <= query_positions[:, None, :, None]) & allowed
     self_bias = self.relpos_bias(query_positions, key_positions) + jnp.where(
         causal, 0.0, _MASK_VALUE)
     cross_bias = jnp.where(cache["encoder_mask"][:, None, None, :], 0.0, _MASK_VALUE)
@@ -155,9 +164,9 @@ class T5FeatureHead(FeatureHead):
     """The target decoder's input embedding of ids (T5: the shared table, unscaled)."""
     return jnp.take(refs["token_embedder"]["embedding"], ids, axis=0).astype(self.config.dtype)
 
-  def apply(self, params, refs, tokens, features, positions, cache):
+  def apply(self, params, refs, tokens, features, positions, cache, tree=None):
     return self.network.apply({"params": params}, self.embed(refs, tokens), features,
-                              positions, cache)
+                              positions, cache, tree)
 
   def logits(self, params, refs, hidden):
     """The target's logit projection: hidden [..., emb] -> [..., vocab] float32."""
