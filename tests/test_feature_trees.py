@@ -108,3 +108,15 @@ def test_sampled_feature_tree_follows_target_distribution_t5():
   expected = _exact_sequence_distribution(target, enc_row, 3, eos_id=1, **setting)
   _sampled(target, enc_row, expected, sj.TreeDraft(t5_features._copy_head(target), (2, 1)),
            10_000, 29, setting)
+
+
+def test_greedy_eagle3_tree_equals_target_only():
+  """An EAGLE-3 head (reduced vocabulary, its own lm_head) grows the tree."""
+  target = sj.load_model("llama_tiny", vocab_size=32, seed=6, dtype="float32", num_layers=7)
+  draft_ids = np.sort(np.random.default_rng(0).choice(32, 12, replace=False))
+  head = sj.FeatureDraft(target, head=sj.Eagle3Head(target.config, draft_to_target=draft_ids))
+  tokens, lengths = decoder_only_features._prompts(3, 6, 32, seed=7)
+  kwargs = dict(max_decode_steps=12, block_width=8, eos_id=-1)
+  want = sj.generate(target, tokens, lengths, **kwargs)
+  got = sj.generate(target, tokens, lengths, draft=sj.TreeDraft(head, (2, 2)), **kwargs)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))

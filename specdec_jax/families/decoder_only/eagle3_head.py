@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.core.tree import tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, Attention, Dense, Mlp, Norm,
@@ -126,25 +127,33 @@ class Eagle3Network(nn.Module):
       self.embed_tokens = self.param("embed_tokens", nn.initializers.normal(0.02),
                                      (cfg.vocab_size, cfg.emb_dim), jnp.float32)
 
-  def __call__(self, embeddings, hidden, positions, cache):
+  def __call__(self, embeddings, hidden, positions, cache, tree=None):
     """One block of pairs through the midlayer.
 
     Args:
       embeddings: [batch, k, h] the tokens' embeddings.
       hidden: [batch, k, h] fc's output of target features (`reduce`), or the
         head's own previous outputs (fed as they are, EAGLE-3's choice).
-      positions: [batch] int32, absolute position of each row's first pair.
+      positions: [batch] int32, the cache index of each row's first pair (without
+        a tree also its absolute position).
       cache: dict(self_key, self_value) [batch, max_len, kv_heads, head_dim].
+      tree: None, or a `core.tree.TreeAttention` block (`FeatureHead.apply`).
     Returns:
       (out [batch, k, h] before the final norm, cache).
     """
     cfg = self.config
-    query_at = positions[:, None] + jnp.arange(embeddings.shape[1])[None, :]
-    key_at = jnp.arange(cache["self_key"].shape[1])[None, None, None, :]
+    max_len = cache["self_key"].shape[1]
+    if tree is None:
+      query_at = positions[:, None] + jnp.arange(embeddings.shape[1])[None, :]
+      key_at = jnp.arange(max_len)[None, None, None, :]
+      allowed = True
+    else:
+      query_at, key_positions, allowed = tree_positions(tree, positions, max_len)
+      key_at, allowed = key_positions[:, None, None, :], allowed[:, None]
     query = query_at[:, None, :, None]
     # Causal; the zero-feature pair at position 0 is seen by position 0 only
     # (module docstring: EAGLE has no such pair).
-    visible = (key_at <= query) & ((key_at > 0) | (query == 0))
+    visible = (key_at <= query) & allowed & ((key_at > 0) | (query == 0))
     bias = jnp.where(visible, 0.0, _MASK_VALUE).astype(jnp.float32)
     rotary = rotary_tables(query_at, cfg)
     return self.midlayer(embeddings, hidden, bias, rotary, cache, positions)
@@ -296,15 +305,17 @@ class Eagle3Head(FeatureHead):
              refs["embed_tokens"]["embedding"])
     return jnp.take(table, tokens, axis=0, mode="clip").astype(self.layer_config.dtype)
 
-  def apply(self, params, refs, tokens: Array, features: Array, positions: Array, cache):
-    """Pairs (features[:, i], tokens[:, i]) at absolute positions positions[b] + i.
+  def apply(self, params, refs, tokens: Array, features: Array, positions: Array, cache,
+            tree=None):
+    """Pairs (features[:, i], tokens[:, i]) at absolute positions positions[b] + i (or a
+    tree's, `FeatureHead.apply`).
 
     tokens [batch, k] int32; features [batch, k, h]: reduced target features
     or the head's own outputs; positions [batch]. Returns (out [batch, k, h]
     before the final norm, the feature fed back; cache).
     """
     return self.network.apply({"params": params}, self.embed(params, refs, tokens), features,
-                              positions, cache)
+                              positions, cache, tree)
 
   def draft_logits(self, params, hidden: Array) -> Array:
     """hidden [..., h] -> logits over the draft vocabulary [..., draft_vocab] float32."""
