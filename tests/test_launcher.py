@@ -330,6 +330,31 @@ def test_decoder_only_tree_drafts(pairs, tmp_path, name, gin_file, bindings, dra
   assert "accepted-depth histogram" in (out / "results.md").read_text()
 
 
+@pytest.mark.parametrize("name,gin_file,bindings,draft", [
+    # A public-format EAGLE-1 head (written by the test) on the Llama pair, as a chain.
+    ("llama", "configs/drafts/feature.gin", [], "feature"),
+    # A random T5 feature head growing a static tree (no DRAFT_CHECKPOINT read).
+    ("t5", "configs/drafts/feature_tree.gin", ["TreeSpec.branching = (2, 1)",
+                                               "BLOCK_WIDTH = 5"], "tree2x1(feature)"),
+])
+def test_feature_drafts(pairs, tmp_path, name, gin_file, bindings, draft):
+  """Feature drafts through gin: DraftKind 'feature' (an EAGLE directory, or a random
+  head), alone and inside a tree; greedy outputs equal target-only decoding."""
+  target_dir, draft_dir = pairs[name]
+  if name == "llama":
+    head_dir = tmp_path / "eagle1"
+    sj.save_feature_draft(sj.FeatureDraft(sj.load_model(str(target_dir)), seed=3), str(head_dir),
+                          format="eagle1")
+    bindings = bindings + [f"DraftKind.path = '{head_dir}'"]
+  out = tmp_path / "out"
+  result = _run(["configs/pairs/local.gin", "configs/tasks/local_file.gin", gin_file],
+                [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
+                 f"INPUT_FILE = '{_input_file(tmp_path)}'"] + bindings, out)
+  assert result["draft"] == draft and result["identical_outputs"] is True
+  assert all(c["baseline"] == c["speculative"] for c in result["completions"])
+  assert result["alpha"] is not None
+
+
 # ---------------------------------------------------------------------------
 # Bad input: a clear error, and no results written.
 
