@@ -26,6 +26,7 @@ from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, FeatureDraft, ModelDr
                                 NgramDraft, PromptLookupDraft, TreeDraft, DynamicTreeDraft,
                                 as_draft)
 from specdec_jax.families.base import Context, DecodeStart, Family
+from specdec_jax.families.feature_head import FeatureHead
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       get_decoder_config)

@@ -146,8 +146,8 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
     # the draft after each verification (`decoding.speculative_sample`'s observe_fn).
     layers = draft.feature_layers
     with target_axes():
-      start, prompt_features = family.start_features(config, params, tokens, lengths,
-                                                     max_decode_steps, layers)
+      start, prompt_features, memory = family.start_features(config, params, tokens, lengths,
+                                                             max_decode_steps, layers)
     cache = constrain_target(start.cache)
     block = family.feature_block_fn(config, params, layers)
 
@@ -161,7 +161,7 @@ def _build(family: Family, config, draft: Optional[Draft], max_decode_steps: int
     with draft_axes():
       draft_state = constrain_draft(draft.init_state(
           draft_params, family.context(tokens, lengths), max_decode_steps,
-          features=prompt_features, gamma=gamma))
+          features=prompt_features, memory=memory, gamma=gamma, start=start))
     draft_propose = draft.propose_fn(draft_params, gamma, temperature, topk, topp)
     draft_observe = draft.observe_fn(draft_params, gamma)
 

@@ -55,9 +55,10 @@ def test_feature_block_matches_block_and_uncached_forward(layers):
   rng = np.random.default_rng(0)
   tokens = rng.integers(2, 64, (2, 9)).astype(np.int32)
   lengths = jnp.array([6, 6], jnp.int32)
-  start, prompt_features = family.start_features(cfg, model.params, jnp.asarray(tokens[:, :6]),
+  start, prompt_features, memory = family.start_features(cfg, model.params, jnp.asarray(tokens[:, :6]),
                                                  lengths, 4, layers)
   assert prompt_features.shape == (2, 6, family.feature_dim(cfg, layers))
+  assert memory is None
   block = jnp.asarray(tokens[:, 5:9])
   positions = jnp.array([5, 5], jnp.int32)
   logits, features, _ = family.feature_block_fn(cfg, model.params, layers)(
@@ -81,7 +82,7 @@ def test_bad_feature_layers_are_named():
   t5 = sj.load_model("tiny", vocab_size=32)
   with pytest.raises(ValueError, match="does not expose its hidden states"):
     family_of(t5).feature_dim(None)
-  with pytest.raises(ValueError, match="serves decoder-only targets"):
+  with pytest.raises(ValueError, match="a feature draft cannot serve it"):
     sj.FeatureDraft(t5)
   target = _target(vocab=32)
   draft = sj.FeatureDraft(target)
@@ -283,7 +284,7 @@ def test_eagle1_loss_trains_the_head_and_raises_acceptance():
       before.summary(), after.stats.summary())
 
 
-def test_feature_draft_serves_a_tied_qwen2_target_and_refuses_learned_positions():
+def test_feature_draft_serves_a_tied_qwen2_target():
   """Qwen2 layout: tied head (logits through the embedding table), q/k/v biases."""
   target = sj.load_model("qwen2_tiny", vocab_size=8, seed=3, dtype="float32")
   assert target.config.tie_word_embeddings
@@ -297,5 +298,63 @@ def test_feature_draft_serves_a_tied_qwen2_target_and_refuses_learned_positions(
   got = sj.generate(target, tokens, lengths, draft=draft, gamma=3, **kwargs)
   np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
   assert got.stats.accepted.sum() > 0, got.stats.summary()
-  with pytest.raises(ValueError, match="learned positions"):
-    sj.FeatureDraft(sj.load_model("gpt2_tiny", vocab_size=8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_feature_draft_serves_a_learned_position_gpt2_target(dtype):
+  """GPT-2 layout (learned positions, LayerNorm, tied head): the head adds the target's
+  own position embedding at each pair's absolute position (a reference, like the
+  embedding table); greedy outputs are the target's, and the copy head is accepted."""
+  target = _cast(sj.load_model("gpt2_tiny", vocab_size=8, seed=3, dtype="float32"), dtype)
+  assert not target.config.uses_rotary
+  draft = _copy_head(target)
+  assert set(draft.params["target"]) == {"embed_tokens", "embed_positions"}
+  assert draft.params["target"]["embed_positions"]["embedding"] is (
+      target.params["embed_positions"]["embedding"])
+  tokens, lengths = _prompts(4, 5, 8, seed=6)
+  kwargs = dict(max_decode_steps=16, block_width=8, eos_id=-1)
+  want = sj.generate(target, tokens, lengths, **kwargs)
+  for d, gamma in ((sj.FeatureDraft(target, seed=1), 3), (draft, 3)):
+    got = sj.generate(target, tokens, lengths, draft=d, gamma=gamma, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  assert got.stats.accepted.sum() > 0, got.stats.summary()
+  # The positions reach the head: the same pairs at other positions predict otherwise.
+  head, params = draft.head, draft.params
+  pair = (jnp.array([[3, 4]], jnp.int32), jnp.ones((1, 2, head.hidden_dim), jnp.float32))
+  at = [head.apply(params["head"], params["target"], *pair, jnp.array([p], jnp.int32),
+                   head.init_cache(params["head"], 1, 16))[0] for p in (0, 5)]
+  assert not np.allclose(np.asarray(at[0], np.float32), np.asarray(at[1], np.float32))
+
+
+def test_a_prebuilt_head_is_driven_through_the_contract():
+  """FeatureDraft(target, head=...) drives any FeatureHead: here the family's own head
+  behind a subclass that counts its calls; same outputs as the default head."""
+  from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
+  from specdec_jax.families.feature_head import FeatureHead
+  target = _target(vocab=16, seed=2)
+  calls = collections.Counter()
+
+  class Counting(DecoderOnlyFeatureHead):
+    def static_key(self):
+      return super().static_key() + ("counting",)
+
+    def apply(self, *args):
+      calls["apply"] += 1
+      return super().apply(*args)
+
+  head = Counting(target.config)
+  assert isinstance(head, FeatureHead)
+  default = sj.FeatureDraft(target, seed=4)
+  prebuilt = sj.FeatureDraft(target, head=head, head_params=default.head_params)
+  tokens, lengths = _prompts(3, 4, 16, seed=1)
+  kwargs = dict(max_decode_steps=10, block_width=8, eos_id=-1, gamma=3, temperature=1.0,
+                rng=jax.random.PRNGKey(3))
+  a = sj.generate(target, tokens, lengths, draft=default, **kwargs)
+  b = sj.generate(target, tokens, lengths, draft=prebuilt, **kwargs)
+  np.testing.assert_array_equal(np.asarray(a.sequences), np.asarray(b.sequences))
+  np.testing.assert_array_equal(a.stats.accepted, b.stats.accepted)
+  assert calls["apply"] > 0  # traced through the prebuilt head
+  with pytest.raises(TypeError, match="FeatureHead"):
+    sj.FeatureDraft(target, head=object())
+  with pytest.raises(ValueError, match="another target config"):
+    sj.FeatureDraft(_target(vocab=32), head=head)

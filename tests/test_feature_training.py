@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax.drafts import feature as feature_draft
 from specdec_jax.families.decoder_only.batch import lm_batch
 from specdec_jax.train import feature as feature_train
 from specdec_jax.train import trainer
@@ -40,17 +39,17 @@ def _sampled_batch(target, rows=16, prompt=4, steps=20, seed=0):
 
 def _eagle1_reference(draft, head_params, batch, ce_weight=0.1):
   """The EAGLE-1 loss written out directly (the pre-TTT implementation)."""
-  config, refs = draft.config, draft.target_params
+  head, refs = draft.head, draft.target_params
   tokens, features = batch["tokens"], jnp.asarray(batch["features"], jnp.float32)
   weights = jnp.asarray(batch["weights"], jnp.float32)
   b, t, h = features.shape
   fed = jnp.concatenate([jnp.zeros((b, 1, h)), features[:, :-1]], axis=1)
-  predicted, _ = feature_draft.FeatureHead(config, draft.fc_bias).apply(
-      {"params": head_params}, feature_draft.embed(config, refs, tokens), fed,
-      jnp.zeros((b,), jnp.int32), feature_draft.head_cache(config, b, t))
+  predicted, _ = head.apply(head_params, refs, tokens, fed, jnp.zeros((b,), jnp.int32),
+                            head.init_cache(head_params, b, t))
+  predicted = predicted.astype(jnp.float32)
   regression = jnp.mean(feature_train.smooth_l1(predicted, features), axis=-1)
-  target_probs = jax.nn.softmax(feature_draft.project(config, refs, features), -1)
-  log_q = jax.nn.log_softmax(feature_draft.project(config, refs, predicted), -1)
+  target_probs = jax.nn.softmax(head.logits(head_params, refs, features), -1)
+  log_q = jax.nn.log_softmax(head.logits(head_params, refs, predicted), -1)
   ce = -jnp.sum(target_probs * log_q, -1)
   return jnp.sum(weights * (regression + ce_weight * ce))
 
@@ -76,22 +75,20 @@ def test_ttt_with_one_step_is_the_eagle1_loss():
 def _unrolled_reference(draft, head_params, batch, steps):
   """{i: (sum of CE, number of valid anchors)} for i = 1..steps-1, one anchor at a time
   with a fresh cache, as a proposal runs the head."""
-  config, refs = draft.config, draft.target_params
+  head, refs = draft.head, draft.target_params
   tokens = np.asarray(batch["tokens"])
   features = np.asarray(batch["features"], np.float32)
   weights = np.asarray(batch["weights"])
   b, t, h = features.shape
-  head = feature_draft.FeatureHead(config, draft.fc_bias)
-  run = jax.jit(lambda x, f, p, c: head.apply({"params": head_params},
-                                              feature_draft.embed(config, refs, x), f, p, c))
-  project = jax.jit(lambda x: feature_draft.project(config, refs, x))
+  run = jax.jit(lambda x, f, p, c: head.apply(head_params, refs, x, f, p, c))
+  project = jax.jit(lambda x: head.logits(head_params, refs, x))
   totals = {i: [0.0, 0] for i in range(1, steps)}
   for row in range(b):
     for p in np.asarray(batch["anchors"])[row]:
       if weights[row, p] <= 0:
         continue
       fed = np.concatenate([np.zeros((1, h), np.float32), features[row, :p]])[None]
-      cache = feature_draft.head_cache(config, 1, t + steps)
+      cache = head.init_cache(head_params, 1, t + steps)
       hidden, cache = run(tokens[row:row + 1, :p + 1], fed, jnp.zeros((1,), jnp.int32), cache)
       previous = hidden[:, -1:]
       for i in range(1, steps):

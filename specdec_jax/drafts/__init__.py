@@ -7,7 +7,8 @@
 * `AdaptiveGammaDraft`: wraps any draft with HF's `heuristic` length schedule.
 * `TreeDraft` / `DynamicTreeDraft`: a token tree (static shape, or grown EAGLE-2 style by
   cumulative draft probability) from a model or n-gram draft, verified in one call.
-* `FeatureDraft`: an EAGLE-1 head over the target's own hidden states (decoder-only).
+* `FeatureDraft`: a feature head (EAGLE-style) over the target's own hidden states,
+  driving any family's `families.feature_head.FeatureHead`.
 """
 
 from specdec_jax.drafts.base import Draft

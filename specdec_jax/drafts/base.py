@@ -35,8 +35,9 @@ class Draft(abc.ABC):
   # True for drafts that read the target's hidden states (`FeatureDraft`): the
   # engine then starts and scores the target through its family's feature
   # callbacks (`Family.start_features`, `feature_block_fn`) with
-  # `feature_layers`, calls `init_state(..., features=, gamma=)` with the
-  # prompt's features [batch, C, f], and hands the draft the features it may
+  # `feature_layers`, calls `init_state(..., features=, memory=, gamma=,
+  # start=)` with the decoder prompt's features [batch, P, f], the family's
+  # memory and the `DecodeStart`, and hands the draft the features it may
   # see after each verification through `observe_fn`.
   wants_features: bool = False
   feature_layers = None

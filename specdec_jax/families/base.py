@@ -38,8 +38,11 @@ Vocabulary (shapes in every docstring):
   block token (the token's own state, which produced its logits): the last
   layer's after the final norm (EAGLE-1) or a chosen set of layers
   concatenated (EAGLE-3); `Family.start_features` is `start` plus the
-  prompt's features. A separate callback, so decoding without a feature
-  draft traces exactly the program it did before features existed.
+  prompt's features and the memory a head reads (T5's encoder outputs).
+  A separate callback, so decoding without a feature draft traces exactly
+  the program it did before features existed. `Family.feature_head` gives
+  the family's head (`families.feature_head.FeatureHead`, the contract
+  `drafts.FeatureDraft` drives).
 """
 
 import abc
@@ -299,15 +302,25 @@ class Family(abc.ABC):
     raise self._no_features()
 
   def start_features(self, config, params, tokens: Array, lengths: Array,
-                     max_decode_steps: int, layers=None) -> Tuple[DecodeStart, Array]:
-    """`start`, and the target's features for every context slot [batch, C, f]
-    float32 (traced)."""
+                     max_decode_steps: int, layers=None) -> Tuple[DecodeStart, Array, Any]:
+    """`start`, the target's features at the decoder prompt's slots and the memory
+    a feature head reads (traced): (DecodeStart, features [batch, P, f] float32,
+    memory). A context that the generated tokens continue (decoder-only) is the
+    decoder prompt (P = C; slot j: the token at absolute position j); a family
+    whose decoder starts from a start token alone (T5) has P = 0. memory: None,
+    or what the family's heads attend to besides their own keys (T5: the
+    encoder outputs and mask; `FeatureHead.init_cache`)."""
     raise self._no_features()
 
   def feature_block_fn(self, config, params, layers=None) -> Callable[..., Tuple[Array, Array, Any]]:
     """`(tokens [batch, k], positions [batch], cache) -> (logits [batch, k, vocab]
     float32, features [batch, k, f] float32, cache)` at absolute positions: the
     block callback's logits and cache, and each block token's features."""
+    raise self._no_features()
+
+  def feature_head(self, config, **options):
+    """The family's feature head (`families.feature_head.FeatureHead`) for a target of
+    `config`; options are the head's (e.g. decoder-only `fc_bias`)."""
     raise self._no_features()
 
   # -- Token trees -----------------------------------------------------------

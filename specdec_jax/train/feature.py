@@ -56,7 +56,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.drafts import feature as feature_draft
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import DecoderOnly
 
@@ -143,29 +142,31 @@ def feature_loss_fn(draft, ce_weight: float = 0.1, *, regression_weight: float =
     raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
   if not 0.0 <= ttt_decay:
     raise ValueError(f"ttt_decay must be >= 0, got {ttt_decay}")
-  config, refs, fc_bias = draft.config, draft.target_params, draft.fc_bias
-  head = feature_draft.FeatureHead(config, fc_bias)
+  config, refs, head = draft.config, draft.target_params, draft.head
 
   def run_head(head_params, tokens, features, positions, cache):
-    hidden, cache = head.apply({"params": head_params},
-                               feature_draft.embed(config, refs, tokens), features, positions,
-                               cache)
+    hidden, cache = head.apply(head_params, refs, tokens, features, positions, cache)
     return hidden.astype(jnp.float32), cache
 
-  def logits_of(hidden):
-    return feature_draft.project(config, refs, hidden.astype(config.dtype))
+  def logits_of(head_params, hidden):
+    return head.logits(head_params, refs, hidden.astype(config.dtype))
 
   def fn(head_params, batch):
     tokens, features = batch["tokens"], batch["features"].astype(jnp.float32)
     weights = batch["weights"].astype(jnp.float32)
-    b, t, h = features.shape
-    fed = jnp.concatenate([jnp.zeros((b, 1, h), jnp.float32), features[:, :-1]], axis=1)
+    b, t, _ = features.shape
+    # The head's width h: EAGLE-1 heads read the target's features as they are.
+    reduced = head.reduce_features(head_params, refs, features).astype(jnp.float32)
+    h = reduced.shape[-1]
+    fed = jnp.concatenate([jnp.zeros((b, 1, h), jnp.float32), reduced[:, :-1]], axis=1)
     # Room past T for the unrolled steps' keys (anchors near the end: masked out).
-    cache = feature_draft.head_cache(config, b, t + ttt_steps - 1)
+    cache = head.init_cache(head_params, b, t + ttt_steps - 1, batch.get("memory"))
     predicted, cache = run_head(head_params, tokens, fed, jnp.zeros((b,), jnp.int32), cache)
     regression = jnp.mean(smooth_l1(predicted, features), axis=-1)
-    target_logits = jax.lax.stop_gradient(logits_of(features))
-    head_logits = logits_of(predicted)
+    # An EAGLE-1 head's logits are the target's own LM head: applied to the
+    # target's features they are the target's distribution.
+    target_logits = jax.lax.stop_gradient(logits_of(head_params, features))
+    head_logits = logits_of(head_params, predicted)
     cross_entropy = _soft_cross_entropy(target_logits, head_logits)
     loss = jnp.sum(weights * (regression_weight * regression + ce_weight * cross_entropy))
     target_argmax = jnp.argmax(target_logits, -1)
@@ -191,7 +192,7 @@ def feature_loss_fn(draft, ce_weight: float = 0.1, *, regression_weight: float =
       at_clipped = jnp.minimum(at, t - 1)
       hidden, chain_cache = run_head(head_params, tokens[rows, at_clipped].reshape(b * a, 1),
                                      previous, at.reshape(b * a), chain_cache)
-      step_logits = logits_of(hidden[:, 0]).reshape(b, a, -1)
+      step_logits = logits_of(head_params, hidden[:, 0]).reshape(b, a, -1)
       valid = inside * weights[rows, at_clipped] * (weights[rows, anchors] > 0)
       step_ce = _soft_cross_entropy(target_logits[rows, at_clipped], step_logits)
       count = jnp.sum(valid)

@@ -28,6 +28,7 @@ from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.decoder_only import batch as lm_data
 from specdec_jax.families.decoder_only import checkpoints
 from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
+from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       canonical_name)
 from specdec_jax.families.decoder_only.model import (DecoderOnlyModel, absolute_block_fn,
@@ -108,10 +109,15 @@ class DecoderOnlyFamily(Family):
         config, params, tokens, self.cache_length(config, tokens.shape[1], max_decode_steps),
         layers)
     last = tokens[jnp.arange(tokens.shape[0]), lengths - 1]
-    return DecodeStart(cache, last, lengths.astype(jnp.int32) - 1), features
+    return DecodeStart(cache, last, lengths.astype(jnp.int32) - 1), features, None
 
   def feature_block_fn(self, config: DecoderOnlyConfig, params, layers=None):
     return absolute_feature_block_fn(config, params, layers)
+
+  def feature_head(self, config: DecoderOnlyConfig, fc_bias: bool = False):
+    """The EAGLE-1 head (`feature_head.DecoderOnlyFeatureHead`): any layout, rotary or
+    learned positions."""
+    return DecoderOnlyFeatureHead(config, fc_bias=fc_bias)
 
   def cache_length(self, config, context_width: int, max_decode_steps: int) -> int:
     return decode_cache_length(context_width, max_decode_steps)

@@ -15,6 +15,7 @@ from specdec_jax.families.base import FamilyModel, check_block, check_tokens
 from specdec_jax.families.decoder_only import network as decoder_only
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import DecoderOnly
+from specdec_jax.families.feature_head import feature_taps
 
 Array = jax.Array
 
@@ -143,26 +144,11 @@ def absolute_block_fn(config: DecoderOnlyConfig, params):
 
 
 def feature_layers(config: DecoderOnlyConfig, layers=None) -> Tuple[int, ...]:
-  """The hidden-state indices of a feature set (`DecoderOnly._hidden`'s taps).
-
-  None or "last": (num_layers,), the output after the final norm (EAGLE-1).
-  "eagle3": (2, L // 2, L - 3), the inputs of an early, a middle and a late
-  layer (EAGLE-3's choice; HF `hidden_states` indices). A sequence of ints:
-  those indices, each in [0, num_layers] (i < L: layer i's input, L: after
-  the final norm), in that order.
-  """
-  num = config.num_layers
-  if layers is None or layers == "last":
-    return (num,)
-  if layers == "eagle3":
-    layers = (2, num // 2, num - 3)
-  if isinstance(layers, str):
-    raise ValueError(f"feature layers must be None, 'last', 'eagle3' or ints, got {layers!r}")
-  layers = tuple(int(i) for i in layers)
-  if not layers or any(i < 0 or i > num for i in layers):
-    raise ValueError(f"feature layers {layers} must be a non-empty sequence of hidden-state "
-                     f"indices in [0, {num}] (this model has {num} layers)")
-  return layers
+  """The hidden-state indices of a feature set (`DecoderOnly._hidden`'s taps):
+  `families.feature_head.feature_taps` over the config's layers (None / "last":
+  after the final norm; "eagle3": (2, L // 2, L - 3); or HF `hidden_states`
+  indices)."""
+  return feature_taps(config.num_layers, layers)
 
 
 def absolute_feature_block_fn(config: DecoderOnlyConfig, params, layers=None):
