@@ -50,6 +50,7 @@ references as constants of the compiled step: fine for small targets; a
 large one should pass them as arguments instead (not built yet).
 """
 
+import functools
 from typing import Dict, Optional
 
 import jax
@@ -62,18 +63,25 @@ from specdec_jax.families.decoder_only.network import DecoderOnly
 Array = jax.Array
 
 
-def target_features(target, tokens) -> Array:
-  """The target's last-layer features after the final norm [batch, T, emb] float32
-  of tokens [batch, T] at positions 0..T-1 (uncached)."""
-  taps = feature_layers(target.config)
+@functools.lru_cache(maxsize=None)
+def _features_program(config):
+  """jit: (params, tokens [batch, T]) -> last-layer features [batch, T, emb] float32
+  (one compiled program per config: a fresh closure per call would recompile)."""
+  taps = feature_layers(config)
 
   @jax.jit
   def run(params, tokens):
-    return DecoderOnly(target.config).apply(
+    return DecoderOnly(config).apply(
         {"params": params}, tokens, jnp.arange(tokens.shape[1])[None], taps=taps,
         method=DecoderOnly._hidden)[2]
 
-  return run(target.params, jnp.asarray(tokens, jnp.int32))
+  return run
+
+
+def target_features(target, tokens) -> Array:
+  """The target's last-layer features after the final norm [batch, T, emb] float32
+  of tokens [batch, T] at positions 0..T-1 (uncached)."""
+  return _features_program(target.config)(target.params, jnp.asarray(tokens, jnp.int32))
 
 
 def feature_batch(target, batch: Dict[str, np.ndarray]) -> Dict[str, Array]:
