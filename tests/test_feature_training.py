@@ -167,3 +167,54 @@ def test_ttt_training_lowers_the_loss_and_raises_acceptance():
   np.testing.assert_array_equal(np.asarray(after.sequences), np.asarray(
       sj.generate(target, prompts, max_decode_steps=24, eos_id=-1, block_width=8).sequences))
   assert after.stats.alpha > 2 * before.alpha + 0.05, (before.alpha, after.stats.alpha)
+
+
+# ---------------------------------------------------------------------------
+# Shipping a head: the bf16 file round trip, the model card section, the pairs.
+
+def test_feature_head_file_round_trip_and_bad_files(tmp_path):
+  import json
+  from specdec_jax import demo_pair
+  target = sj.load_model("gpt2_tiny", vocab_size=32, seed=0, dtype="float32")  # learned positions
+  draft = sj.FeatureDraft(target, seed=4)
+  assert demo_pair.load_feature_head(str(tmp_path), target) is None  # ships none
+  demo_pair.save_weights_bf16(str(tmp_path / "feature_head.npz"), draft.head_params)
+  (tmp_path / "feature_head.json").write_text(json.dumps(dict(kind="eagle1", fc_bias=False)))
+  loaded = demo_pair.load_feature_head(str(tmp_path), target)
+  assert isinstance(loaded, sj.FeatureDraft)
+  for got, want in zip(jax.tree_util.tree_leaves(loaded.head_params),
+                       jax.tree_util.tree_leaves(draft.head_params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        jnp.asarray(want, jnp.bfloat16).astype(jnp.float32)))
+  other = sj.load_model("gpt2_tiny", vocab_size=32, seed=0, dtype="float32", mlp_dim=96)
+  with pytest.raises(ValueError, match="has shape"):
+    demo_pair.load_feature_head(str(tmp_path), other)
+  (tmp_path / "feature_head.json").write_text(json.dumps(dict(kind="eagle9")))
+  with pytest.raises(ValueError, match="unknown feature head kind"):
+    demo_pair.load_feature_head(str(tmp_path), target)
+
+
+def test_model_card_section_is_replaced_not_repeated():
+  from specdec_jax import demo_pair
+  card = "# A pair\n\ntext\n"
+  once = demo_pair.with_feature_head_section(card, "## Feature head\nv1\n")
+  twice = demo_pair.with_feature_head_section(once, "## Feature head\nv2\n")
+  assert twice.startswith(card.rstrip("\n")) and twice.count(demo_pair.FEATURE_CARD_MARK) == 1
+  assert "v2" in twice and "v1" not in twice
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+def test_shipped_feature_heads_decode_exactly(family):
+  from specdec_jax.demo_pair import DIRS, FEATURE_HEAD_FILES
+  import os
+  if not os.path.exists(os.path.join(DIRS[family], FEATURE_HEAD_FILES[0])):
+    pytest.skip(f"the {family} pair ships no feature head")
+  pair = sj.load_demo_pair(family)
+  head = pair.drafts["feature"]
+  assert isinstance(head, sj.FeatureDraft) and list(pair.drafts)[-1] == "feature"
+  tokens, lengths = pair.inputs(4)
+  kwargs = dict(max_decode_steps=pair.max_decode_steps, block_width=5)
+  want = sj.generate(pair.target, tokens, lengths, **kwargs)
+  got = sj.generate(pair.target, tokens, lengths, draft=head, gamma=4, **kwargs)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  assert got.stats.alpha > 0.3, got.stats.summary()  # trained: far above a random head
