@@ -310,7 +310,7 @@ def _set_block_cpu(cache: Array, block: Array, positions: Array) -> Array:
 
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
                  cache: Cache, attention: Optional[str] = None,
-                 tree: Optional[TreeAttention] = None) -> Tuple[Array, Cache]:
+                 tree: Optional[TreeAttention] = None, taps: Optional[Tuple[int, ...]] = None):
   """Scores a block of tokens per row from the cache; same contract as `T5.decode_block`.
 
   Args:
@@ -328,11 +328,16 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       the relative position bias reads each key's own position (a tree
       slot's: root + its depth) and the causal mask is ANDed with the tree's
       `allowed` (`core.tree.tree_positions`). Cache writes are the same.
+    taps: None, or hidden-state indices to return as features
+      (`families.feature_head.feature_taps`: i < num_decoder_layers is layer
+      i's input, num_decoder_layers the output after the final norm, which
+      feeds the logits). None traces exactly the program without features.
   Returns:
     logits [batch, k, vocab] float32 (row b, index j predicts the token
     after token j: at position positions[b] + j + 1 without a tree), and the
     cache with the block's keys and values set at positions[b] + 0..k-1
-    (writes past the cache are dropped).
+    (writes past the cache are dropped). With taps, (logits, features
+    [batch, k, len(taps) * emb] float32, cache).
   """
   attention = default_attention() if attention is None else attention
   if attention not in ATTENTION:
@@ -358,7 +363,10 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   flat = lambda y: y.reshape((batch * k,) + y.shape[2:])
   f32 = jnp.float32
   new_layers = []
-  for p, layer_cache in zip(prepared["layers"], cache["layers"]):
+  tapped = {}
+  for index, (p, layer_cache) in enumerate(zip(prepared["layers"], cache["layers"])):
+    if taps is not None and index in taps:
+      tapped[index] = rows(x)
     # Self-attention: one projection for query, key and value (norm scale
     # folded in; 1/rms applied to its float32 output).
     qkv = jnp.einsum("ne,ets->nts", x, p["qkv"], preferred_element_type=f32)
@@ -394,14 +402,18 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     hidden = flat(_axes(rows(hidden.astype(dtype)), ("batch", "length", "mlp")))
     x = flat(_axes(rows(x + jnp.dot(hidden, p["wo"])), ("batch", "length", "embed")))
 
-  h = rows(_rms_norm(x, prepared["decoder_norm"], config))
+  h = normed = rows(_rms_norm(x, prepared["decoder_norm"], config))
   if prepared["logits"] is None:
     # Original T5 scales the output before the tied projection.
     h = h * (config.emb_dim ** -0.5)
     logits = jnp.dot(h, prepared["embedding"].T, preferred_element_type=jnp.float32)
   else:
     logits = jnp.dot(h, prepared["logits"]).astype(jnp.float32)
-  return logits, dict(cache, layers=new_layers)
+  if taps is None:
+    return logits, dict(cache, layers=new_layers)
+  tapped[len(prepared["layers"])] = normed  # what the logits were projected from
+  features = jnp.concatenate([tapped[i].astype(f32) for i in taps], axis=-1)
+  return logits, features, dict(cache, layers=new_layers)
 
 
 def block_fn(params, config: T5Config, attention: Optional[str] = None):
@@ -414,3 +426,13 @@ def block_fn(params, config: T5Config, attention: Optional[str] = None):
   prepared = prepare_decode_params(params, config)
   return lambda tokens, positions, cache, tree=None: decode_block(
       prepared, config, tokens, positions, cache, attention, tree)
+
+
+def feature_block_fn(params, config: T5Config, taps: Tuple[int, ...],
+                     attention: Optional[str] = None):
+  """`block_fn` for causal blocks that also returns the features `taps` names:
+  `(tokens, positions, cache) -> (logits, features [batch, k, len(taps) * emb]
+  float32, cache)` (`decode_block`'s taps)."""
+  prepared = prepare_decode_params(params, config)
+  return lambda tokens, positions, cache: decode_block(
+      prepared, config, tokens, positions, cache, attention, None, taps)

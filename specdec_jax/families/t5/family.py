@@ -19,7 +19,9 @@ from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.t5 import checkpoints
 from specdec_jax.families.t5 import decode as t5_decode
 from specdec_jax.families.t5 import sharding as t5_sharding
+from specdec_jax.families.feature_head import feature_taps
 from specdec_jax.families.t5.config import CONFIGS, T5Config
+from specdec_jax.families.t5.feature_head import T5FeatureHead
 from specdec_jax.families.t5.model import Model, check_tokens, init_params
 from specdec_jax.families.t5.network import T5
 
@@ -45,6 +47,7 @@ class T5Family(Family):
   config_type = T5Config
   model_type = Model
   supports_trees = True
+  supports_features = True
   architectures = tuple(f"{a} (model_type {t})" for a, t in (
       ("T5ForConditionalGeneration", "t5"), ("MT5ForConditionalGeneration", "mt5"))) + (
           "T5X checkpoints", "Orbax checkpoints of T5X trees")
@@ -101,6 +104,40 @@ class T5Family(Family):
 
   def block_fn(self, config: T5Config, params):
     return t5_decode.block_fn(params, config)
+
+  # -- Features (feature drafts) -------------------------------------------
+
+  def feature_dim(self, config: T5Config, layers=None) -> int:
+    """len(taps) * emb (`feature_taps` over the decoder's layers: None / "last" = its
+    last hidden state after the final norm, which feeds the logits)."""
+    return len(feature_taps(config.num_decoder_layers, layers)) * config.emb_dim
+
+  def start_features(self, config: T5Config, params, tokens: Array, lengths: Array,
+                     max_decode_steps: int, layers=None):
+    """`start` (the same cache), no prompt features ([batch, 0, f]: the decoder starts
+    from its start token alone, scored at the first verification) and the memory
+    dict(encoded [batch, S, emb], encoder_mask [batch, S] bool): the encoder
+    outputs, computed once here, that a feature head cross-attends to."""
+    cache, encoded = T5(config).apply({"params": params}, tokens, max_decode_steps,
+                                      method=T5.init_cache_encoded)
+    batch = tokens.shape[0]
+    start = DecodeStart(cache, jnp.full((batch,), config.decoder_start_id, jnp.int32),
+                        jnp.zeros((batch,), jnp.int32))
+    features = jnp.zeros((batch, 0, self.feature_dim(config, layers)), jnp.float32)
+    return start, features, dict(encoded=encoded, encoder_mask=cache["encoder_mask"])
+
+  def feature_block_fn(self, config: T5Config, params, layers=None):
+    """The fused block callback (`decode.decode_block`) that also returns the
+    decoder's features `layers` names (causal blocks)."""
+    return t5_decode.feature_block_fn(params, config,
+                                      feature_taps(config.num_decoder_layers, layers))
+
+  def feature_head(self, config: T5Config, fc_bias: bool = False):
+    """The EAGLE-1 head for T5 (`feature_head.T5FeatureHead`: one decoder layer that
+    also cross-attends to the encoder outputs). T5 projections have no biases."""
+    if fc_bias:
+      raise ValueError("a T5 feature head's fc has no bias (T5 projections have none)")
+    return T5FeatureHead(config)
 
   def cache_length(self, config: T5Config, context_width: int, max_decode_steps: int) -> int:
     return int(max_decode_steps)

@@ -239,12 +239,20 @@ class Encoder(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """One decoder layer; the same code serves the cached and uncached paths."""
+  """One decoder layer; the same code serves the cached and uncached paths.
+
+  self_attention_norm: False drops pre_self_attention_layer_norm (self-attention
+  reads x itself): the layer of a feature head (`families/t5/feature_head.py`),
+  whose input is already a projection of normed features, as EAGLE drops its
+  layer's first norm. The target's layers keep it.
+  """
   config: T5Config
+  self_attention_norm: bool = True
 
   def setup(self):
     cfg = self.config
-    self.pre_self_attention_layer_norm = RMSNorm(cfg)
+    if self.self_attention_norm:
+      self.pre_self_attention_layer_norm = RMSNorm(cfg)
     self.self_attention = Attention(cfg)
     self.pre_cross_attention_layer_norm = RMSNorm(cfg)
     self.encoder_decoder_attention = Attention(cfg)
@@ -263,7 +271,7 @@ class DecoderLayer(nn.Module):
     one, their keys/values are set at rows' `positions` [batch] + 0..q-1 and the
     queries attend to the whole cache; `self_bias` masks what lies ahead.
     """
-    h = self.pre_self_attention_layer_norm(x)
+    h = self.pre_self_attention_layer_norm(x) if self.self_attention_norm else x
     key, value = self.self_attention.project_key_value(h)
     new_cache = None
     if layer_cache is not None:
@@ -313,7 +321,7 @@ class Decoder(nn.Module):
   def __call__(self, embedded: Array, query_positions: Array, key_positions: Array,
                cross_kv, encoder_mask: Array, cache: Optional[Cache] = None,
                positions: Optional[Array] = None, self_mask: Optional[Array] = None,
-               cross_mask: Optional[Array] = None):
+               cross_mask: Optional[Array] = None, taps: Optional[Tuple[int, ...]] = None):
     """Runs the decoder stack up to the final norm.
 
     Args:
@@ -327,8 +335,13 @@ class Decoder(nn.Module):
       self_mask / cross_mask: optional [batch, q, k] / [batch, q, enc_len] bool
         replacing the causal mask / the encoder padding mask (T5X's padded and
         packed teacher-forced batches; t5x_model.py).
+      taps: None, or hidden-state indices to return as features
+        (`families.feature_head.feature_taps`): i < num_decoder_layers is
+        layer i's input (0: the embedded tokens), num_decoder_layers the
+        output after the final norm. None traces exactly the program without.
     Returns:
-      (hidden [batch, q, emb], list of updated layer caches or None).
+      (hidden [batch, q, emb], list of updated layer caches or None), and with
+      taps a third item: features [batch, q, len(taps) * emb] float32.
     """
     self_bias = self.relpos_bias(query_positions, key_positions)
     causal = (key_positions[:, None, None, :] <= query_positions[:, None, :, None]
@@ -338,12 +351,20 @@ class Decoder(nn.Module):
     cross_bias = jnp.where(cross_allowed, 0.0, _MASK_VALUE)
     x = embedded
     new_layer_caches = []
+    tapped = {}
     for i, layer in enumerate(self.layers):
+      if taps is not None and i in taps:
+        tapped[i] = x
       layer_cache = None if cache is None else cache["layers"][i]
       x, new_layer_cache = layer(x, self_bias, cross_kv[i][0], cross_kv[i][1], cross_bias,
                                  layer_cache, positions)
       new_layer_caches.append(new_layer_cache)
-    return self.decoder_norm(x), new_layer_caches
+    hidden = self.decoder_norm(x)
+    if taps is None:
+      return hidden, new_layer_caches
+    tapped[len(self.layers)] = hidden
+    features = jnp.concatenate([tapped[i].astype(jnp.float32) for i in taps], axis=-1)
+    return hidden, new_layer_caches, features
 
   def project_logits(self, hidden: Array, embedding: Array) -> Array:
     if self.config.logits_via_embedding:
@@ -378,8 +399,24 @@ class T5(nn.Module):
                              cross_kv, encoder_tokens != self.config.pad_id)
     return self.decoder.project_logits(hidden, self.token_embedder.embedding)
 
+  def decoder_features(self, encoder_tokens: Array, decoder_input_tokens: Array,
+                       taps: Tuple[int, ...]) -> Array:
+    """Teacher-forced decoder features [batch, dec_len, len(taps) * emb] float32 (no
+    cache; `Decoder.__call__`'s taps): what a feature head reads and regresses to."""
+    encoded = self.encode(encoder_tokens)
+    cross_kv = self.decoder.cross_key_values(encoded)
+    positions = jnp.arange(decoder_input_tokens.shape[1])[None]
+    return self.decoder(self.token_embedder(decoder_input_tokens), positions, positions,
+                        cross_kv, encoder_tokens != self.config.pad_id, taps=taps)[2]
+
   def init_cache(self, encoder_tokens: Array, max_decode_len: int) -> Cache:
     """Encodes once and returns a cache with cross-attention keys/values filled."""
+    return self.init_cache_encoded(encoder_tokens, max_decode_len)[0]
+
+  def init_cache_encoded(self, encoder_tokens: Array, max_decode_len: int
+                         ) -> Tuple[Cache, Array]:
+    """`init_cache`, and the encoder output [batch, enc_len, emb] it was computed from
+    (the memory a feature head attends to)."""
     cfg = self.config
     batch = encoder_tokens.shape[0]
     encoded = self.encode(encoder_tokens)
@@ -389,7 +426,7 @@ class T5(nn.Module):
       layers.append(dict(self_key=jnp.zeros(shape, _dtype(cfg)),
                          self_value=jnp.zeros(shape, _dtype(cfg)),
                          cross_key=cross_key, cross_value=cross_value))
-    return dict(layers=layers, encoder_mask=encoder_tokens != cfg.pad_id)
+    return dict(layers=layers, encoder_mask=encoder_tokens != cfg.pad_id), encoded
 
   def decode_block(self, tokens: Array, positions: Array, cache: Cache) -> Tuple[Array, Cache]:
     """Scores a block of tokens per row from the cache.
