@@ -45,7 +45,7 @@ def _eagle1_reference(draft, head_params, batch, ce_weight=0.1):
   b, t, h = features.shape
   fed = jnp.concatenate([jnp.zeros((b, 1, h)), features[:, :-1]], axis=1)
   predicted, _ = head.apply(head_params, refs, tokens, fed, jnp.zeros((b,), jnp.int32),
-                            head.init_cache(head_params, b, t))
+                            head.init_cache(head_params, b, t, batch.get("memory")))
   predicted = predicted.astype(jnp.float32)
   regression = jnp.mean(feature_train.smooth_l1(predicted, features), axis=-1)
   target_probs = jax.nn.softmax(head.logits(head_params, refs, features), -1)
@@ -88,7 +88,9 @@ def _unrolled_reference(draft, head_params, batch, steps):
       if weights[row, p] <= 0:
         continue
       fed = np.concatenate([np.zeros((1, h), np.float32), features[row, :p]])[None]
-      cache = head.init_cache(head_params, 1, t + steps)
+      memory = (None if "memory" not in batch else
+                jax.tree_util.tree_map(lambda x: x[row:row + 1], batch["memory"]))
+      cache = head.init_cache(head_params, 1, t + steps, memory)
       hidden, cache = run(tokens[row:row + 1, :p + 1], fed, jnp.zeros((1,), jnp.int32), cache)
       previous = hidden[:, -1:]
       for i in range(1, steps):
@@ -105,12 +107,32 @@ def _unrolled_reference(draft, head_params, batch, steps):
   return totals
 
 
-def test_ttt_unroll_matches_one_anchor_at_a_time_decoding():
-  target = _target(vocab=32, seed=2)
-  batch = _sampled_batch(target, rows=3, steps=10, seed=4)
+def _t5_batch(target, rows=3, seed=4):
+  """A T5 batch {'inputs', 'targets'} (targets 0-padded) through feature_batch."""
+  rng = np.random.default_rng(seed)
+  inputs = rng.integers(2, target.config.vocab_size, (rows, 7)).astype(np.int32)
+  inputs[0, 5:] = 0
+  targets = rng.integers(2, target.config.vocab_size, (rows, 11)).astype(np.int32)
+  targets[1, 8:] = 0
+  return feature_train.feature_batch(target, dict(inputs=inputs, targets=targets))
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+def test_ttt_unroll_matches_one_anchor_at_a_time_decoding(family):
+  if family == "t5":
+    target = sj.load_model("tiny", vocab_size=32, seed=2)
+    batch = _t5_batch(target)
+    assert set(batch) == {"tokens", "features", "weights", "memory"}
+  else:
+    target = _target(vocab=32, seed=2)
+    batch = _sampled_batch(target, rows=3, steps=10, seed=4)
   batch["anchors"] = feature_train.ttt_anchors(batch["weights"], 4, seed=1)
   batch["anchors"][1, -1] = batch["tokens"].shape[1] - 2  # an anchor near the end
   draft = sj.FeatureDraft(target, seed=7)
+  if family == "t5":  # k = 1 is the EAGLE-1 loss for T5 heads too.
+    np.testing.assert_allclose(
+        float(feature_train.feature_loss_fn(draft)(draft.head_params, batch)[0]),
+        float(_eagle1_reference(draft, draft.head_params, batch)), rtol=1e-6)
   steps = 4
   _, aux = jax.jit(feature_train.feature_loss_fn(draft, ttt_steps=steps))(draft.head_params,
                                                                           batch)

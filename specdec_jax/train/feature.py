@@ -59,6 +59,7 @@ import numpy as np
 
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import DecoderOnly
+from specdec_jax.families.registry import family_of
 
 Array = jax.Array
 
@@ -78,15 +79,51 @@ def _features_program(config):
   return run
 
 
+@functools.lru_cache(maxsize=None)
+def _t5_features_program(config):
+  """jit: (params, inputs [batch, S], decoder inputs [batch, T]) -> (the decoder's last
+  features [batch, T, emb] float32, memory dict(encoded, encoder_mask))."""
+  from specdec_jax.families.feature_head import feature_taps
+  from specdec_jax.families.t5.network import T5
+  taps = feature_taps(config.num_decoder_layers)
+
+  @jax.jit
+  def run(params, inputs, decoder_inputs):
+    module = T5(config)
+    features = module.apply({"params": params}, inputs, decoder_inputs, taps,
+                            method=T5.decoder_features)
+    encoded = module.apply({"params": params}, inputs, method=T5.encode)
+    return features, dict(encoded=encoded, encoder_mask=inputs != config.pad_id)
+
+  return run
+
+
 def target_features(target, tokens) -> Array:
   """The target's last-layer features after the final norm [batch, T, emb] float32
-  of tokens [batch, T] at positions 0..T-1 (uncached)."""
+  of tokens [batch, T] at positions 0..T-1 (uncached; decoder-only)."""
   return _features_program(target.config)(target.params, jnp.asarray(tokens, jnp.int32))
 
 
 def feature_batch(target, batch: Dict[str, np.ndarray]) -> Dict[str, Array]:
-  """A decoder-only batch {'tokens', 'weights'} with the target's 'features' added."""
-  return dict(batch, features=target_features(target, batch["tokens"]))
+  """The loss's batch from a family training batch and the (frozen) target.
+
+  Decoder-only {'tokens', 'weights'} (`lm_batch`): 'features' added, the
+  target's at every position. T5 {'inputs', 'targets'}: 'tokens' = the
+  decoder's inputs (the start token, then targets[:-1]), 'features' = the
+  decoder's teacher-forced features there (feature t predicts targets[t]),
+  'weights' = targets != pad, and 'memory' = the encoder outputs and mask the
+  head cross-attends to (`T5Family.start_features`' memory).
+  """
+  if family_of(target).name != "t5":
+    return dict(batch, features=target_features(target, batch["tokens"]))
+  from specdec_jax.families.t5.family import shift_right
+  config = target.config
+  targets = jnp.asarray(batch["targets"], jnp.int32)
+  decoder_inputs = shift_right(targets, config.decoder_start_id)
+  features, memory = _t5_features_program(config)(
+      target.params, jnp.asarray(batch["inputs"], jnp.int32), decoder_inputs)
+  return dict(tokens=decoder_inputs, features=features, memory=memory,
+              weights=(targets != config.pad_id).astype(jnp.float32))
 
 
 def ttt_anchors(weights, num_anchors: int, seed: int) -> np.ndarray:
