@@ -37,11 +37,13 @@ import sys
 
 from absl import app
 from absl import flags
+import jax
 import numpy as np
 
 import specdec_jax as sj
 from specdec_jax.tools import profiling
 from specdec_jax.core import theory
+from specdec_jax.families.registry import is_model
 
 PAIR = flags.DEFINE_enum("pair", "t5", ["t5", "decoder_only"], "Which shipped demo pair.")
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 6, "Held-out inputs to complete.")
@@ -71,9 +73,13 @@ def measure_costs(target, draft, inputs, lengths, max_len: int, repeats: int = 5
   first = None if lengths is None else lengths[:1]
   target_ms = profiling.time_block_calls({"target": target}, inputs[:1], max_len, ks,
                                          repeats, lengths=first)["target"]
-  draft_ms = profiling.time_block_calls({"draft": draft}, inputs[:1], max_len, [1],
-                                        repeats, lengths=first)["draft"]
-  return [target_ms[k] / target_ms[1] for k in ks], draft_ms[1] / target_ms[1], target_ms[1]
+  if is_model(draft):
+    draft_ms = profiling.time_block_calls({"draft": draft}, inputs[:1], max_len, [1],
+                                          repeats, lengths=first)["draft"][1]
+  else:  # A feature head: one whole 4-token proposal, per token (its own calls and sampling).
+    draft_ms = profiling.time_proposals(target, {"draft": draft}, inputs[:1],
+                                        max_len, 4, repeats, lengths=first)["draft"] / 4
+  return [target_ms[k] / target_ms[1] for k in ks], draft_ms / target_ms[1], target_ms[1]
 
 
 def choose_gamma(alpha: float, c: float, curve) -> int:
@@ -110,8 +116,10 @@ def main(argv):
   print(f"gamma = {gamma}" + (" (given)" if GAMMA.value else
                               " (--methods: chains at one shared width)" if compare else
                               " (the theory's optimum for this cost curve)"))
+  draft_params = (draft.config.num_params if is_model(draft) else  # else a feature head
+                  sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(draft.head_params)))
   print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{draft_name}' "
-        f"{draft.config.num_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
+        f"{draft_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
         f"{gamma}, greedy, batch 1, {steps} new tokens.")
 
   if compare:

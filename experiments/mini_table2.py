@@ -34,7 +34,8 @@ import numpy as np
 from experiments.paper_tables import TABLE2
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
 from experiments.run import OUTPUT_DIR
-from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs
+from specdec_jax.families.registry import is_model
+from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs, time_proposals
 from specdec_jax.core import results as results_lib
 from specdec_jax.core import theory
 from specdec_jax.demo_pair import load_demo_pair
@@ -81,8 +82,14 @@ def run(output_dir: str) -> Dict:
   target_step = [block_step_seconds(target, inputs[:1], k, steps, 20, lengths=first)
                  for k in range(1, max_k + 1)]
   block_cost = [t / target_step[0] for t in target_step]
+  # Models: one k=1 call; a feature head (a Draft, not a model): a whole 4-token proposal
+  # per token (`profiling.time_proposals`: its own calls and sampling).
   c = {name: block_step_seconds(m, inputs[:1], 1, steps, 20, lengths=first) / target_step[0]
-       for name, m in pair.drafts.items()}
+       for name, m in pair.drafts.items() if is_model(m)}
+  heads = {name: m for name, m in pair.drafts.items() if not is_model(m)}
+  if heads:
+    ms = time_proposals(target, heads, inputs[:1], steps, 4, 20, lengths=first)
+    c.update({name: ms[name] / 4 / (1e3 * target_step[0]) for name in heads})
   logging.info("block cost %s, c %s", block_cost, c)
 
   rows: List[Dict] = []

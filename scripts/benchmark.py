@@ -50,7 +50,8 @@ from specdec_jax.loading import load_model
 from specdec_jax.core.dtypes import default_dtype
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import CONFIGS
-from specdec_jax.tools.profiling import time_block_calls
+from specdec_jax.families.registry import is_model
+from specdec_jax.tools.profiling import time_block_calls, time_proposals
 from specdec_jax.core.results import write_json_atomic
 from specdec_jax.tools.testing import perturbed_model, random_encoder_tokens
 
@@ -339,7 +340,10 @@ METHODS_METHOD = {
                    "call per depth).",
     "costs": "c = draft k=1 call / target k=1 call; C(k) = target call scoring k tokens / 1 "
              "token; timed in a jitted loop on a filled cache (`time_block_calls`), target and "
-             "draft interleaved in one call, max(repeats, 5) samples each.",
+             "draft interleaved in one call, max(repeats, 5) samples each. c_proposal = one "
+             "whole gamma-token proposal (the draft's calls and its sampling, "
+             "`time_proposals`) / gamma / target k=1 call, for every kind of draft; a draft "
+             "that is no model (a feature head) has c = c_proposal (c_kind says which).",
     "predicted_speedup_here": "tokens_per_iteration (measured) / (draft_calls * c + C(W)) with "
                               "this machine's c and C(W) (theory.predicted_tree_speedup).",
     "accelerator_predictions": "the same formula with scenario C(W) and c values "
@@ -531,13 +535,25 @@ def method_rows(target, draft, draft_name: str, inputs, lengths, batch: int, gam
 
   ks = sorted({1, width} | {m.nodes for m in methods})
   draft_model = draft.model if hasattr(draft, "model") else draft
+  timed = {"target": target}
+  if is_model(draft_model):
+    timed["draft"] = draft_model
   # Target and draft in one call: their samples interleave, so a shared
   # machine's load hits c's numerator and denominator alike.
-  ms = time_block_calls({"target": target, "draft": draft_model}, inputs[:batch],
-                        max_decode_steps, ks, max(repeats, 5), cost_calls,
-                        lengths=None if lengths is None else lengths[:batch])
-  block_ms, draft_ms = ms["target"], ms["draft"]
-  c = draft_ms[1] / block_ms[1]
+  ms = time_block_calls(timed, inputs[:batch], max_decode_steps, ks, max(repeats, 5),
+                        cost_calls, lengths=None if lengths is None else lengths[:batch])
+  block_ms = ms["target"]
+  # Every kind of draft (a feature head is no model): one whole gamma-token proposal,
+  # its calls and its sampling, per drafted token (`time_proposals`).
+  proposal_ms = time_proposals(target, {"draft": draft}, inputs[:batch], max_decode_steps,
+                               gamma, max(repeats, 5), cost_calls,
+                               lengths=None if lengths is None else lengths[:batch])["draft"]
+  c_proposal = proposal_ms / gamma / block_ms[1]
+  if "draft" in ms:
+    draft_step_ms = ms["draft"][1]
+    c = draft_step_ms / block_ms[1]
+  else:
+    draft_step_ms, c = proposal_ms / gamma, c_proposal
   cost_curve = {str(k): block_ms[k] / block_ms[1] for k in ks}
   verify_cost = cost_curve[str(width)]
   reference = [np.asarray(o.sequences) for o in outputs[f"target W={width}"]]
@@ -570,7 +586,9 @@ def method_rows(target, draft, draft_name: str, inputs, lengths, batch: int, gam
                                   str(width): statistics.median(wide) * 1e3},
               baseline_ms=statistics.median(base_rounds) * 1e3,
               target_block_ms={str(k): v for k, v in block_ms.items()}, cost_curve=cost_curve,
-              verify_cost=verify_cost, c=c, draft_step_ms=draft_ms[1],
+              verify_cost=verify_cost, c=c, draft_step_ms=draft_step_ms,
+              c_kind="k=1 call" if "draft" in ms else "proposal per token",
+              c_proposal=c_proposal, proposal_ms=proposal_ms,
               identical_checked_against=f"target-only decoding at block width {width}",
               compile_count_before=compiles_before, compile_count_after=compiles_after,
               recompiled=compiles_after != compiles_before, methods=rows)

@@ -34,7 +34,8 @@ def main():
   for family in args.families.split(","):
     pair = sj.load_demo_pair(family)
     tokens, lengths = pair.inputs(args.rows)
-    drafts = {name: sj.ModelDraft(model) for name, model in pair.drafts.items()}
+    # Models and the pair's feature head (a Draft already): as_draft wraps only models.
+    drafts = {name: sj.drafts.as_draft(model) for name, model in pair.drafts.items()}
     if "bigram" in pair.ngrams:
       drafts["bigram"] = pair.ngrams["bigram"]
     drafts["prompt_lookup"] = sj.PromptLookupDraft(pair.target.config.vocab_size)

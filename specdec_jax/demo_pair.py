@@ -48,6 +48,17 @@ TRAINERS = {"t5": "python -m experiments.train_demo_pair",
             "decoder_only": "python -m experiments.train_decoder_only_pair"}
 T5_MODEL_NAMES = ("target", "small", "tiny")
 NGRAM_NAMES = ("unigram", "bigram")
+# A trained feature head (`experiments/train_feature_heads.py`): bf16 weights, settings/stats.
+FEATURE_HEAD_FILES = ("feature_head.npz", "feature_head.json")
+FEATURE_DRAFT_NAME = "feature"
+FEATURE_CARD_MARK = "<!-- feature head: written by experiments/train_feature_heads.py -->"
+
+
+def save_npz_atomic(path: str, **arrays) -> None:
+  """Writes arrays as an uncompressed .npz, atomically."""
+  buf = io.BytesIO()
+  np.savez(buf, **arrays)
+  data.write_bytes_atomic(path, buf.getvalue())
 
 
 def save_weights_bf16(path: str, params) -> int:
@@ -79,6 +90,48 @@ def load_weights_bf16(path: str, config: T5Config):
   return traverse_util.unflatten_dict(flat, sep="/")
 
 
+def _read_bf16_like(path: str, expected):
+  """Reads `save_weights_bf16` output as float32 arrays shaped like `expected` (a tree of
+  ShapeDtypeStructs), naming any missing, extra or misshapen entry."""
+  expected = traverse_util.flatten_dict(expected, sep="/")
+  with np.load(path) as f:
+    flat = {k: jnp.asarray(f[k].view(ml_dtypes.bfloat16).astype(np.float32)) for k in f.files}
+  if set(flat) != set(expected):
+    raise ValueError(f"{path}: parameter names differ from the head's; missing "
+                     f"{sorted(set(expected) - set(flat))[:5]}, extra "
+                     f"{sorted(set(flat) - set(expected))[:5]}")
+  for k, v in flat.items():
+    if v.shape != expected[k].shape:
+      raise ValueError(f"{path}: {k} has shape {v.shape}, the head needs {expected[k].shape}")
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def load_feature_head(path: str, target):
+  """The trained feature head in pair directory `path` as an `sj.FeatureDraft` for `target`
+  (its params cast to the target's dtype), or None when the pair ships none."""
+  from specdec_jax.drafts.feature import FeatureDraft
+  from specdec_jax.families.registry import family_of
+  npz, meta = (os.path.join(path, name) for name in FEATURE_HEAD_FILES)
+  if not os.path.exists(npz):
+    return None
+  with open(meta) as f:
+    info = json.load(f)
+  if info.get("kind", "eagle1") != "eagle1":
+    raise ValueError(f"{meta}: unknown feature head kind {info.get('kind')!r}")
+  fc_bias = bool(info.get("fc_bias", False))
+  head = family_of(target).feature_head(target.config, **({"fc_bias": True} if fc_bias else {}))
+  params = _read_bf16_like(npz, jax.eval_shape(lambda: head.init_params(0)))
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, target.config.dtype), params)
+  return FeatureDraft(target, head_params=params, fc_bias=fc_bias)
+
+
+def with_feature_head_section(card: str, section: str) -> str:
+  """`card` (a MODEL_CARD.md's text) with its feature-head section replaced by `section`
+  (appended when there is none): everything from FEATURE_CARD_MARK to the end."""
+  head = card.split(FEATURE_CARD_MARK)[0].rstrip("\n")
+  return f"{head}\n\n{FEATURE_CARD_MARK}\n{section}"
+
+
 def config_to_json(config: T5Config) -> Dict[str, Any]:
   return dataclasses.asdict(config)
 
@@ -94,8 +147,11 @@ class DemoPair:
   family: 't5' or 'decoder_only'.
   tokenizer: `data.Tokenizer`.
   target: the target model (`Model` / `DecoderOnlyModel`), in the loaded dtype.
-  drafts: {name: model} of the target's family (T5: 'small', 'tiny';
-    decoder-only: 'draft').
+  drafts: {name: draft}: models of the target's family (T5: 'small',
+    'tiny'; decoder-only: 'draft'), then, where the pair ships one, its
+    trained feature head 'feature' (an `sj.FeatureDraft`, not a model: wrap
+    entries with `sj.drafts.as_draft`, which passes a Draft through, rather
+    than `ModelDraft`).
   ngrams: {'unigram', 'bigram'} `NgramDraft`s.
   heldout: rows {'path', 'input_ids', 'target_ids'} of held-out files (T5
     rows also hold the text, 'input', 'target', and 'line'): the input ids
@@ -181,7 +237,8 @@ def _load_decoder_only(path: str, info, dtype: str):
   return (target, drafts, heldout, int(prompts.shape[1]), int(info["settings"]["new_tokens"]))
 
 
-def load_demo_pair(path: Optional[str] = None, dtype: str = "float32") -> DemoPair:
+def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
+                   with_feature_head: bool = True) -> DemoPair:
   """Loads a demo pair.
 
   Args:
@@ -191,6 +248,9 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32") -> DemoPa
       name needs a path spelling, './t5'). Default: the shipped T5 pair.
     dtype: compute dtype of the models ('float32' default; 'bfloat16' keeps
       the shipped weights as they are).
+    with_feature_head: list the pair's trained feature head, when it ships
+      one (feature_head.npz), as drafts['feature'] (an `sj.FeatureDraft`
+      for this target, after the model drafts).
   Raises:
     FileNotFoundError: no pair at `path`, naming the command that trains one.
   """
@@ -209,6 +269,9 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32") -> DemoPa
     info = json.load(f)
   load = _load_t5 if family == "t5" else _load_decoder_only
   target, drafts, heldout, input_len, max_decode_steps = load(path, info, dtype)
+  head = load_feature_head(path, target) if with_feature_head else None
+  if head is not None:
+    drafts[FEATURE_DRAFT_NAME] = head
   ngrams = {name: NgramDraft.load(os.path.join(path, f"{name}.npz")) for name in NGRAM_NAMES
             if os.path.exists(os.path.join(path, f"{name}.npz"))}
   tokenizer = data.Tokenizer.load(os.path.join(path, "tokenizer.model"))

@@ -260,3 +260,72 @@ def time_generate_pairs(target, inputs, repeats: int, base_kwargs, spec_kwargs,
       base_width=fastest[1], reference_width=reference[1],
       width_seconds={side[1]: medians[side] for side in base_sides},
       reference_outputs=last[reference], spec_outputs=last[("spec", width)])
+
+
+def time_proposals(target, drafts: Dict[str, Any], inputs, max_len: int, gamma: int,
+                   repeats: int, calls: int = 8, lengths=None,
+                   temperature: float = 0.0) -> Dict[str, float]:
+  """Median ms of one whole proposal of `gamma` tokens, for each draft of any kind.
+
+  Where `time_block_calls` times a draft model's k-token call, this times what
+  the chain loop runs: `draft.propose_fn(params, gamma, temperature, 0, 1.0)`
+  (the draft's calls plus sampling its gamma tokens), so a feature head
+  (`FeatureDraft`: one layer and the target's LM head per token), a model
+  draft and an n-gram table are measured alike; per drafted token it is
+  ms / gamma. The state is the draft's `init_state` on the target family's
+  context (a feature draft gets zero features: costs do not depend on their
+  values), carried through `calls` proposals in one compiled loop at loop
+  positions max_len // 2 and one past it, alternately; pending tokens (a
+  feature draft's) change every call so no call's work is hoisted.
+
+  Args:
+    target: the target model (its family builds the context).
+    drafts: name -> `Draft` (models are wrapped by `drafts.as_draft`).
+    inputs / lengths: as `generate` takes them ([batch, C] int32 / [batch] or None).
+    max_len: decode steps the draft's state is built for.
+    gamma: tokens per proposal.
+    repeats / calls: timed samples (interleaved over drafts) / proposals per sample.
+  Returns:
+    {draft name: ms per proposal}.
+  """
+  from specdec_jax.drafts import as_draft  # drafts import families; profiling is below them
+  family, config = family_of(target), target.config
+  tokens, row_lengths = family.check_inputs(config, inputs, lengths, max_len)
+  batch = tokens.shape[0]
+  if max_len < 4:
+    raise ValueError(f"max_len must be >= 4 to time proposals, got {max_len}")
+  run = {}
+  for name, draft in drafts.items():
+    draft = as_draft(draft)
+    draft.check_compatible(config)
+    extra = dict(features=None, gamma=gamma) if draft.wants_features else {}
+
+    def loop(params, tokens, row_lengths, rng, draft=draft, extra=extra):
+      state = draft.init_state(params, family.context(tokens, row_lengths), max_len, **extra)
+      propose = draft.propose_fn(params, gamma, temperature, 0, 1.0)
+      sequences = jnp.full((batch, max_len + 1), 2, jnp.int32)
+      middle = max_len // 2 - gamma - 1
+
+      def body(i, carry):
+        state, total = carry
+        if isinstance(state, dict) and "pending_tokens" in state:
+          state = dict(state, pending_tokens=(state["pending_tokens"] + i % 3) % draft.vocab_size)
+        positions = jnp.full((batch,), max(middle, 0), jnp.int32) + i % 2
+        drafted, probs, _, state = propose(jax.random.fold_in(rng, i), state, sequences,
+                                           positions)
+        return state, total + drafted[:, -1].astype(jnp.float32) + probs[:, -1, 0]
+
+      _, total = jax.lax.fori_loop(0, calls, body, (state, jnp.zeros((batch,), jnp.float32)))
+      return total
+
+    run[name] = functools.partial(jax.jit(loop), draft.params, tokens, row_lengths,
+                                  jax.random.PRNGKey(0))
+  for job in run.values():
+    jax.block_until_ready(job())  # Compile.
+  samples = {name: [] for name in run}
+  for _ in range(repeats):
+    for name, fn in run.items():
+      start_time = time.perf_counter()
+      jax.block_until_ready(fn())
+      samples[name].append((time.perf_counter() - start_time) / calls * 1e3)
+  return {name: statistics.median(ms) for name, ms in samples.items()}

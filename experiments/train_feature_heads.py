@@ -1,0 +1,407 @@
+r"""Trains a feature head (EAGLE-style, `sj.FeatureDraft`) for a shipped demo pair.
+
+The head reads the pair's frozen target (the shipped bf16 weights, computed
+in float32) and is trained with `specdec_jax.train.feature`'s loss (EAGLE-1
+regression + cross-entropy, and with `ttt_steps` > 1 EAGLE-3's
+training-time test) on the corpus the pair was trained on: the Python
+standard library, the pair's file-hash split, training files only, cut
+exactly as the pair's trainer cuts them (decoder-only: 128-token windows;
+T5: the code-completion examples).
+
+Stages (each resumable; a finished stage is a no-op when rerun, except
+`evaluate` and `export`, which are cheap and rewrite their outputs atomically):
+  data      stdlib files -> the pair's split -> the pair's tokenizer -> training
+            rows and held-out rows -> workdir/data.npz.
+  train     `train.trainer.fit` on the head's params: Orbax checkpoints of the
+            whole TrainState every `checkpoint_every` steps (a killed run resumes
+            at the last one, bit for bit), a progress bar (steps, loss,
+            accuracy, it/s, ETA), metrics.jsonl.
+  evaluate  held-out loss and per-step accuracy; alpha at temperature 0 and 1
+            of the head and of the pair's model drafts on the pair's held-out
+            prompts; c of each (`profiling.time_proposals`) -> stats.json.
+  export    the head in bf16 -> out_dir/feature_head.npz + feature_head.json
+            (what `specdec_jax.load_demo_pair` lists as drafts['feature']), and
+            the "Feature head" section of out_dir/MODEL_CARD.md.
+
+Usage:
+  python -m experiments.train_feature_heads --pair=decoder_only \
+      --workdir=/tmp/head_do --gin_file=configs/train/feature_head.gin
+  (--stages=train to resume training only; --gin.HeadSettings.steps=N to train longer
+  in a fresh --workdir; --out_dir defaults to the pair's directory)
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Dict
+
+from absl import app, flags, logging
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import gin_flags
+from experiments.train_stages import check_stages, read_json, run_stages, write_json
+from specdec_jax import data
+from specdec_jax import demo_pair as demo_pair_lib
+from specdec_jax.train import feature as feature_train
+from specdec_jax.train import trainer as train
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("pair", "decoder_only", ["decoder_only", "t5"], "Which demo pair's target.")
+flags.DEFINE_string("workdir", None, "Run directory (data, checkpoints, metrics, stats).")
+flags.DEFINE_string("out_dir", None, "Where `export` writes (default: the pair's directory).")
+flags.DEFINE_list("stages", ["data", "train", "evaluate", "export"],
+                  "Stages to run, in pipeline order.")
+
+STAGES = ("data", "train", "evaluate", "export")
+HEAD_NPZ, HEAD_JSON = demo_pair_lib.FEATURE_HEAD_FILES
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class HeadSettings:
+  """Everything that determines a head (gin-configurable: HeadSettings.NAME = VALUE)."""
+  seed: int = 0
+  steps: int = 800
+  batch: int = 16             # rows per step (decoder-only: 128-token windows)
+  learning_rate: float = 3e-3
+  warmup_steps: int = 50
+  schedule: str = "cosine"
+  clip_norm: float = 1.0
+  weight_decay: float = 0.0
+  fc_bias: bool = False
+  # The loss (`feature_loss_fn`).
+  ce_weight: float = 0.1
+  regression_weight: float = 1.0
+  ttt_steps: int = 3
+  ttt_decay: float = 0.8
+  num_anchors: int = 16       # TTT anchors per row
+  # Loop.
+  checkpoint_every: int = 100
+  eval_every: int = 400
+  num_eval_rows: int = 64     # held-out rows for the eval loss
+  # evaluate: alpha on the pair's held-out prompts, c by timed proposals.
+  num_alpha_prompts: int = 64
+  gamma: int = 4
+  cost_repeats: int = 7
+
+
+# ----------------------------------------------------------------------------
+# Data: the pair's corpus and cut, per family.
+
+def stage_data(s: HeadSettings, pair, workdir: str):
+  path = os.path.join(workdir, "data.npz")
+  if os.path.exists(path):
+    logging.info("data: already built")
+    return
+  t0 = time.time()
+  settings = pair.info["settings"]
+  tokenizer = pair.tokenizer
+  train_files, heldout_files = data.split_files(data.stdlib_files(),
+                                                int(settings["heldout_percent"]))
+  rng = np.random.default_rng([s.seed, 31])
+  if pair.family == "decoder_only":
+    seq_len = int(settings["seq_len"])
+    windows = data.lm_windows([f.text for f in train_files], tokenizer, seq_len, data.EOS_ID)
+    eval_windows = data.lm_windows([f.text for f in heldout_files], tokenizer, seq_len,
+                                   data.EOS_ID)
+    eval_windows = eval_windows[rng.permutation(len(eval_windows))[:s.num_eval_rows]]
+    arrays = dict(windows=windows, eval_windows=eval_windows)
+    summary = dict(train_rows=len(windows), train_tokens=int(windows.size))
+  else:
+    task = data.CompletionTask(**{k: int(settings[k]) for k in (
+        "input_len", "target_len", "context_lines", "target_lines", "stride")})
+    train_data = data.completion_examples(train_files, tokenizer, task)
+    heldout = data.completion_examples(heldout_files, tokenizer, task)
+    order = rng.permutation(len(heldout))[:s.num_eval_rows]
+    arrays = dict(inputs=train_data.inputs, targets=train_data.targets,
+                  eval_inputs=heldout.inputs[order], eval_targets=heldout.targets[order])
+    summary = dict(train_rows=len(train_data), train_tokens=int((train_data.targets > 0).sum()))
+  demo_pair_lib.save_npz_atomic(path, **arrays)
+  prov = data.corpus_provenance()
+  prov.update(train_files=len(train_files), heldout_files=len(heldout_files),
+              seconds=time.time() - t0, **summary)
+  _update_stats(workdir, "data", prov)
+  logging.info("data: %s", prov)
+
+
+def _load_data(workdir):
+  with np.load(os.path.join(workdir, "data.npz")) as f:
+    return {k: f[k] for k in f.files}
+
+
+def _rows(pair, d, which: str, index) -> Dict[str, np.ndarray]:
+  """The family's training batch (without features) of rows `index` of split `which`."""
+  if pair.family == "decoder_only":
+    rows = d["windows" if which == "train" else "eval_windows"][index]
+    from specdec_jax.families.decoder_only.batch import lm_batch
+    return lm_batch(rows, [rows.shape[1]] * len(rows))
+  prefix = "" if which == "train" else "eval_"
+  return dict(inputs=d[prefix + "inputs"][index], targets=d[prefix + "targets"][index])
+
+
+def _num_rows(pair, d, which: str) -> int:
+  key = {"decoder_only": "windows", "t5": "inputs"}[pair.family]
+  return len(d[key if which == "train" else "eval_" + key])
+
+
+def _loss_batch(s: HeadSettings, pair, rows, anchor_seed: int):
+  """The loss's batch: the target's features (and memory), TTT anchors."""
+  batch = feature_train.feature_batch(pair.target, rows)
+  if s.ttt_steps > 1:
+    batch["anchors"] = feature_train.ttt_anchors(batch["weights"], s.num_anchors, anchor_seed)
+  return batch
+
+
+# ----------------------------------------------------------------------------
+# Train.
+
+def _optimizer(s: HeadSettings):
+  return train.make_optimizer("adamw", s.learning_rate, schedule=s.schedule,
+                              warmup_steps=s.warmup_steps, total_steps=s.steps,
+                              weight_decay=s.weight_decay, clip_norm=s.clip_norm)
+
+
+def _draft(s: HeadSettings, pair, head_params=None):
+  import specdec_jax as sj
+  return sj.FeatureDraft(pair.target, head_params=head_params, seed=s.seed, fc_bias=s.fc_bias)
+
+
+def _loss_fn(s: HeadSettings, draft):
+  return feature_train.feature_loss_fn(draft, s.ce_weight, regression_weight=s.regression_weight,
+                                       ttt_steps=s.ttt_steps, ttt_decay=s.ttt_decay)
+
+
+def _eval_batches(s: HeadSettings, pair, d):
+  n = _num_rows(pair, d, "eval")
+
+  def batches():
+    for i in range(0, n, s.batch):
+      yield _loss_batch(s, pair, _rows(pair, d, "eval", np.arange(i, min(i + s.batch, n))),
+                        anchor_seed=10_000_019 + i)
+  return batches
+
+
+def _restore(s: HeadSettings, pair, workdir: str):
+  """The TrainState of the latest checkpoint (or the initial one)."""
+  draft = _draft(s, pair)
+  state = train.create_train_state(draft.head_params, _optimizer(s))
+  return draft, train.restore_latest(os.path.join(workdir, "train"), state)
+
+
+def stage_train(s: HeadSettings, pair, workdir: str):
+  d = _load_data(workdir)
+  draft = _draft(s, pair)
+  optimizer = _optimizer(s)
+  state = train.create_train_state(draft.head_params, optimizer)
+  num_params = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(draft.head_params))
+  logging.info("feature head: %.3fM params", num_params / 1e6)
+  n = _num_rows(pair, d, "train")
+
+  def batch_at(step):  # A pure function of the step: resumed runs see the same batches.
+    rows = _rows(pair, d, "train", data.batch_indices(n, s.batch, step, s.seed))
+    return _loss_batch(s, pair, rows, anchor_seed=s.seed * 1_000_003 + step)
+
+  cfg = train.TrainConfig(num_steps=s.steps, checkpoint_every=s.checkpoint_every,
+                          eval_every=s.eval_every, log_every=10)
+  stats = read_json(os.path.join(workdir, "stats.json"), {}).get("train", {})
+  t0 = time.time()
+  start = int(train.restore_latest(os.path.join(workdir, "train"), state).step)
+  if start >= s.steps and "heldout" in stats:
+    logging.info("train: already at step %d", start)
+    return
+  state, eval_metrics = train.fit(
+      state, batch_at, loss_fn=_loss_fn(s, draft), optimizer=optimizer, cfg=cfg,
+      workdir=os.path.join(workdir, "train"), eval_batches=_eval_batches(s, pair, d),
+      description=f"feature head ({pair.family})")
+  seconds = stats.get("seconds", 0.0) + time.time() - t0
+  first = _first_train_loss(workdir)
+  _update_stats(workdir, "train", dict(
+      steps=s.steps, batch=s.batch, rows_seen=s.steps * s.batch, seconds=seconds,
+      sessions=stats.get("sessions", 0) + 1, head_params=num_params, first_loss=first,
+      heldout={k: float(v) for k, v in eval_metrics.items()},
+      heldout_accuracy_by_step={str(k): v for k, v in
+                                feature_train.per_step_accuracy(eval_metrics).items()}))
+  logging.info("train done: %s", eval_metrics)
+
+
+def _first_train_loss(workdir):
+  path = os.path.join(workdir, "train", "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    for line in f:
+      row = json.loads(line)
+      if row.get("kind") == "train":
+        return row["loss"]
+  return None
+
+
+def _update_stats(workdir, key, value):
+  path = os.path.join(workdir, "stats.json")
+  stats = read_json(path, {})
+  stats[key] = value
+  write_json(path, stats)
+
+
+def _trained_draft(s: HeadSettings, pair, workdir: str):
+  """The trained head, bf16-rounded as `export` ships it (measured as shipped)."""
+  draft, state = _restore(s, pair, workdir)
+  if int(state.step) != s.steps:
+    raise ValueError(f"train checkpoint is at step {int(state.step)}, expected {s.steps}: run "
+                     "the train stage first")
+  rounded = jax.tree_util.tree_map(
+      lambda x: jnp.asarray(x, jnp.bfloat16).astype(x.dtype), state.params)
+  return _draft(s, pair, rounded)
+
+
+# ----------------------------------------------------------------------------
+# Evaluate and export.
+
+def stage_evaluate(s: HeadSettings, pair, workdir: str):
+  from specdec_jax.drafts import ModelDraft
+  from specdec_jax.tools import profiling
+  from specdec_jax.train import distill
+  t0 = time.time()
+  head = _trained_draft(s, pair, workdir)
+  d = _load_data(workdir)
+  eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, loss_fn=_loss_fn(s, head)))
+  heldout = train.evaluate(head.head_params, _eval_batches(s, pair, d)(), eval_fn)
+  drafts = {name: ModelDraft(m) for name, m in pair.drafts.items() if not _is_feature(name)}
+  drafts["feature"] = head
+  inputs, lengths = pair.inputs(s.num_alpha_prompts)
+  alpha = {}
+  for name, draft in drafts.items():
+    alpha[name] = {str(t): distill.measure_alpha(
+        pair.target, draft, inputs, lengths, max_decode_steps=pair.max_decode_steps,
+        temperature=t, gamma=s.gamma, seed=s.seed) for t in (0.0, 1.0)}
+    logging.info("alpha %s: %s", name, alpha[name])
+  first = None if lengths is None else lengths[:1]
+  target_ms = profiling.time_block_calls({"target": pair.target}, inputs[:1],
+                                         pair.max_decode_steps, [1], s.cost_repeats,
+                                         lengths=first)["target"][1]
+  proposal_ms = profiling.time_proposals(pair.target, drafts, inputs[:1], pair.max_decode_steps,
+                                         s.gamma, s.cost_repeats, lengths=first)
+  c = {name: ms / s.gamma / target_ms for name, ms in proposal_ms.items()}
+  _update_stats(workdir, "evaluate", dict(
+      heldout=heldout, heldout_accuracy_by_step={
+          str(k): v for k, v in feature_train.per_step_accuracy(heldout).items()},
+      alpha=alpha, alpha_prompts=len(inputs), gamma=s.gamma,
+      max_decode_steps=pair.max_decode_steps, target_step_ms=target_ms,
+      proposal_ms=proposal_ms, c=c, load_average=list(os.getloadavg()),
+      seconds=time.time() - t0))
+  logging.info("evaluate: alpha %s, c %s", alpha, c)
+
+
+def _is_feature(name: str) -> bool:
+  return "feature" in name
+
+
+def stage_export(s: HeadSettings, pair, workdir: str, out_dir: str, command: str):
+  head = _trained_draft(s, pair, workdir)
+  os.makedirs(out_dir, exist_ok=True)
+  size = demo_pair_lib.save_weights_bf16(os.path.join(out_dir, HEAD_NPZ), head.head_params)
+  stats = read_json(os.path.join(workdir, "stats.json"), {})
+  info = dict(kind="eagle1", fc_bias=s.fc_bias, feature_layers=None,
+              settings=dataclasses.asdict(s), stats=stats, command=command,
+              params=stats.get("train", {}).get("head_params"), bytes=size)
+  write_json(os.path.join(out_dir, HEAD_JSON), info)
+  card_path = os.path.join(out_dir, "MODEL_CARD.md")
+  card = open(card_path).read() if os.path.exists(card_path) else ""
+  data.write_bytes_atomic(card_path, demo_pair_lib.with_feature_head_section(
+      card, model_card_section(pair, info)).encode())
+  logging.info("export: %s (%d bytes)", os.path.join(out_dir, HEAD_NPZ), size)
+
+
+def model_card_section(pair, info: Dict[str, Any]) -> str:
+  """The model card's "Feature head" section from feature_head.json's contents."""
+  st, stats = info["settings"], info["stats"]
+  tr, ev, prov = stats.get("train", {}), stats.get("evaluate", {}), stats.get("data", {})
+  cfg = pair.target.config
+  if pair.family == "decoder_only":
+    layer = (f"one GPT-2 block of the target's shape (emb {cfg.emb_dim}, {cfg.num_heads} heads x "
+             f"{cfg.head_dim}, MLP {cfg.mlp_dim}) without its input LayerNorm; the target's "
+             "learned positions added after fc")
+    rows = f"{prov.get('train_rows')} windows of {pair.info['settings']['seq_len']} tokens"
+  else:
+    layer = (f"one T5 decoder layer of the target's shape (emb {cfg.emb_dim}, {cfg.num_heads} "
+             f"heads x {cfg.head_dim}, MLP {cfg.mlp_dim}) cross-attending to the target's "
+             "encoder outputs")
+    rows = f"{prov.get('train_rows')} code-completion examples"
+  h = tr.get("heldout", {})
+  acc = tr.get("heldout_accuracy_by_step", {})
+  lines = [
+      "## Feature head (EAGLE-style draft, issue 23)", "",
+      "`feature_head.npz` (bf16 bit patterns, `feature_head.json`: settings and stats): a "
+      "feature draft over the target's own last hidden states, listed by "
+      "`specdec_jax.load_demo_pair()` as `drafts['feature']` (an `sj.FeatureDraft`).", "",
+      f"- Architecture: fc Linear(2 x {cfg.emb_dim} -> {cfg.emb_dim}) over [embedding(token_t); "
+      f"feature_(t-1)], then {layer}; logits from the target's own output projection "
+      f"(referenced, not copied). {info.get('params', 0) / 1e6:.2f}M params of its own "
+      f"({info.get('bytes', 0) / 1e3:.0f} kB on disk).",
+      f"- Data: the pair's corpus and split, training files only ({prov.get('train_files')} "
+      f"files, {rows}); the target frozen, its features computed on the fly.",
+      f"- Loss (`specdec_jax.train.feature.feature_loss_fn`): SmoothL1 feature regression "
+      f"(weight {st['regression_weight']:g}) + {st['ce_weight']:g} x cross-entropy against the "
+      f"target's distribution, with EAGLE-3's training-time test: {st['ttt_steps']} steps "
+      f"unrolled on the head's own features from {st['num_anchors']} anchors per row, step i "
+      f"weighted {st['ttt_decay']:g}^i.",
+      f"- Training: `{info.get('command')}`; AdamW lr {st['learning_rate']:g} ({st['schedule']}, "
+      f"warmup {st['warmup_steps']}, clip {st['clip_norm']:g}), {tr.get('steps')} steps x "
+      f"{tr.get('batch')} rows, {tr.get('seconds', 0) / 60:.1f} min wall-clock on a shared "
+      "2-core CPU.",
+  ]
+  if h:
+    first = tr.get("first_loss")
+    lines.append(
+        f"- Held-out loss per token {h.get('loss', float('nan')):.3f}"
+        + (f" (first training batch: {first:.3f})" if first is not None else "")
+        + f"; regression {h.get('regression', float('nan')):.3f}, cross-entropy "
+        f"{h.get('cross_entropy', float('nan')):.3f}; agreement of the head's argmax with the "
+        "target's at unrolled step 0/1/2...: "
+        + " / ".join(f"{acc[k]:.2f}" for k in sorted(acc, key=int)) + ".")
+  if ev:
+    lines += ["", f"Acceptance and cost against the pair's model drafts ({ev['alpha_prompts']} "
+              f"held-out prompts, {ev['max_decode_steps']} new tokens, gamma {ev['gamma']}, "
+              "pooled alpha; c = one whole gamma-token proposal / gamma / one target step, "
+              "`profiling.time_proposals`, float32, batch 1, on a shared, loaded CPU):", "",
+              "| draft | alpha temp 0 | alpha temp 1 | c |", "|---|---|---|---|"]
+    for name, a in ev["alpha"].items():
+      lines.append(f"| {name} | {a['0.0']:.2f} | {a['1.0']:.2f} | {ev['c'][name]:.3f} |")
+  lines += ["", "Speedups: BENCHMARKS.md, \"Issue 23: feature heads\"."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  gin_flags.parse_flags()
+  s = HeadSettings()
+  if not FLAGS.workdir:
+    raise app.UsageError("--workdir is required")
+  check_stages(STAGES, FLAGS.stages)
+  workdir = FLAGS.workdir
+  os.makedirs(workdir, exist_ok=True)
+  recorded = read_json(os.path.join(workdir, "settings.json"))
+  current = dict(pair=FLAGS.pair, **dataclasses.asdict(s))
+  if recorded is not None and recorded != current:
+    raise ValueError(f"{workdir} was made with other settings ({recorded}); use a new --workdir "
+                     "to change them")
+  write_json(os.path.join(workdir, "settings.json"), current)
+  pair = demo_pair_lib.load_demo_pair(FLAGS.pair, with_feature_head=False)
+  out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.pair]
+  command = (f"python -m experiments.train_feature_heads --pair={FLAGS.pair} "
+             "--workdir=WORKDIR --gin_file=configs/train/feature_head.gin")
+  stages = dict(data=lambda: stage_data(s, pair, workdir),
+                train=lambda: stage_train(s, pair, workdir),
+                evaluate=lambda: stage_evaluate(s, pair, workdir),
+                export=lambda: stage_export(s, pair, workdir, out_dir, command))
+  run_stages(stages, FLAGS.stages)
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_platforms", "cpu")
+  app.run(main, argv=gin_flags.rewrite_gin_args(sys.argv))
