@@ -47,7 +47,7 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str],
       raise ValueError(f"gin file not found: {path!r}")
   try:
     gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
-  except (ValueError, KeyError, SyntaxError, gin.config.ParseError) as e:
+  except (ValueError, KeyError, SyntaxError, OSError) as e:  # OSError: a missing include
     raise ValueError(f"bad gin configuration: {e}") from e
 
 
