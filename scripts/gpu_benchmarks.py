@@ -34,6 +34,15 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
     the fastest exact target-only decoding (width 1 or W), C(W) measured,
     greedy identity with target-only decoding at W.
 
+- features (issue 23): the demo pair's feature head (EAGLE-style, one T5
+    decoder layer over the target's hidden states; `demo_pair/feature_head.npz`,
+    a random head if none ships) embedded with the target at its shape
+    (`embed.embed_feature_head_params`: the same drafts at the large cost)
+    against the embedded 'small' draft: c per drafted token (whole gamma-token
+    proposals, `profiling.time_proposals`), then chain gamma = 4 and a static
+    and a dynamic tree of the head at W = 16: alpha, tokens per iteration,
+    speedup against the fastest exact baseline, greedy identity.
+
   scripts/gpu_benchmarks.sh               # on the GPU machine (<= 6 minutes)
   scripts/gpu_benchmarks.sh --dry_run     # CPU, tiny shapes, seconds (tested)
 """
@@ -48,7 +57,8 @@ from typing import Any, Dict
 from absl import app
 from absl import flags
 
-PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "methods", "report"], "What to run.")
+PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "methods", "features", "report"],
+                         "What to run.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny shapes, few repeats: a CPU check of every "
                             "code path (the numbers mean nothing).")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "gpu_results", "Where JSON and Markdown go.")
@@ -413,6 +423,95 @@ def run_methods() -> Dict[str, Any]:
               new_tokens=steps, widths=out, seconds=time.perf_counter() - wall)
 
 
+def run_features() -> Dict[str, Any]:
+  """Issue 23: the demo feature head embedded with the target, against the embedded 'small'
+  draft (module docstring)."""
+  import jax
+  import numpy as np
+  import specdec_jax as sj
+  from specdec_jax.core import theory
+  from specdec_jax.families.t5 import embed
+  from specdec_jax.tools import profiling
+  from specdec_jax.tools import testing
+
+  wall = time.perf_counter()
+  log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)  # noqa
+  pair = sj.load_demo_pair()
+  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
+  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
+                                                      target_config))
+  draft_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
+  small = sj.Model(draft_config, embed.embed_params(pair.drafts["small"].params,
+                                                    pair.drafts["small"].config, draft_config))
+  shipped = pair.drafts.get("feature")
+  small_head = shipped if shipped is not None else sj.FeatureDraft(pair.target, seed=0)
+  head = sj.FeatureDraft(target, head_params=jax.tree_util.tree_map(
+      lambda x: x.astype(target_config.dtype), embed.embed_feature_head_params(
+          small_head.head_params, pair.target.config, target_config)))
+  head_name = ("demo feature head" if shipped is not None else "RANDOM feature head (no "
+               "demo_pair/feature_head.npz)") + f" embedded at {TARGET_SHAPE.value}"
+  enc = testing.random_encoder_tokens(1, ENC_LEN.value, target_config.vocab_size, seed=0,
+                                      min_length=ENC_LEN.value)
+  gamma = 4
+  max_len = 128 if not DRY_RUN.value else 16
+  target_ms = profiling.time_block_calls({"target": target}, enc, max_len, [1],
+                                         max(REPEATS.value, 3))["target"][1]
+  proposal_ms = profiling.time_proposals(
+      target, {"feature head": head, "small": small}, enc, max_len, gamma,
+      max(REPEATS.value, 3))
+  c = {name: ms / gamma / target_ms for name, ms in proposal_ms.items()}
+  log(f"built; target step {target_ms:.3f} ms; c per drafted token {c}")
+  inputs = pair.heldout_inputs(METHOD_INPUTS.value)
+  steps = min(pair.max_decode_steps, NEW_TOKENS.value) if DRY_RUN.value else pair.max_decode_steps
+  width = 8 if DRY_RUN.value else 16
+  ms = profiling.time_block_calls({"target": target}, enc, max(max_len, 2 * width + 2),
+                                  [1, width], REPEATS.value)["target"]
+  verify_cost = ms[width] / ms[1]
+  branching = TREES.get(width) or (2, 1, 1)
+  topk, depth, budget = DYNAMIC_TREES.get(width, (2, 4, width))
+  methods = {
+      f"small chain gamma={gamma}": (dict(draft=small, gamma=gamma, block_width=gamma + 1),
+                                     gamma, c["small"]),
+      f"feature chain gamma={gamma}": (dict(draft=head, gamma=gamma, block_width=gamma + 1),
+                                       gamma, c["feature head"]),
+      f"feature tree {branching}": (dict(draft=sj.TreeDraft(head, branching),
+                                         block_width=width), len(branching), c["feature head"]),
+      f"feature dynamic tree k={topk} d={depth} n={budget}": (
+          dict(draft=sj.DynamicTreeDraft(head, topk=topk, depth=depth, node_budget=budget),
+               block_width=width), depth, c["feature head"]),
+  }
+  rows = {}
+  for name, (kwargs, calls, cost) in methods.items():
+    timing = profiling.time_generate_pairs(target, inputs, REPEATS.value,
+                                           dict(max_decode_steps=steps),
+                                           dict(max_decode_steps=steps, **kwargs))
+    ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
+    stats = [o.stats for o in timing.spec_outputs]
+    tokens = sum(int(s.emitted.sum()) for s in stats) / max(
+        sum(int(s.iterations.sum()) for s in stats), 1)
+    alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
+        sum(int(s.beta_count.sum()) for s in stats), 1)
+    width_here = kwargs["block_width"]
+    verify = verify_cost if width_here == width else (
+        ms.get(width_here, ms[width]) / ms[1])
+    rows[name] = dict(
+        tokens_per_iteration=tokens, alpha=alpha, c=cost, draft_calls=calls,
+        block_width=width_here, speedup=statistics.median(ratios), speedup_min=min(ratios),
+        speedup_max=max(ratios), baseline_width=timing.base_width,
+        predicted=theory.predicted_tree_speedup(tokens, cost, calls, verify),
+        identical_rows=int(sum(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
+                               for r, s in zip(timing.reference_outputs,
+                                               timing.spec_outputs))),
+        rows=len(inputs))
+    log(f"{name}: alpha {alpha:.2f}, {tokens:.2f} tokens/iteration, speedup "
+        f"{rows[name]['speedup']:.2f}X, identical {rows[name]['identical_rows']}/{len(inputs)}")
+  return dict(part="features", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
+              head=head_name, small=f"demo small embedded at {DRAFT_SHAPE}", gamma=gamma,
+              target_step_ms=target_ms, proposal_ms=proposal_ms, c=c, width=width,
+              verify_cost=verify_cost, inputs=len(inputs), new_tokens=steps, rows=rows,
+              seconds=time.perf_counter() - wall)
+
+
 # ---------------------------------------------------------------------------
 # Report.
 
@@ -425,7 +524,7 @@ def report() -> str:
     with open(path) as f:
       return json.load(f)
 
-  ours, hf, methods = load("ours"), load("hf"), load("methods")
+  ours, hf, methods, features = load("ours"), load("hf"), load("methods"), load("features")
   if ours is None:
     raise FileNotFoundError(f"no ours.json in {OUTPUT_DIR.value}: run --part=ours first")
   cpu = ours["machine"]["backend"] == "cpu"
@@ -476,10 +575,23 @@ def report() -> str:
                      f"{r['tokens_per_iteration']:.2f} | {r['alpha']:.2f} | {r['predicted']:.2f}X | "
                      f"{r['speedup']:.2f}X [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}] | "
                      f"{r['baseline_width']} | {r['identical_rows']}/{r['rows']} |")
+  if features:
+    lines += ["", f"Feature drafts (issue 23): the {features['head']} against the "
+              f"{features['small']}, greedy; c per drafted token from whole {features['gamma']}"
+              f"-token proposals ({', '.join(f'{k} {v:.3f}' for k, v in features['c'].items())})"
+              f"; C({features['width']}) = {features['verify_cost']:.2f}; baseline the fastest "
+              "exact target-only decoding.", "",
+              "| method | W | α | c | tokens/iter | pred | speedup | baseline W | identical |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in features["rows"].items():
+      lines.append(f"| {name} | {r['block_width']} | {r['alpha']:.2f} | {r['c']:.3f} | "
+                   f"{r['tokens_per_iteration']:.2f} | {r['predicted']:.2f}X | "
+                   f"{r['speedup']:.2f}X [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}] | "
+                   f"{r['baseline_width']} | {r['identical_rows']}/{r['rows']} |")
   text = "\n".join(lines) + "\n"
   with open(os.path.join(OUTPUT_DIR.value, "gpu_benchmarks.md"), "w") as f:
     f.write(text)
-  _write("gpu_benchmarks", dict(ours=ours, hf=hf, methods=methods))
+  _write("gpu_benchmarks", dict(ours=ours, hf=hf, methods=methods, features=features))
   return text
 
 
@@ -499,6 +611,8 @@ def main(argv):
     _write("ours", run_ours())
   elif PART.value == "methods":
     _write("methods", run_methods())
+  elif PART.value == "features":
+    _write("features", run_features())
   else:
     print(report())
 

@@ -5,7 +5,7 @@
 # 11B model), against transformers on the same device, C(k), c of the demo and
 # T5-small-shaped drafts, and the demo drafts' real acceptance at that cost.
 # See scripts/gpu_benchmarks.py. Results: $OUT (default ./gpu_results):
-# hf.json, ours.json, methods.json, gpu_benchmarks.json, gpu_benchmarks.md, logs.
+# hf.json, ours.json, methods.json, features.json, gpu_benchmarks.json, gpu_benchmarks.md, logs.
 #
 #   scripts/gpu_benchmarks.sh              # on the accelerator
 #   scripts/gpu_benchmarks.sh --dry_run    # CPU, tiny shapes (tests/test_gpu_benchmarks.py)
@@ -46,4 +46,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 "$PY" scripts/gpu_benchmarks.py --part=methods --output_dir="$OUT" "$@" 2>&1 \
   | tee "$OUT/methods.log" \
   || echo "gpu_benchmarks.sh: the methods part failed (see $OUT/methods.log)" >&2
+# Issue 23: the demo feature head embedded with the target, chain and trees.
+"$PY" scripts/gpu_benchmarks.py --part=features --output_dir="$OUT" "$@" 2>&1 \
+  | tee "$OUT/features.log" \
+  || echo "gpu_benchmarks.sh: the features part failed (see $OUT/features.log)" >&2
 "$PY" scripts/gpu_benchmarks.py --part=report --output_dir="$OUT" "$@"

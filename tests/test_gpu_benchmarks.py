@@ -47,3 +47,11 @@ def test_gpu_benchmarks_dry_run(tmp_path):
   for row in block["rows"].values():
     assert row["identical_rows"] == row["rows"] == 2 and row["tokens_per_iteration"] >= 1
   assert "| tree (2, 1, 1) |" in table and "(block)" in table
+  # Issue 23: the demo feature head embedded with the target, chain and trees.
+  features = merged["features"]
+  assert set(features["c"]) == {"feature head", "small"} and all(
+      v > 0 for v in features["c"].values())
+  assert len(features["rows"]) == 4
+  for row in features["rows"].values():
+    assert row["identical_rows"] == row["rows"] == 2 and row["tokens_per_iteration"] >= 1
+  assert "Feature drafts (issue 23)" in table and "| feature chain gamma=4 |" in table
