@@ -338,25 +338,50 @@ def run_ours() -> Dict[str, Any]:
       seconds=time.perf_counter() - wall)
 
 
+def _embedded_pair():
+  """(demo pair, its target embedded at TARGET_SHAPE, its 'small' draft at DRAFT_SHAPE)."""
+  import specdec_jax as sj
+  from specdec_jax.families.t5 import embed
+  pair = sj.load_demo_pair()
+  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
+  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
+                                                      target_config))
+  draft_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
+  small = sj.Model(draft_config, embed.embed_params(pair.drafts["small"].params,
+                                                    pair.drafts["small"].config, draft_config))
+  return pair, target, small
+
+
+def _paired_row(timing) -> Dict[str, Any]:
+  """A method's row from `profiling.time_generate_pairs`: tokens per iteration, alpha,
+  speedup (median of paired repeats, with its range), baseline width, identical rows."""
+  import numpy as np
+  ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
+  stats = [o.stats for o in timing.spec_outputs]
+  tokens = sum(int(s.emitted.sum()) for s in stats) / max(
+      sum(int(s.iterations.sum()) for s in stats), 1)
+  alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
+      sum(int(s.beta_count.sum()) for s in stats), 1)
+  identical = sum(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
+                  for r, s in zip(timing.reference_outputs, timing.spec_outputs))
+  return dict(tokens_per_iteration=tokens, alpha=alpha, speedup=statistics.median(ratios),
+              speedup_min=min(ratios), speedup_max=max(ratios), baseline_width=timing.base_width,
+              identical_rows=int(identical), rows=len(timing.spec_outputs))
+
+
 def run_methods() -> Dict[str, Any]:
   """Issue 22: chain (token / block), static and dynamic tree at each --method_widths W,
   the demo 'small' draft embedded at DRAFT_SHAPE against the embedded target (as in `ours`)."""
   import numpy as np
   import specdec_jax as sj
   from specdec_jax.core import theory
-  from specdec_jax.families.t5 import embed
   from specdec_jax.tools import profiling
   from specdec_jax.tools import testing
 
   wall = time.perf_counter()
   log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)  # noqa
-  pair = sj.load_demo_pair()
-  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
-  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
-                                                      target_config))
-  draft_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
-  draft = sj.Model(draft_config, embed.embed_params(pair.drafts["small"].params,
-                                                    pair.drafts["small"].config, draft_config))
+  pair, target, draft = _embedded_pair()
+  target_config = target.config
   enc = testing.random_encoder_tokens(1, ENC_LEN.value, target_config.vocab_size, seed=0,
                                       min_length=ENC_LEN.value)
   inputs = pair.heldout_inputs(METHOD_INPUTS.value)
@@ -391,20 +416,11 @@ def run_methods() -> Dict[str, Any]:
       timing = profiling.time_generate_pairs(
           target, inputs, REPEATS.value, dict(max_decode_steps=steps),
           dict(max_decode_steps=steps, block_width=width, **kwargs))
-      ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
       stats = [o.stats for o in timing.spec_outputs]
-      tokens = sum(int(s.emitted.sum()) for s in stats) / max(
-          sum(int(s.iterations.sum()) for s in stats), 1)
-      alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
-          sum(int(s.beta_count.sum()) for s in stats), 1)
-      row = dict(tokens_per_iteration=tokens, alpha=alpha, draft_calls=calls,
-                 speedup=statistics.median(ratios), speedup_min=min(ratios),
-                 speedup_max=max(ratios), baseline_width=timing.base_width,
-                 predicted=theory.predicted_tree_speedup(tokens, c, calls, verify_cost),
-                 identical_rows=int(sum(
-                     np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
-                     for r, s in zip(timing.reference_outputs, timing.spec_outputs))),
-                 rows=len(inputs))
+      row = _paired_row(timing)
+      tokens, alpha = row["tokens_per_iteration"], row["alpha"]
+      row.update(draft_calls=calls,
+                 predicted=theory.predicted_tree_speedup(tokens, c, calls, verify_cost))
       if stats[0].rank_tried is not None:
         tried = sum(s.rank_tried.sum(0) for s in stats)
         rates = (sum(s.rank_accepted.sum(0) for s in stats) / np.maximum(tried, 1)).tolist()
@@ -436,13 +452,8 @@ def run_features() -> Dict[str, Any]:
 
   wall = time.perf_counter()
   log = lambda msg: print(f"[{time.perf_counter() - wall:6.1f}s] {msg}", flush=True)  # noqa
-  pair = sj.load_demo_pair()
-  target_config = _shape_config(pair.target.config, TARGET_SHAPE.value, "target")
-  target = sj.Model(target_config, embed.embed_params(pair.target.params, pair.target.config,
-                                                      target_config))
-  draft_config = _shape_config(pair.drafts["small"].config, DRAFT_SHAPE, "draft")
-  small = sj.Model(draft_config, embed.embed_params(pair.drafts["small"].params,
-                                                    pair.drafts["small"].config, draft_config))
+  pair, target, small = _embedded_pair()
+  target_config = target.config
   shipped = pair.drafts.get("feature")
   small_head = shipped if shipped is not None else sj.FeatureDraft(pair.target, seed=0)
   head = sj.FeatureDraft(target, head_params=jax.tree_util.tree_map(
@@ -465,7 +476,7 @@ def run_features() -> Dict[str, Any]:
   steps = min(pair.max_decode_steps, NEW_TOKENS.value) if DRY_RUN.value else pair.max_decode_steps
   width = 8 if DRY_RUN.value else 16
   ms = profiling.time_block_calls({"target": target}, enc, max(max_len, 2 * width + 2),
-                                  [1, width], REPEATS.value)["target"]
+                                  sorted({1, gamma + 1, width}), REPEATS.value)["target"]
   verify_cost = ms[width] / ms[1]
   branching = TREES.get(width) or (2, 1, 1)
   topk, depth, budget = DYNAMIC_TREES.get(width, (2, 4, width))
@@ -485,24 +496,13 @@ def run_features() -> Dict[str, Any]:
     timing = profiling.time_generate_pairs(target, inputs, REPEATS.value,
                                            dict(max_decode_steps=steps),
                                            dict(max_decode_steps=steps, **kwargs))
-    ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
-    stats = [o.stats for o in timing.spec_outputs]
-    tokens = sum(int(s.emitted.sum()) for s in stats) / max(
-        sum(int(s.iterations.sum()) for s in stats), 1)
-    alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
-        sum(int(s.beta_count.sum()) for s in stats), 1)
+    row = _paired_row(timing)
+    tokens, alpha = row["tokens_per_iteration"], row["alpha"]
     width_here = kwargs["block_width"]
-    verify = verify_cost if width_here == width else (
-        ms.get(width_here, ms[width]) / ms[1])
-    rows[name] = dict(
-        tokens_per_iteration=tokens, alpha=alpha, c=cost, draft_calls=calls,
-        block_width=width_here, speedup=statistics.median(ratios), speedup_min=min(ratios),
-        speedup_max=max(ratios), baseline_width=timing.base_width,
-        predicted=theory.predicted_tree_speedup(tokens, cost, calls, verify),
-        identical_rows=int(sum(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
-                               for r, s in zip(timing.reference_outputs,
-                                               timing.spec_outputs))),
-        rows=len(inputs))
+    verify = ms[width_here] / ms[1] if width_here in ms else verify_cost
+    row.update(c=cost, draft_calls=calls, block_width=width_here,
+               predicted=theory.predicted_tree_speedup(tokens, cost, calls, verify))
+    rows[name] = row
     log(f"{name}: alpha {alpha:.2f}, {tokens:.2f} tokens/iteration, speedup "
         f"{rows[name]['speedup']:.2f}X, identical {rows[name]['identical_rows']}/{len(inputs)}")
   return dict(part="features", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,

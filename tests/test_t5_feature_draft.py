@@ -35,6 +35,9 @@ from specdec_jax.families.registry import family_of
 from specdec_jax.families.t5.network import T5, Decoder
 from specdec_jax.tools import testing
 
+# A FeatureDraft that reports, at each proposal, the features it was handed.
+from test_feature_draft import _RecordingDraft
+
 
 def _target(vocab=64, seed=0, dtype="float32", **overrides):
   return sj.load_model("tiny", vocab_size=vocab, seed=seed, dtype=dtype, **overrides)
@@ -206,30 +209,6 @@ def test_t5_feature_draft_samples_follow_target_distribution(setting):
   observed = collections.Counter(map(tuple, np.asarray(out.sequences).tolist()))
   assert len(observed) > 10
   assert _chi_square_ok(observed, expected, n) > P_VALUE
-
-
-class _RecordingDraft(sj.FeatureDraft):
-  """A FeatureDraft that reports, at each proposal, the features it was handed."""
-
-  def __init__(self, *args, log, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.log = log
-
-  def static_key(self):
-    return super().static_key() + (id(self.log),)
-
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    inner = super().propose_fn(params, gamma, temperature, topk, topp)
-
-    def record(lengths, count, offset, features):
-      self.log.append(tuple(np.asarray(x) for x in (lengths, count, offset, features)))
-
-    def propose(rng, state, sequences, lengths, max_drafted=None):
-      jax.debug.callback(record, lengths, state["count"], state["offset"],
-                         state["pending_features"], ordered=True)
-      return inner(rng, state, sequences, lengths, max_drafted)
-
-    return propose
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
