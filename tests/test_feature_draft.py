@@ -124,6 +124,8 @@ def test_greedy_feature_draft_equals_target_only_at_the_same_width(dtype, vocab)
   assert got.stats.accepted.sum() > 0, got.stats.summary()  # the copy head is accepted
 
 
+# The statistical suite: `make test-slow`.
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, topk=3),
                                      dict(temperature=1.0, topp=0.8)],
                          ids=["t1", "t0.7_top3", "topp0.8"])

@@ -193,6 +193,8 @@ def test_t5_feature_head_reads_the_encoder_outputs():
       np.asarray(sj.generate(target, enc, **kwargs).sequences))
 
 
+# The statistical suite: `make test-slow`.
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, topk=3),
                                      dict(temperature=1.0, topp=0.8)],
                          ids=["t1", "t0.7_top3", "topp0.8"])
