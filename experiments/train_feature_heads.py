@@ -359,10 +359,12 @@ def model_card_section(pair, info: Dict[str, Any]) -> str:
     first = tr.get("first_loss")
     lines.append(
         f"- Held-out loss per token {h.get('loss', float('nan')):.3f}"
-        + (f" (first training batch: {first:.3f})" if first is not None else "")
+        + (f" (training loss at step 10: {first:.3f})" if first is not None else "")
         + f"; regression {h.get('regression', float('nan')):.3f}, cross-entropy "
-        f"{h.get('cross_entropy', float('nan')):.3f}; agreement of the head's argmax with the "
-        "target's at unrolled step 0/1/2...: "
+        f"{h.get('cross_entropy', float('nan')):.3f} (nats, the target's own entropy included); "
+        "agreement of the head's argmax with the "
+        "target's at unrolled step 0/1/2 (step 0 teacher-forced, later steps on the head's own "
+        "features): "
         + " / ".join(f"{acc[k]:.2f}" for k in sorted(acc, key=int)) + ".")
   if ev:
     lines += ["", f"Acceptance and cost against the pair's model drafts ({ev['alpha_prompts']} "
