@@ -26,7 +26,9 @@ from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, FeatureDraft, ModelDr
                                 NgramDraft, PromptLookupDraft, TreeDraft, DynamicTreeDraft,
                                 as_draft)
 from specdec_jax.families.base import Context, DecodeStart, Family
+from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.feature_head import FeatureHead
+from specdec_jax.families.t5.feature_head import T5FeatureHead
 # The old name of `export_hf` for decoder-only models (`sj.export_hf` serves every family).
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       get_decoder_config)

@@ -30,7 +30,7 @@ keys (T5: its cross-attention keys/values).
 """
 
 import abc
-from typing import Any, Hashable, Optional, Tuple
+from typing import Any, Hashable, Tuple
 
 import jax
 
