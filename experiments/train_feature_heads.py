@@ -395,8 +395,9 @@ def main(argv):
   write_json(os.path.join(workdir, "settings.json"), current)
   pair = demo_pair_lib.load_demo_pair(FLAGS.pair, with_feature_head=False)
   out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.pair]
-  command = (f"python -m experiments.train_feature_heads --pair={FLAGS.pair} "
-             "--workdir=WORKDIR --gin_file=configs/train/feature_head.gin")
+  command = " ".join([f"python -m experiments.train_feature_heads --pair={FLAGS.pair}",
+                      "--workdir=WORKDIR"] + [f"--gin_file={f}" for f in gin_flags.GIN_FILES.value]
+                     + [f"--gin_bindings='{b}'" for b in gin_flags.GIN_BINDINGS.value])
   stages = dict(data=lambda: stage_data(s, pair, workdir),
                 train=lambda: stage_train(s, pair, workdir),
                 evaluate=lambda: stage_evaluate(s, pair, workdir),
