@@ -86,7 +86,8 @@ def run(output_dir: str) -> Dict:
   # per token (`profiling.time_proposals`: its own calls and sampling).
   c = {name: block_step_seconds(m, inputs[:1], 1, steps, 20, lengths=first) / target_step[0]
        for name, m in pair.drafts.items() if is_model(m)}
-  heads = {name: m for name, m in pair.drafts.items() if not is_model(m)}
+  heads = {name: m for name, m in pair.drafts.items()
+           if not is_model(m) and name in FLAGS.drafts}
   if heads:
     ms = time_proposals(target, heads, inputs[:1], steps, 4, 20, lengths=first)
     c.update({name: ms[name] / 4 / (1e3 * target_step[0]) for name in heads})
