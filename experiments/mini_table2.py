@@ -86,7 +86,8 @@ def run(output_dir: str) -> Dict:
   # per token (`profiling.time_proposals`: its own calls and sampling).
   c = {name: block_step_seconds(m, inputs[:1], 1, steps, 20, lengths=first) / target_step[0]
        for name, m in pair.drafts.items() if is_model(m)}
-  heads = {name: m for name, m in pair.drafts.items() if not is_model(m)}
+  heads = {name: m for name, m in pair.drafts.items()
+           if not is_model(m) and name in FLAGS.drafts}
   if heads:
     ms = time_proposals(target, heads, inputs[:1], steps, 4, 20, lengths=first)
     c.update({name: ms[name] / 4 / (1e3 * target_step[0]) for name in heads})
@@ -97,8 +98,9 @@ def run(output_dir: str) -> Dict:
     kwargs = dict(max_decode_steps=steps, temperature=temperature, rng=jax.random.PRNGKey(0))
     for name in FLAGS.drafts:
       draft = drafts[name]
-      is_model = name in pair.drafts
-      sweep = [int(g) for g in (FLAGS.gammas if is_model else FLAGS.ngram_gammas)]
+      # Model drafts and feature heads sweep --gammas; n-gram drafts --ngram_gammas.
+      neural = name in pair.drafts
+      sweep = [int(g) for g in (FLAGS.gammas if neural else FLAGS.ngram_gammas)]
       # alpha does not depend on gamma (per-position acceptance); measure it at gamma = 4.
       probe = time_generate_pairs(target, inputs, 0, kwargs, dict(kwargs, draft=draft, gamma=4),
                                   prompt_lengths=lengths).spec_outputs

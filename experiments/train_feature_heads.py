@@ -359,10 +359,12 @@ def model_card_section(pair, info: Dict[str, Any]) -> str:
     first = tr.get("first_loss")
     lines.append(
         f"- Held-out loss per token {h.get('loss', float('nan')):.3f}"
-        + (f" (first training batch: {first:.3f})" if first is not None else "")
+        + (f" (training loss at step 10: {first:.3f})" if first is not None else "")
         + f"; regression {h.get('regression', float('nan')):.3f}, cross-entropy "
-        f"{h.get('cross_entropy', float('nan')):.3f}; agreement of the head's argmax with the "
-        "target's at unrolled step 0/1/2...: "
+        f"{h.get('cross_entropy', float('nan')):.3f} (nats, the target's own entropy included); "
+        "agreement of the head's argmax with the "
+        "target's at unrolled step 0/1/2 (step 0 teacher-forced, later steps on the head's own "
+        "features): "
         + " / ".join(f"{acc[k]:.2f}" for k in sorted(acc, key=int)) + ".")
   if ev:
     lines += ["", f"Acceptance and cost against the pair's model drafts ({ev['alpha_prompts']} "
@@ -393,8 +395,9 @@ def main(argv):
   write_json(os.path.join(workdir, "settings.json"), current)
   pair = demo_pair_lib.load_demo_pair(FLAGS.pair, with_feature_head=False)
   out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.pair]
-  command = (f"python -m experiments.train_feature_heads --pair={FLAGS.pair} "
-             "--workdir=WORKDIR --gin_file=configs/train/feature_head.gin")
+  command = " ".join([f"python -m experiments.train_feature_heads --pair={FLAGS.pair}",
+                      "--workdir=WORKDIR"] + [f"--gin_file={f}" for f in gin_flags.GIN_FILES.value]
+                     + [f"--gin_bindings='{b}'" for b in gin_flags.GIN_BINDINGS.value])
   stages = dict(data=lambda: stage_data(s, pair, workdir),
                 train=lambda: stage_train(s, pair, workdir),
                 evaluate=lambda: stage_evaluate(s, pair, workdir),

@@ -667,6 +667,9 @@ def load_demo(name: str, dtype: str) -> Model:
     raise ValueError(f"unknown demo model {name!r}: use demo, demo:small or demo:tiny, "
                      f"optionally @SHAPE (a config name)")
   model = models[role]
+  if not is_model(model):
+    raise ValueError(f"{name!r} is the pair's feature head, not a model: benchmark it with "
+                     f"--demo_pair=t5 --draft={role} --verifications=token")
   if shape:
     return embed.embed_model(model, shape, dtype=dtype)
   return model

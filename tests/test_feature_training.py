@@ -74,7 +74,7 @@ def test_ttt_with_one_step_is_the_eagle1_loss():
 
 def _unrolled_reference(draft, head_params, batch, steps):
   """{i: (sum of CE, number of valid anchors)} for i = 1..steps-1, one anchor at a time
-  with a fresh cache, as a proposal runs the head."""
+  with a fresh cache and one pair per call (incremental decoding, no shared cache)."""
   head, refs = draft.head, draft.target_params
   tokens = np.asarray(batch["tokens"])
   features = np.asarray(batch["features"], np.float32)
@@ -91,8 +91,11 @@ def _unrolled_reference(draft, head_params, batch, steps):
       memory = (None if "memory" not in batch else
                 jax.tree_util.tree_map(lambda x: x[row:row + 1], batch["memory"]))
       cache = head.init_cache(head_params, 1, t + steps, memory)
-      hidden, cache = run(tokens[row:row + 1, :p + 1], fed, jnp.zeros((1,), jnp.int32), cache)
-      previous = hidden[:, -1:]
+      # The true pairs 0..p one call each (one compiled shape for every anchor).
+      for q in range(p + 1):
+        hidden, cache = run(tokens[row:row + 1, q:q + 1], fed[:, q:q + 1],
+                            jnp.array([q], jnp.int32), cache)
+      previous = hidden
       for i in range(1, steps):
         if p + i >= t:
           break

@@ -199,7 +199,13 @@ def feature_loss_fn(draft, ce_weight: float = 0.1, *, regression_weight: float =
   def fn(head_params, batch):
     tokens, features = batch["tokens"], batch["features"].astype(jnp.float32)
     weights = batch["weights"].astype(jnp.float32)
-    b, t, _ = features.shape
+    b, t, f = features.shape
+    if f != head.hidden_dim:
+      # The target's distribution is read as head.logits(target features): only
+      # EAGLE-1 heads, whose features are the last hidden state, can do that.
+      raise ValueError(f"features are {f} wide, the head's hidden width is {head.hidden_dim}: "
+                       "this loss trains EAGLE-1 heads (last-layer features); a multi-layer "
+                       "(EAGLE-3) head needs the target's logits in the batch (not built yet)")
     # The head's width h: EAGLE-1 heads read the target's features as they are.
     reduced = head.reduce_features(head_params, refs, features).astype(jnp.float32)
     h = reduced.shape[-1]
