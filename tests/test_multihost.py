@@ -1,14 +1,18 @@
 """Multi-host: two `jax.distributed` processes x 4 CPU devices on localhost.
 
-T5X's model: every process runs the same program on the same host data, each
-feeds only its own devices, every process gets the whole outputs. One
+T5X's model: every process runs the same program, inputs are made global
+from host-local data, each process feeds only its own devices. One
 reference process with 8 CPU devices decodes unsharded and on the 8-device
 meshes; two processes with 4 devices each decode on the same meshes spanning
-both (tests/multihost_worker.py). All run at once. The outputs must be
-equal, for T5 (mesh 1,8: the model axis crosses the hosts) and decoder-only
-(mesh 4,2: the batch crosses the hosts), greedy and sampled with one key;
-and a checkpoint loaded on the 1,8 mesh must have been read by each process
-only in its own devices' slices.
+both (tests/multihost_worker.py), once with the whole batch on every process
+and once with per-host rows (each process passes only its half:
+`generate(..., process_local=True)`). All run at once. The outputs must be
+equal, for T5 (mesh 1,8: the model axis crosses the hosts, the batch is
+replicated, so the rows are gathered before placement) and decoder-only
+(mesh 4,2: the batch crosses the hosts, each process's rows go straight onto
+its devices), greedy and sampled with one key; and a checkpoint loaded on the
+1,8 mesh, safetensors or Orbax, must have been read by each process only in
+its own devices' slices.
 
 Runtime: about 160 s on a 2-core CPU, over the CI budget. Each decode
 program's first call takes ~15 s in the two-process run against ~5 s in one
@@ -17,6 +21,7 @@ cause, somewhere in multi-process compilation or gloo setup, is not found
 yet); 16 programs are compiled in all.
 """
 
+import collections
 import json
 import os
 import socket
@@ -29,6 +34,7 @@ import pytest
 
 from specdec_jax import loading
 from specdec_jax.families import tensor_io
+from specdec_jax.families.t5 import checkpoints as t5_checkpoints
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
@@ -61,6 +67,7 @@ def checkpoints(tmp_path_factory):
   for name, model in (("t5_target", t5_target), ("t5_draft", t5_draft),
                       ("decoder_only_target", do_target), ("decoder_only_draft", do_draft)):
     loading.export_hf(model, str(directory / name))
+  t5_checkpoints.save_model(t5_target, str(directory / "t5_target_orbax"))  # Orbax
   rng = np.random.RandomState(0)
   np.savez(directory / "inputs.npz",
            t5_tokens=np.asarray(random_encoder_tokens(8, 8, 64, seed=3)),
@@ -96,6 +103,8 @@ def runs(checkpoints, tmp_path_factory):
   try:
     for name, proc in procs.items():
       logs[name], _ = proc.communicate(timeout=TIMEOUT_S)
+      # Kept beside the outputs: each step's wall time, for when this gets slow.
+      (out / f"{name.replace(' ', '_')}.log").write_text(logs[name])
       if proc.returncode:
         failed.append(name)
   finally:
@@ -117,12 +126,18 @@ def _outputs(runs, name):
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_two_processes_decode_like_one_and_like_unsharded(runs, family, mode):
   reference = _outputs(runs, "reference_0")
-  for process in (0, 1):  # Both processes hold the whole outputs.
-    got = _outputs(runs, f"multihost_{process}")
-    for field in ("sequences", "accepted"):
-      want = reference[f"unsharded/{family}/{mode}/{field}"]
-      np.testing.assert_array_equal(reference[f"sharded/{family}/{mode}/{field}"], want)
+  processes = [_outputs(runs, f"multihost_{process}") for process in (0, 1)]
+  for field in ("sequences", "accepted"):
+    want = reference[f"unsharded/{family}/{mode}/{field}"]
+    np.testing.assert_array_equal(reference[f"sharded/{family}/{mode}/{field}"], want)
+    for got in processes:  # The whole batch on every process: whole outputs on each.
       np.testing.assert_array_equal(got[f"sharded/{family}/{mode}/{field}"], want)
+    # Per-host rows: process p passed rows [4p, 4p + 4) and got those rows back.
+    np.testing.assert_array_equal(processes[0][f"perhost/{family}/{mode}/{field}"], want[:4])
+    np.testing.assert_array_equal(processes[1][f"perhost/{family}/{mode}/{field}"], want[4:])
+  # Both placements ran: T5's replicated batch gathered, decoder-only's direct.
+  for got in processes:
+    assert bool(got[f"perhost/{family}/direct"]) == (family == "decoder_only")
   accepted = reference[f"unsharded/{family}/{mode}/accepted"]
   steps = reference[f"unsharded/{family}/{mode}/sequences"].shape[1]
   # The draft disagrees sometimes: both branches of the rejection rule ran.
@@ -166,6 +181,29 @@ def test_each_process_reads_only_its_own_slices(runs, checkpoints, family):
                   if _cells(set(blocks)) * 2 == sizes[name])
   # The model-sharded tensors (most of them) were read half by each process.
   assert halves >= len(by_tensor)
+
+
+def test_orbax_load_reads_only_each_process_shards(runs):
+  """The Orbax T5 target restored into the 1,8 shardings: each process asked
+  TensorStore exactly for the distinct blocks its devices hold, each once (its
+  shards equal the safetensors load's: checked in the worker)."""
+  for process in (0, 1):
+    with open(runs / f"reads_multihost_{process}.json") as f:
+      record = json.load(f)
+    held, shapes = record["shards"]["orbax"], record["shapes"]["orbax"]
+    want = collections.Counter(
+        (tuple(shapes[name]), box) for name, boxes in held.items()
+        for box in {tuple(map(tuple, b)) for b in boxes})
+    got = collections.Counter((tuple(r["shape"]), tuple(map(tuple, r["index"])))
+                              for r in record["reads"]["orbax"])
+    assert got == want
+    read_elements = sum(_cells([box]) * n for (_, box), n in got.items())
+    whole_elements = sum(int(np.prod(shape)) for shape in shapes.values())
+    # The model-sharded tensors (most of the elements) were read half.
+    assert read_elements < 0.75 * whole_elements, (read_elements, whole_elements)
+    halves = sum(1 for name, boxes in held.items()
+                 if _cells({tuple(map(tuple, b)) for b in boxes}) * 2 == np.prod(shapes[name]))
+    assert halves >= len(held) // 2
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama_tiny", "gpt2_tiny"])
