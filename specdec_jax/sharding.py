@@ -744,3 +744,48 @@ def local_rows(tree, local_batch: int):
   """This process's block of rows (`process_row_block`) of host / replicated outputs."""
   block = process_row_block(local_batch)
   return jax.tree_util.tree_map(lambda x: x[block], tree)
+
+
+def gather_ragged(rows: Sequence[Sequence[int]], dtype=np.int32) -> list:
+  """Ragged host rows (token lists, utf-8 bytes) of every process, in process order.
+
+  Every process passes the same number of rows; lengths may differ. Two
+  all-gathers (the lengths, then the rows padded to the longest).
+  """
+  if jax.process_count() == 1:
+    return [np.asarray(r, dtype) for r in rows]
+  lengths = gather_rows(np.array([len(r) for r in rows], np.int64))
+  padded = np.zeros((len(rows), max(1, int(lengths.max(initial=0)))), dtype)
+  for i, row in enumerate(rows):
+    padded[i, :len(row)] = row
+  everyone = gather_rows(padded)
+  return [everyone[i, :n] for i, n in enumerate(lengths)]
+
+
+def gather_texts(texts: Sequence[str]) -> list:
+  """Strings of every process (the same count on each), in process order."""
+  encoded = [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+  return [bytes(b).decode("utf-8") for b in gather_ragged(encoded, np.uint8)]
+
+
+def on_every_process(fn, what: str):
+  """`fn()` here; if it raised on any process, raises on every process.
+
+  Per-host work (reading and tokenizing this process's rows) can fail on one
+  process only; the others would then wait at the next collective until a
+  timeout. One tiny all-gather of a failure flag turns that into an error on
+  every process (the failing one raises its own).
+  """
+  error = None
+  try:
+    result = fn()
+  except Exception as e:  # Re-raised below, here or as the others' error.
+    error = e
+  if jax.process_count() > 1:
+    failed = np.flatnonzero(gather_rows(np.array([error is not None], np.int32)))
+    if error is None and failed.size:
+      raise RuntimeError(f"{what} failed on process(es) {failed.tolist()} (see their logs); "
+                         f"process {jax.process_index()} stops too")
+  if error is not None:
+    raise error
+  return result

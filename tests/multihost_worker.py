@@ -25,6 +25,9 @@ COMPARED = ("t5", "decoder_only")
 T5_MESH, DECODER_MESH, LOAD_MESH = "1,8", "4,2", "1,8"
 BATCH, STEPS, GAMMA = 8, 10, 3
 SAMPLING = dict(temperature=0.9, topp=0.95)
+# T5 never stops (every row runs all steps); decoder-only stops at its EOS, as
+# the launcher's decode of the same batch does (so it reuses this program).
+EOS = {"t5": -1, "decoder_only": None}
 
 
 def _log(message, start=[None]):
@@ -134,7 +137,7 @@ def main(argv):
     tokens = data[family + "_tokens"]
     for run, target, draft, target_part, draft_part in runs:
       result = generate(target, tokens, lengths, max_decode_steps=STEPS,
-                        draft=draft, gamma=GAMMA, eos_id=-1, partitioner=target_part,
+                        draft=draft, gamma=GAMMA, eos_id=EOS[family], partitioner=target_part,
                         draft_partitioner=draft_part, **kwargs)
       # Every process holds the whole, replicated outputs on its own device.
       assert result.sequences.is_fully_addressable
@@ -146,7 +149,7 @@ def main(argv):
       # compiled program: the global arrays have the same shapes and shardings).
       rows = sharding.process_row_block(BATCH // jax.process_count())
       result = generate(target, tokens[rows], None if lengths is None else lengths[rows],
-                        max_decode_steps=STEPS, draft=draft, gamma=GAMMA, eos_id=-1,
+                        max_decode_steps=STEPS, draft=draft, gamma=GAMMA, eos_id=EOS[family],
                         partitioner=target_part, draft_partitioner=draft_part,
                         process_local=True, **kwargs)
       assert result.sequences.shape == (BATCH // jax.process_count(), STEPS)
@@ -162,11 +165,49 @@ def main(argv):
     decode("greedy", family, mesh_shape)
     decode("sampled", family, mesh_shape, rng=jax.random.PRNGKey(7), **SAMPLING)
 
+  if mode == "multihost":
+    launcher(ckpt_dir, out_dir, process)
+
   np.savez(os.path.join(out_dir, f"{mode}_{process}.npz"), **out)
   with open(os.path.join(out_dir, f"reads_{mode}_{process}.json"), "w") as f:
     json.dump(dict(reads=load_reads, shards=shards, shapes=shapes), f)
   if mode == "multihost":
     jax.distributed.shutdown()
+
+
+def launcher(ckpt_dir, out_dir, process):
+  """experiments.run on the decoder-only pair, text in and out, on the 4,2 mesh,
+  each process parsing only its own lines (recorded: the indices each asked
+  `tasks.load_local` for). The batch is the one decoded above (the fixture
+  tokenized the same prompts), so the speculative program is reused; the
+  reference's decode of that batch stands for the single-process run."""
+  import gin
+  from experiments import run as run_lib
+  from specdec_jax import tasks
+  parsed = []
+  load_local = tasks.load_local
+
+  def recording_load_local(*args, **kwargs):
+    parsed.append(None if kwargs.get("indices") is None else list(kwargs["indices"]))
+    return load_local(*args, **kwargs)
+
+  tasks.load_local = recording_load_local
+  output_dir = os.path.join(out_dir, f"launcher_multihost_{process}")
+  os.makedirs(output_dir)
+  run_lib.parse_gin(["configs/pairs/local.gin", "configs/tasks/local_file.gin"], [
+      f"TARGET_CHECKPOINT = '{os.path.join(ckpt_dir, 'decoder_only_target')}'",
+      f"DRAFT_CHECKPOINT = '{os.path.join(ckpt_dir, 'decoder_only_draft')}'",
+      f"INPUT_FILE = '{os.path.join(ckpt_dir, 'prompts.jsonl')}'",
+      "MAX_INPUT_LENGTH = 7", f"MAX_DECODE_STEPS = {STEPS}", f"GAMMA = {GAMMA}",
+      f"BATCH_SIZE = {BATCH}", "Experiment.timing_repeats = 1"])
+  try:
+    result = run_lib.run_experiment(run_lib.Experiment(), output_dir, mesh_shape=DECODER_MESH)
+  finally:
+    gin.clear_config()
+    tasks.load_local = load_local
+  with open(os.path.join(out_dir, f"launcher_multihost_{process}.json"), "w") as f:
+    json.dump(dict(result=result, parsed=parsed), f)
+  _log("launcher: done")
 
 
 if __name__ == "__main__":

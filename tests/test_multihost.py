@@ -35,7 +35,10 @@ import pytest
 from specdec_jax import loading
 from specdec_jax.families import tensor_io
 from specdec_jax.families.t5 import checkpoints as t5_checkpoints
+from specdec_jax import text
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
+from specdec_jax.families.registry import family_of
+from specdec_jax.core.outputs import sequence_lengths
 from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +48,22 @@ T5_TINY = dict(vocab_size=64, num_heads=8, head_dim=8, emb_dim=32, mlp_dim=64,
                num_encoder_layers=1, num_decoder_layers=1)
 CHEAP_COMPILES = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TIMEOUT_S = 240
+
+
+LAUNCHER_PROMPTS = ["the cat sat on", "hello world", "a quick brown fox", "the dog sat",
+                    "hello again", "the other model"]
+
+
+def _bpe_tokenizer(path):
+  """A BPE tokenizer.json of at most 96 ids (<pad> 0, <s> 1, </s> 2 = llama_tiny's EOS)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  tok.train_from_iterator(LAUNCHER_PROMPTS * 4 + ["the lazy dog jumps over the log"], trainers.BpeTrainer(
+      vocab_size=90, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False))
+  tok.save(str(path))
+  return tok
 
 
 def _decoder_only_pair():
@@ -68,11 +87,18 @@ def checkpoints(tmp_path_factory):
                       ("decoder_only_target", do_target), ("decoder_only_draft", do_draft)):
     loading.export_hf(model, str(directory / name))
   t5_checkpoints.save_model(t5_target, str(directory / "t5_target_orbax"))  # Orbax
-  rng = np.random.RandomState(0)
+  # Text prompts and a BPE tokenizer: the decoder-only batch is the 6 prompts
+  # tokenized, padded to 8 rows with the last (as the launcher batches them),
+  # so the launcher's speculative decode is that batch's (and its program).
+  tokenizer = _bpe_tokenizer(directory / "decoder_only_target" / "tokenizer.json")
+  (directory / "prompts.jsonl").write_text("".join(
+      json.dumps({"inputs": p}) + "\n" for p in LAUNCHER_PROMPTS))
+  rows = [tokenizer.encode(p).ids for p in LAUNCHER_PROMPTS]
+  rows += [rows[-1]] * (8 - len(rows))
+  tokens, lengths = family_of(do_target).text_inputs(do_target.config, rows, 7)
   np.savez(directory / "inputs.npz",
            t5_tokens=np.asarray(random_encoder_tokens(8, 8, 64, seed=3)),
-           decoder_only_tokens=rng.randint(3, 96, (8, 7)).astype(np.int32),
-           decoder_only_lengths=np.array([5, 2, 7, 3, 6, 1, 4, 7], np.int32))
+           decoder_only_tokens=tokens, decoder_only_lengths=lengths)
   return directory
 
 
@@ -181,6 +207,36 @@ def test_each_process_reads_only_its_own_slices(runs, checkpoints, family):
                   if _cells(set(blocks)) * 2 == sizes[name])
   # The model-sharded tensors (most of them) were read half by each process.
   assert halves >= len(by_tensor)
+
+
+def test_launcher_per_host_rows_like_one_process(runs, checkpoints):
+  """experiments.run on the two processes (mesh 4,2, one batch of 8: the 6
+  prompts and 2 repeats of the last), each parsing only its own lines of the
+  prompt file, gives the completions of the reference's single-process and
+  unsharded greedy decode of the same batch; only process 0 writes results."""
+  tokenizer = text.checkpoint_tokenizer(str(checkpoints / "decoder_only_target"), None)
+  reference = _outputs(runs, "reference_0")
+  eos = loading.load_model(str(checkpoints / "decoder_only_target")).config.eos_id
+  want = {}
+  for run in ("unsharded", "sharded"):
+    sequences = reference[f"{run}/decoder_only/greedy/sequences"]
+    lengths = np.asarray(sequence_lengths(sequences, eos))
+    want[run] = text.decode_rows(tokenizer, sequences, lengths, eos)[:len(LAUNCHER_PROMPTS)]
+  assert want["sharded"] == want["unsharded"] and any(want["unsharded"])
+  for process in (0, 1):
+    with open(runs / f"launcher_multihost_{process}.json") as f:
+      record = json.load(f)
+    # Process 0 fed rows 0-3 of the batch, process 1 rows 4-7 (examples 4, 5, 5, 5).
+    assert record["parsed"] == [[[0, 1, 2, 3]], [[4, 5, 5, 5]]][process]
+    result = record["result"]
+    assert result["per_host_input"] and result["processes"] == 2
+    assert result["identical_outputs"] is True
+    assert [c["input"] for c in result["completions"]] == LAUNCHER_PROMPTS
+    assert [c["speculative"] for c in result["completions"]] == want["unsharded"]
+    assert [c["baseline"] for c in result["completions"]] == want["unsharded"]
+  written = json.loads((runs / "launcher_multihost_0" / "results.json").read_text())
+  assert written["completions"] == result["completions"]
+  assert not (runs / "launcher_multihost_1" / "results.json").exists()
 
 
 def test_orbax_load_reads_only_each_process_shards(runs):
