@@ -416,15 +416,6 @@ class HostLayout:
         rows[i] = [int(t) for t in token_rows[process * n + j]]
     return examples, rows
 
-  def gather_outputs(self, sequences, lengths, stats: Optional[SpeculativeStats]):
-    """This process's rows of a batch's outputs -> the whole batch's, on every process."""
-    sequences, lengths = sharding.gather_rows((sequences, lengths))
-    if stats is not None:
-      per_row = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
-                 if f.name != "gamma" and getattr(stats, f.name) is not None}
-      stats = dataclasses.replace(stats, **sharding.gather_rows(per_row))
-    return sequences, lengths, stats
-
 
 def host_layout(partitioners, batch_size: int) -> Optional[HostLayout]:
   """Per-host input when a mesh spans several processes, else None (every
@@ -721,12 +712,10 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
                    draft=draft if use_draft else None, gamma=exp.gamma, block_width=block_width,
                    verification=exp.verification if use_draft else "token",
                    partitioner=target_part, draft_partitioner=draft_part,
-                   process_local=hosts is not None)
+                   process_local=hosts is not None, global_outputs=True)
+    # The whole batch's outputs on every process (process 0 writes them all).
     sequences = np.asarray(jax.block_until_ready(out.sequences))
-    lengths, stats = np.asarray(out.lengths), out.stats
-    if hosts is not None:  # Every process's rows, in batch order (one writer needs all).
-      sequences, lengths, stats = hosts.gather_outputs(sequences, lengths, stats)
-    return sequences, lengths, stats, time.perf_counter() - start
+    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start
 
   all_batches = list(batch_rows(len(examples), exp.batch_size))
   logging.info("compiling (warm-up on the first batch)")

@@ -229,7 +229,7 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
              matmul_precision: Optional[str] = None, batch_invariant: bool = False,
              partitioner: Optional[sharding.Partitioner] = None,
              draft_partitioner: Optional[sharding.Partitioner] = None,
-             process_local: bool = False) -> GenerateOutput:
+             process_local: bool = False, global_outputs: bool = False) -> GenerateOutput:
   """Decodes `inputs` with `model`, speculatively when `draft` is given.
 
   Args:
@@ -291,8 +291,12 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
       one batch of P * b rows on the partitioner's mesh, which must span
       every process. Returns this process's rows of the outputs
       (`sharding.process_row_block(b)` of the global ones; gather them with
-      `sharding.gather_rows` for one writer). Every process passes the same
-      rng and settings. On one process it changes nothing.
+      `sharding.gather_rows` for one writer, or pass global_outputs).
+      Every process passes the same rng and settings. On one process it
+      changes nothing.
+    global_outputs: with process_local, return the whole global batch's
+      outputs (every process's rows, in process order) instead of this
+      process's: free, as the decode's outputs are replicated anyway.
   Returns:
     GenerateOutput: sequences [batch, max_decode_steps] (the new tokens; 0
     after EOS), lengths [batch] (tokens up to and including EOS), and `stats`
@@ -424,7 +428,7 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     # Outputs are replicated: every process reads them locally from here on.
     sequences, stats = sharding.local_copy((sequences, stats))
   output = make_output(sequences, stats, eos_id, gamma)
-  if per_host:
+  if per_host and not global_outputs:
     output = _process_rows(output, local_batch)
   return output
 

@@ -5,10 +5,10 @@
 MODE `reference` (one process, 8 CPU devices): decodes unsharded and on the
 8-device meshes. MODE `multihost` (one of several processes under
 `jax.distributed`, 4 CPU devices each): decodes on the same meshes spanning
-every process, twice: every process passing the whole batch (`sharded/...`,
-whole outputs on every process) and each passing only its own rows
-(`perhost/...`, `generate(..., process_local=True)`: its rows of the
-outputs). Both modes load the checkpoints in CKPT_DIR (written by the test)
+every process, each process passing only its own rows (`perhost/...`,
+`generate(..., process_local=True)`: its rows of the outputs) and, greedy
+only, every process passing the whole batch (`sharded/...`, the whole outputs
+on every process: the same compiled program). Both modes load the checkpoints in CKPT_DIR (written by the test)
 with `load_sharded_model`, decode greedy and sampled for T5 and decoder-only,
 and write OUT_DIR/<mode>_<process>.npz plus OUT_DIR/reads_<mode>_<process>.json:
 every block each process read from the safetensors files, every whole
@@ -135,10 +135,13 @@ def main(argv):
                  loading.load_sharded_model(draft_dir, draft_part), target_part, draft_part))
     _log(f"{family} {name}: models loaded")
     tokens = data[family + "_tokens"]
-    for run, target, draft, target_part, draft_part in runs:
-      result = generate(target, tokens, lengths, max_decode_steps=STEPS,
-                        draft=draft, gamma=GAMMA, eos_id=EOS[family], partitioner=target_part,
-                        draft_partitioner=draft_part, **kwargs)
+    _, target, draft, target_part, draft_part = runs[-1]
+    if mode == "multihost" and name != "greedy":
+      runs = []  # The whole batch on every process: greedy only (the same program).
+    for run, run_target, run_draft, run_target_part, run_draft_part in runs:
+      result = generate(run_target, tokens, lengths, max_decode_steps=STEPS,
+                        draft=run_draft, gamma=GAMMA, eos_id=EOS[family],
+                        partitioner=run_target_part, draft_partitioner=run_draft_part, **kwargs)
       # Every process holds the whole, replicated outputs on its own device.
       assert result.sequences.is_fully_addressable
       out[f"{run}/{family}/{name}/sequences"] = np.asarray(result.sequences)
