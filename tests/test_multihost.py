@@ -14,11 +14,15 @@ its devices), greedy and sampled with one key; and a checkpoint loaded on the
 1,8 mesh, safetensors or Orbax, must have been read by each process only in
 its own devices' slices.
 
-Runtime: about 160 s on a 2-core CPU, over the CI budget. Each decode
-program's first call takes ~15 s in the two-process run against ~5 s in one
-process, with the CPUs mostly idle (compile ~10 s wall at ~5 s CPU; the
-cause, somewhere in multi-process compilation or gloo setup, is not found
-yet); 16 programs are compiled in all.
+The launcher (experiments.run) also runs on the two processes with per-host
+input on a text prompt file, and must give the reference's completions.
+
+Runtime (`make test-multihost`, under nice, on the shared 2-core machine):
+54 s before per-host rows at load ~2; with them, the same back to back
+against the previous version at load ~7: 165 s vs 138 s. What costs: the
+launcher's five extra programs (target-only at widths 4 and 1, three timing
+blocks) and the Orbax load. Each process's log (its steps' wall times) is
+kept in the output directory.
 """
 
 import collections
@@ -115,31 +119,35 @@ def runs(checkpoints, tmp_path_factory):
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
 
-  def start(mode, devices, *extra):
+  def log_file(name):
+    return out / f"{name.replace(' ', '_')}.log"
+
+  def start(name, mode, devices, *extra):
     env_i = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
                                 f"{CHEAP_COMPILES}")
-    return subprocess.Popen([sys.executable, WORKER, str(checkpoints), str(out), mode, *extra],
-                            cwd=REPO, env=env_i, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # Each worker's output goes to its own file (each step's wall time, for when
+    # this gets slow), not a pipe: a pipe nobody drains while the test waits on
+    # another process would block a worker that logs much (JAX_LOG_COMPILES).
+    with open(log_file(name), "w") as log:
+      return subprocess.Popen([sys.executable, WORKER, str(checkpoints), str(out), mode, *extra],
+                              cwd=REPO, env=env_i, stdout=log, stderr=subprocess.STDOUT)
 
-  procs = {"reference": start("reference", 8)}
+  procs = {"reference": start("reference", "reference", 8)}
   for i in range(2):
-    procs[f"process {i}"] = start("multihost", 4, address, "2", str(i))
-  logs, failed = {}, []
+    procs[f"process {i}"] = start(f"process {i}", "multihost", 4, address, "2", str(i))
+  failed = []
   try:
     for name, proc in procs.items():
-      logs[name], _ = proc.communicate(timeout=TIMEOUT_S)
-      # Kept beside the outputs: each step's wall time, for when this gets slow.
-      (out / f"{name.replace(' ', '_')}.log").write_text(logs[name])
+      proc.wait(timeout=TIMEOUT_S)
       if proc.returncode:
         failed.append(name)
   finally:
     for proc in procs.values():  # Only the processes this test started.
       if proc.poll() is None:
         proc.kill()
-        proc.communicate()
-  assert not failed, "\n\n".join(f"{name} (rc {procs[name].returncode}):\n{logs.get(name, '')[-4000:]}"
-                                 for name in failed)
+        proc.wait()
+  assert not failed, "\n\n".join(f"{name} (rc {procs[name].returncode}):\n"
+                                 f"{log_file(name).read_text()[-4000:]}" for name in failed)
   return out
 
 
