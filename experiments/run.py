@@ -77,7 +77,7 @@ from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.generation import generate
 from specdec_jax import demo_pair
-from specdec_jax.loading import load_feature_draft, load_model, shard_model
+from specdec_jax.loading import load_feature_draft, load_model, load_sharded_model, shard_model
 from specdec_jax.tools.testing import perturbed_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -350,14 +350,19 @@ def _shape_diffs(checkpoint_config, config) -> List[str]:
           for name in sorted(set(got) | set(want)) if got.get(name) != want.get(name)]
 
 
-def load_spec(spec: ModelSpec, role: str):
-  """Loads or initialises the model `spec` describes (not perturb_target)."""
+def load_spec(spec: ModelSpec, role: str, partitioner: Optional[sharding.Partitioner] = None):
+  """Loads or initialises the model `spec` describes (not perturb_target).
+
+  With a partitioner, a checkpoint is read straight onto its mesh
+  (`load_sharded_model`: each process reads only its devices' slices).
+  """
   config = spec.resolved_config()
   if spec.checkpoint is None:
     logging.info("%s: random %s weights (seed %d)", role, spec.name, spec.seed)
     return _random_model(config, spec.dtype or _default_dtype(), spec.seed)
   logging.info("%s: loading %s", role, spec.checkpoint)
-  model = load_model(spec.checkpoint, dtype=spec.dtype)
+  model = (load_model(spec.checkpoint, dtype=spec.dtype) if partitioner is None else
+           load_sharded_model(spec.checkpoint, partitioner, dtype=spec.dtype))
   if config is not None:
     diffs = _shape_diffs(model.config, config)
     if diffs:
@@ -379,7 +384,8 @@ def _model_source(spec: ModelSpec, role: str) -> str:
   return f"{role} checkpoint {config_json if os.path.isfile(config_json) else spec.checkpoint}"
 
 
-def load_draft(spec: Union[ModelSpec, DraftKind, Draft], target, rows) -> Draft:
+def load_draft(spec: Union[ModelSpec, DraftKind, Draft], target, rows,
+               partitioner: Optional[sharding.Partitioner] = None) -> Draft:
   if isinstance(spec, Draft):
     return spec
   if isinstance(spec, DraftKind):
@@ -387,7 +393,7 @@ def load_draft(spec: Union[ModelSpec, DraftKind, Draft], target, rows) -> Draft:
   if spec.perturb_target is not None:
     logging.info("draft: the target with %.0f%% weight noise", 100 * spec.perturb_target)
     return ModelDraft(perturbed_model(target, spec.perturb_target, seed=spec.seed + 1))
-  model = load_spec(spec, "draft")
+  model = load_spec(spec, "draft", partitioner)
   if model.config.vocab_size < target.config.vocab_size:
     # One tokenizer, embedding tables padded to different sizes (Qwen2.5):
     # q = 0 on the ids the draft lacks keeps the outputs exact.
@@ -404,6 +410,55 @@ def batch_rows(num_rows: int, batch_size: int):
     rows = np.arange(start, min(start + batch_size, num_rows))
     real = len(rows)
     yield np.concatenate([rows, np.repeat(rows[-1:], batch_size - real)]), real
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+  """Per-host input on several processes: the rows of every global batch each feeds.
+
+  Global batch k holds examples `batch_rows(count, batch_size)` (the last
+  one padded with repeats of the final example), exactly as on one process;
+  process p feeds its block `sharding.process_row_block(local_batch, p)` of
+  each, so the decode (`generate(..., process_local=True)`) sees the same
+  global batches, and the outputs equal the single-process run's.
+  """
+  batch_size: int
+  processes: int
+
+  @property
+  def local_batch(self) -> int:
+    return self.batch_size // self.processes
+
+  def example_indices(self, count: int, process: Optional[int] = None) -> List[int]:
+    """The example of each row `process` (default this one) feeds, batch by batch."""
+    block = sharding.process_row_block(self.local_batch, process)
+    return [int(i) for index, _ in batch_rows(count, self.batch_size) for i in index[block]]
+
+  def gather(self, count: int, local_examples, local_rows):
+    """Every process's examples and token rows -> (examples, rows) in file order."""
+    texts = sharding.gather_texts([e.inputs for e in local_examples])
+    token_rows = sharding.gather_ragged(local_rows)
+    n = len(local_rows)
+    examples, rows = [None] * count, [None] * count
+    for process in range(self.processes):
+      for j, i in enumerate(self.example_indices(count, process)):
+        examples[i] = tasks.Example(texts[process * n + j])
+        rows[i] = [int(t) for t in token_rows[process * n + j]]
+    return examples, rows
+
+
+def host_layout(partitioners, batch_size: int) -> Optional[HostLayout]:
+  """Per-host input when a mesh spans several processes, else None (every
+  process reads every row)."""
+  if partitioners is None or jax.process_count() == 1 or not sharding.spans_processes(
+      partitioners[0].replicated()):
+    return None
+  processes = jax.process_count()
+  if batch_size % processes:
+    raise ValueError(f"batch_size {batch_size} must be a multiple of the {processes} processes: "
+                     f"under per-host input each feeds batch_size / {processes} rows of every "
+                     "batch (set --gin.Experiment.batch_size)")
+  return HostLayout(batch_size, processes)
 
 
 def model_inputs(family, config, rows, width: int):
@@ -599,14 +654,33 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   tokenizer = exp.tokenizer or text.checkpoint_tokenizer(exp.target.checkpoint, exp.vocabulary)
   target_source = _model_source(exp.target, "target")
   spec_config = exp.target.resolved_config()
-  examples = exp.task.load(num_examples)
-  logging.info("%d examples from task %s", len(examples), exp.task.name)
-  rows = text.encode_texts(tokenizer, [e.inputs for e in examples], exp.chat_template)
-  if spec_config is not None:  # Named shapes: bad text fails before the weights load.
-    text.check_vocab_size(tokenizer, spec_config, target_source)
-    model_inputs(family_of(spec_config), spec_config, rows, exp.max_input_length)
+  partitioners = make_partitioners(mesh_shape)
+  hosts = host_layout(partitioners, exp.batch_size)
 
-  target = load_spec(exp.target, "target")
+  def read_rows(indices=None):
+    # Each process's own rows under per-host input (its lines of the file).
+    examples = exp.task.load(num_examples, indices)
+    rows = text.encode_texts(tokenizer, [e.inputs for e in examples], exp.chat_template)
+    if spec_config is not None:  # Named shapes: bad text fails before the weights load.
+      text.check_vocab_size(tokenizer, spec_config, target_source)
+      model_inputs(family_of(spec_config), spec_config, rows, exp.max_input_length)
+    return examples, rows
+
+  if hosts is None:
+    examples, rows = read_rows()
+    local_rows = None
+  else:
+    # Per-host input: every process parses and tokenizes only the rows it feeds
+    # (its block of every global batch), then the rows and texts are gathered
+    # for the drafts that fit on the inputs and for process 0's results.
+    count = exp.task.count(num_examples)
+    mine = hosts.example_indices(count)
+    local_examples, local_rows = sharding.on_every_process(
+        lambda: read_rows(mine), "reading this process's inputs")
+    examples, rows = hosts.gather(count, local_examples, local_rows)
+  logging.info("%d examples from task %s", len(examples), exp.task.name)
+
+  target = load_spec(exp.target, "target", partitioners and partitioners[0])
   family, config = family_of(target), target.config
   text.check_vocab_size(tokenizer, config, target_source)
   inputs, prompt_lengths = model_inputs(family, config, rows, exp.max_input_length)
@@ -617,12 +691,11 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   draft_spec = tree_spec.inner if tree_spec is not None else exp.draft
   # A feature head reads the target's arrays: built once they are placed (below).
   reads_target = isinstance(draft_spec, DraftKind) and draft_spec.reads_target
-  draft = load_draft(draft_spec, target, rows)
+  draft = load_draft(draft_spec, target, rows, partitioners and partitioners[1])
   draft.check_compatible(config)
   if isinstance(draft, ModelDraft):
     text.check_vocab_size(tokenizer, draft.model.config, _model_source(draft_spec, "draft"))
   draft.check_inputs(inputs, prompt_lengths, exp.max_decode_steps)
-  partitioners = make_partitioners(mesh_shape)
   target_part = draft_part = None
   if partitioners is not None:
     # Params go onto the mesh leaf by leaf; the compiled decode follows their
@@ -654,28 +727,37 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
                      f"({width}): raise MAX_DECODE_STEPS or lower BLOCK_WIDTH")
   rng = jax.random.PRNGKey(exp.seed)
 
-  def decode(use_draft: bool, block_width: int, index, key):
+  if hosts is not None:
+    local_inputs, local_lengths = model_inputs(family, config, local_rows, exp.max_input_length)
+
+  def decode(use_draft: bool, block_width: int, batch_index: int, key):
     # Two exact target-only decoders: at the speculative loop's width W (the
     # reference its greedy outputs must equal bit for bit) and at width 1
     # (often faster on CPU). The speedup is against the faster of the two.
     start = time.perf_counter()
-    out = generate(target, inputs[index], None if prompt_lengths is None else
-                   prompt_lengths[index], max_decode_steps=exp.max_decode_steps,
+    if hosts is None:
+      index = all_batches[batch_index][0]
+      feed = inputs[index], None if prompt_lengths is None else prompt_lengths[index]
+    else:  # This process's rows of the batch: its own tokenized lines.
+      index = slice(batch_index * hosts.local_batch, (batch_index + 1) * hosts.local_batch)
+      feed = local_inputs[index], None if local_lengths is None else local_lengths[index]
+    out = generate(target, *feed, max_decode_steps=exp.max_decode_steps,
                    temperature=exp.temperature, topk=exp.topk, topp=exp.topp, rng=key,
                    draft=draft if use_draft else None, gamma=exp.gamma, block_width=block_width,
                    verification=exp.verification if use_draft else "token",
-                   partitioner=target_part, draft_partitioner=draft_part)
-    # generate returns replicated outputs: every process holds every row.
+                   partitioner=target_part, draft_partitioner=draft_part,
+                   process_local=hosts is not None, global_outputs=True)
+    # The whole batch's outputs on every process (process 0 writes them all).
     sequences = np.asarray(jax.block_until_ready(out.sequences))
     return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start
 
   all_batches = list(batch_rows(len(examples), exp.batch_size))
   logging.info("compiling (warm-up on the first batch)")
   first = all_batches[0][0]
-  decode(False, width, first, rng)
+  decode(False, width, 0, rng)
   if width != 1:
-    decode(False, 1, first, rng)
-  decode(True, width, first, rng)
+    decode(False, 1, 0, rng)
+  decode(True, width, 0, rng)
 
   walltime = {"baseline": 0.0, "baseline_width_1": 0.0, "speculative": 0.0}
   outputs = {"baseline": [], "speculative": []}
@@ -687,10 +769,10 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     # independent samples (greedy ignores them).
     base_key = jax.random.fold_in(rng, 2 * batch_index)
     spec_key = jax.random.fold_in(rng, 2 * batch_index + 1)
-    base_out, base_len, _, base_time = decode(False, width, index, base_key)
+    base_out, base_len, _, base_time = decode(False, width, batch_index, base_key)
     if width != 1:
-      walltime["baseline_width_1"] += decode(False, 1, index, base_key)[3]
-    spec_out, spec_len, stats, spec_time = decode(True, width, index, spec_key)
+      walltime["baseline_width_1"] += decode(False, 1, batch_index, base_key)[3]
+    spec_out, spec_len, stats, spec_time = decode(True, width, batch_index, spec_key)
     walltime["baseline"] += base_time
     walltime["speculative"] += spec_time
     outputs["baseline"].append(base_out[:real])
@@ -735,7 +817,8 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
       chat_template=exp.chat_template,
       num_examples=len(examples), batch_size=exp.batch_size,
       max_input_length=exp.max_input_length, max_decode_steps=exp.max_decode_steps,
-      backend=jax.default_backend(), **settings,
+      backend=jax.default_backend(), processes=jax.process_count(),
+      per_host_input=hosts is not None, **settings,
       walltime_baseline_s=baseline_time, walltime_speculative_s=walltime["speculative"],
       walltime_target_only_s={str(width): walltime["baseline"],
                               **({"1": walltime["baseline_width_1"]} if width != 1 else {})},

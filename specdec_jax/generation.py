@@ -247,7 +247,8 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
              verification: str = "token", block_width: Optional[int] = None,
              matmul_precision: Optional[str] = None, batch_invariant: bool = False,
              partitioner: Optional[sharding.Partitioner] = None,
-             draft_partitioner: Optional[sharding.Partitioner] = None) -> GenerateOutput:
+             draft_partitioner: Optional[sharding.Partitioner] = None,
+             process_local: bool = False, global_outputs: bool = False) -> GenerateOutput:
   """Decodes `inputs` with `model`, speculatively when `draft` is given.
 
   Args:
@@ -302,10 +303,23 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
       on its own first device.
     draft_partitioner: the draft's rules on the same mesh (default: weights
       replicated, batch over `data`).
+    process_local: per-host rows (T5X's host-local input). `inputs` /
+      `prompt_lengths` are this process's rows only, [b, C] / [b], the same
+      b and C on every process; the global batch is the processes' rows
+      concatenated in process order (`sharding.global_batch`), decoded as
+      one batch of P * b rows on the partitioner's mesh, which must span
+      every process. Returns this process's rows of the outputs
+      (`sharding.process_row_block(b)` of the global ones; gather them with
+      `sharding.gather_rows` for one writer, or pass global_outputs).
+      Every process passes the same rng and settings. On one process it
+      changes nothing.
+    global_outputs: with process_local, return the whole global batch's
+      outputs (every process's rows, in process order) instead of this
+      process's: free, as the decode's outputs are replicated anyway.
   Returns:
     GenerateOutput: sequences [batch, max_decode_steps] (the new tokens; 0
     after EOS), lengths [batch] (tokens up to and including EOS), and `stats`
-    when a draft was used.
+    when a draft was used (batch = b, this process's rows, with process_local).
   """
   family = family_of(model)
   if not is_model(model):
@@ -318,6 +332,9 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     raise ValueError(f"verification={verification!r} applies to speculative decoding; "
                      "pass a draft")
   if batch_invariant:
+    if process_local:
+      raise ValueError("batch_invariant decodes rows one at a time on one device; it does not "
+                       "take process_local (drop one of them)")
     return _generate_rows(model, inputs, prompt_lengths, max_decode_steps=max_decode_steps,
                           temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
                           rng=rng, draft=draft, gamma=gamma, verification=verification,
@@ -361,6 +378,16 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   key = (config, None if draft_obj is None else draft_obj.static_key(), precision) + statics
   params = model.params
   draft_params = None if draft_obj is None else draft_obj.params
+  # Per-host rows on several processes: `tokens` / `lengths` are this
+  # process's b rows of a global batch of P * b (checked locally above).
+  local_batch = tokens.shape[0]
+  per_host = process_local and jax.process_count() > 1
+  if per_host and (partitioner is None or not sharding.spans_processes(partitioner.replicated())):
+    raise ValueError(f"process_local=True on {jax.process_count()} processes needs a partitioner "
+                     "whose mesh spans every process (sharding.make_partitioners over all "
+                     "devices); without one, each process would decode its rows alone")
+  global_shape = ((jax.process_count() * local_batch,) + tuple(tokens.shape[1:]) if per_host
+                  else tuple(tokens.shape))
   args = (params, draft_params, tokens, lengths, rng)
   shard_kwargs = {}
   multihost = False
@@ -372,16 +399,24 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     key += (partitioner, draft_partitioner)
     in_shardings = (partitioner.param_shardings(params, family),
                     None if draft_obj is None else draft_obj.param_shardings(draft_partitioner),
-                    partitioner.batch_sharding(tokens.shape, "inputs"),
-                    partitioner.batch_sharding(lengths.shape, "prompt_lengths"),
+                    partitioner.batch_sharding(global_shape, "inputs"),
+                    partitioner.batch_sharding(global_shape[:1], "prompt_lengths"),
                     partitioner.replicated())
     multihost = sharding.spans_processes(partitioner.replicated())
     if multihost:
-      # Each process holds the global batch on the host; a mismatch between
-      # processes would decode the wrong rows, so it is an error.
       key_data = jax.random.key_data(rng) if sharding.is_key_array(rng) else rng
-      sharding.assert_same_on_every_process(
-          dict(inputs=tokens, prompt_lengths=lengths, rng=key_data))
+      if per_host:
+        # Rows differ by design; the rng and the local shapes must not.
+        sharding.assert_same_on_every_process(
+            dict(rng=key_data, local_inputs_shape=np.array(tokens.shape)))
+        tokens, lengths = sharding.global_batch(partitioner, tokens, lengths,
+                                                check_shapes=False)
+        args = (params, draft_params, tokens, lengths, rng)
+      else:
+        # Each process holds the global batch on the host; a mismatch between
+        # processes would decode the wrong rows, so it is an error.
+        sharding.assert_same_on_every_process(
+            dict(inputs=tokens, prompt_lengths=lengths, rng=key_data))
     # A no-op for arrays already laid out this way; on several processes each
     # process places only its own devices' slices of host data.
     args = sharding.put(args, in_shardings)
@@ -389,16 +424,19 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
                         in_shardings=in_shardings)
   # Before anything is allocated: a cache that cannot fit is an error naming
   # its bytes, not an allocation that fails (or swaps) part way.
-  memory_key = key + (tuple(tokens.shape),)
+  memory_key = key + (global_shape,)
   if memory_key not in _MEMORY:
-    _MEMORY[memory_key] = _decode_memory(family, config, draft_obj, draft_params, tokens, lengths,
+    abstract_tokens = jax.ShapeDtypeStruct(global_shape, jnp.int32)
+    abstract_lengths = jax.ShapeDtypeStruct(global_shape[:1], jnp.int32)
+    _MEMORY[memory_key] = _decode_memory(family, config, draft_obj, draft_params,
+                                         abstract_tokens, abstract_lengths,
                                          max_decode_steps + (draft_obj.room(width) if trees
                                                              else 0),
                                          partitioner, draft_partitioner)
   devices = (list(np.asarray(partitioner.mesh.devices).flat) if partitioner is not None else
              jax.local_devices()[:1])
   sharding.check_decode_memory(_MEMORY[memory_key], devices,
-                               f"max_decode_steps={max_decode_steps} at batch {tokens.shape[0]}")
+                               f"max_decode_steps={max_decode_steps} at batch {global_shape[0]}")
   with _COMPILED_LOCK:
     if key not in _COMPILED:
       _COMPILED[key] = _build(family, config, draft_obj, *statics, **shard_kwargs)
@@ -408,7 +446,21 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   if multihost:
     # Outputs are replicated: every process reads them locally from here on.
     sequences, stats = sharding.local_copy((sequences, stats))
-  return make_output(sequences, stats, eos_id, gamma)
+  output = make_output(sequences, stats, eos_id, gamma)
+  if per_host and not global_outputs:
+    output = _process_rows(output, local_batch)
+  return output
+
+
+def _process_rows(output: GenerateOutput, local_batch: int) -> GenerateOutput:
+  """This process's block of rows of replicated outputs (every per-row field)."""
+  block = sharding.process_row_block(local_batch)
+  stats = output.stats
+  if stats is not None:
+    stats = dataclasses.replace(stats, **{
+        f.name: getattr(stats, f.name)[block] for f in dataclasses.fields(stats)
+        if f.name != "gamma" and getattr(stats, f.name) is not None})
+  return GenerateOutput(output.sequences[block], output.lengths[block], stats)
 
 
 def _generate_rows(model, inputs, prompt_lengths, *, partitioner, draft_partitioner, rng,

@@ -104,7 +104,9 @@ def load_sharded_model(source, partitioner: sharding.Partitioner, *, dtype=None,
 
   Random weights are initialised inside a jit with sharded outputs;
   checkpoints are read tensor by tensor, each device receiving only its slice
-  of each host tensor (formats restored whole, e.g. Orbax, are re-placed).
+  of each tensor: each process reads from disk only its devices' blocks
+  (safetensors and T5X TensorStore through `ShardedPlacement`'s lazy views,
+  Orbax by restoring into the target shardings).
   """
   dtype = optional_dtype(dtype)
   family, config, path = _resolve(source, dtype, config_overrides)
@@ -114,14 +116,34 @@ def load_sharded_model(source, partitioner: sharding.Partitioner, *, dtype=None,
                    out_shardings=partitioner.param_shardings(shapes, family))
     return family.model_type(config, init())
 
-  def place(key, array):
-    spec = partitioner.spec(family.param_logical_axes(key, array.ndim), array.shape,
-                            "params/" + "/".join(key))
-    return jax.make_array_from_callback(array.shape, partitioner.sharding(spec),
-                                        lambda index: array[index])
-
-  model = family.load(path, dtype=dtype, place=place, **config_overrides)
+  model = family.load(path, dtype=dtype, place=ShardedPlacement(partitioner, family),
+                      **config_overrides)
   return family.model_type(model.config, partitioner.shard_params(model.params, family))
+
+
+class ShardedPlacement:
+  """The `place` callback of a sharded load: each tensor onto `partitioner`'s mesh.
+
+  `place(key, view)` builds the tensor from the blocks this process's devices
+  hold (`view[index]` reads only that block: safetensors, T5X TensorStore);
+  `place.sharding(key, shape)` is the sharding itself, for formats that
+  restore into target shardings (Orbax: TensorStore then reads only this
+  process's shards).
+  """
+
+  def __init__(self, partitioner: sharding.Partitioner, family: Family):
+    self.partitioner = partitioner
+    self.family = family
+
+  def sharding(self, key: Tuple[str, ...], shape) -> jax.sharding.Sharding:
+    shape = tuple(shape)
+    spec = self.partitioner.spec(self.family.param_logical_axes(key, len(shape)), shape,
+                                 "params/" + "/".join(key))
+    return self.partitioner.sharding(spec)
+
+  def __call__(self, key: Tuple[str, ...], array):
+    return jax.make_array_from_callback(tuple(array.shape), self.sharding(key, array.shape),
+                                        lambda index: array[index])
 
 
 def shard_model(model, partitioner: sharding.Partitioner):

@@ -130,9 +130,22 @@ def encode_batch(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) ->
 # Example sources.
 
 
+def count_local(path: str) -> int:
+  """How many examples (non-blank lines) a JSONL / TSV file holds, none parsed."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"input file not found: {path!r}")
+  with open(path, encoding="utf-8") as f:
+    return sum(1 for line in f if line.strip())
+
+
 def load_local(path: str, input_field: str = "inputs",
-               target_field: str = "targets") -> List[Example]:
+               target_field: str = "targets",
+               indices: Optional[Sequence[int]] = None) -> List[Example]:
   """Reads JSONL (`.jsonl`/`.json`) or TSV (anything else). Blank lines are skipped.
+
+  indices: only these examples (0-based over the non-blank lines), in this
+  order (repeats allowed); the other lines are counted, not parsed (per-host
+  input: each process reads its own rows).
 
   Raises:
     FileNotFoundError; ValueError naming the file and line number of a line
@@ -142,12 +155,19 @@ def load_local(path: str, input_field: str = "inputs",
   if not os.path.isfile(path):
     raise FileNotFoundError(f"input file not found: {path!r}")
   is_json = path.endswith((".jsonl", ".json"))
+  wanted = None if indices is None else set(int(i) for i in indices)
   examples = []
+  positions = []
   with open(path, encoding="utf-8") as f:
+    count = -1
     for number, line in enumerate(f, start=1):
       line = line.rstrip("\n").rstrip("\r")
       if not line.strip():
         continue
+      count += 1
+      if wanted is not None and count not in wanted:
+        continue
+      positions.append(count)
       where = f"{path}:{number}"
       if is_json:
         try:
@@ -166,9 +186,15 @@ def load_local(path: str, input_field: str = "inputs",
           raise ValueError(f"{where}: expected 'input' or 'input<TAB>target', "
                            f"got {len(columns)} tab-separated columns")
         examples.append(Example(columns[0], columns[1] if len(columns) == 2 else None))
-  if not examples:
-    raise ValueError(f"{path}: no examples")
-  return examples
+  if wanted is None:
+    if not examples:
+      raise ValueError(f"{path}: no examples")
+    return examples
+  by_index = dict(zip(positions, examples))
+  absent = sorted(wanted - set(by_index))
+  if absent:
+    raise ValueError(f"{path}: has {count + 1} examples, no example {absent[0]}")
+  return [by_index[int(i)] for i in indices]
 
 
 # (tfds name, input key, target key), (HF name, HF config, input getter, target getter)
@@ -252,11 +278,41 @@ class Task:
       raise ValueError(f"unknown Task.source {self.source!r}; known: "
                        f"{['local', 'inline'] + sorted(_DATASETS)}")
 
-  def load(self, num_examples: Optional[int] = None) -> List[Example]:
-    """The first `num_examples` examples (all when None), prefix applied."""
+  def count(self, num_examples: Optional[int] = None) -> int:
+    """How many examples `load(num_examples)` gives, parsing none of a local file."""
     if num_examples is not None and num_examples < 1:
       raise ValueError(f"num_examples must be >= 1, got {num_examples}")
     self.validate()
+    if self.source == "local":
+      total = count_local(self.path)
+      if not total:
+        raise ValueError(f"{self.path}: no examples")
+    elif self.source == "inline":
+      total = len(self.texts)
+    else:
+      total = len(self.load(num_examples))
+    return total if num_examples is None else min(total, num_examples)
+
+  def load(self, num_examples: Optional[int] = None,
+           indices: Optional[Sequence[int]] = None) -> List[Example]:
+    """The first `num_examples` examples (all when None), prefix applied.
+
+    indices: only these of them, in this order (a local file parses only
+    their lines: per-host input).
+    """
+    if num_examples is not None and num_examples < 1:
+      raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    self.validate()
+    if indices is not None:
+      limit = self.count(num_examples) if self.source != "local" or num_examples else None
+      if limit is not None and any(not 0 <= int(i) < limit for i in indices):
+        raise ValueError(f"example indices {list(indices)} outside the {limit} examples")
+      if self.source == "local":
+        examples = load_local(self.path, self.input_field, self.target_field, indices=indices)
+      else:
+        every = self.load(num_examples)
+        examples = [every[int(i)] for i in indices]
+      return [Example(self.prefix + e.inputs, e.targets) for e in examples]
     if self.source == "local":
       examples = load_local(self.path, self.input_field, self.target_field)
     elif self.source == "inline":

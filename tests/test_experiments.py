@@ -12,6 +12,7 @@ import pytest
 from experiments import reproduce_table2
 from experiments import run as run_lib
 from experiments.paper_tables import TABLE2
+from specdec_jax import tasks
 from specdec_jax.core import decoding
 
 ROOT = run_lib.REPO_ROOT
@@ -246,3 +247,22 @@ def test_tree_draft_kind_errors(tmp_path, input_file):
   with pytest.raises(ValueError, match="must be >= the block width"):
     _run_files(files, [f"INPUT_FILE = '{input_file}'", "MAX_DECODE_STEPS = 8"], out)
   assert not out.exists()
+
+
+def test_per_host_rows_of_the_launcher(tmp_path):
+  """Per-host input: which examples each process feeds, and a local file read
+  for some lines only (the others are counted, not parsed)."""
+  layout = run_lib.HostLayout(batch_size=4, processes=2)
+  # Batches [0 1 2 3] and [4 5 5 5] (padded with the last example).
+  assert layout.example_indices(6, 0) == [0, 1, 4, 5]
+  assert layout.example_indices(6, 1) == [2, 3, 5, 5]
+  assert run_lib.host_layout(None, 4) is None
+  path = tmp_path / "in.jsonl"
+  path.write_text('{"inputs": "a"}\n\nnot json\n{"inputs": "c"}\n')
+  task = tasks.Task(path=str(path))
+  assert task.count() == 3
+  assert [e.inputs for e in task.load(indices=[2, 0, 2])] == ["c", "a", "c"]
+  with pytest.raises(ValueError, match="malformed JSON"):
+    task.load(indices=[1])
+  with pytest.raises(ValueError, match="no example 5"):
+    task.load(indices=[5])

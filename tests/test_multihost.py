@@ -1,22 +1,31 @@
 """Multi-host: two `jax.distributed` processes x 4 CPU devices on localhost.
 
-T5X's model: every process runs the same program on the same host data, each
-feeds only its own devices, every process gets the whole outputs. One
+T5X's model: every process runs the same program, inputs are made global
+from host-local data, each process feeds only its own devices. One
 reference process with 8 CPU devices decodes unsharded and on the 8-device
 meshes; two processes with 4 devices each decode on the same meshes spanning
-both (tests/multihost_worker.py). All run at once. The outputs must be
-equal, for T5 (mesh 1,8: the model axis crosses the hosts) and decoder-only
-(mesh 4,2: the batch crosses the hosts), greedy and sampled with one key;
-and a checkpoint loaded on the 1,8 mesh must have been read by each process
-only in its own devices' slices.
+both (tests/multihost_worker.py), with per-host rows (each process passes
+only its half: `generate(..., process_local=True)`) and, greedy, once more
+with the whole batch on every process. All run at once. The outputs must be
+equal, for T5 (mesh 1,8: the model axis crosses the hosts, the batch is
+replicated, so the rows are gathered before placement) and decoder-only
+(mesh 4,2: the batch crosses the hosts, each process's rows go straight onto
+its devices), greedy and sampled with one key; and a checkpoint loaded on the
+1,8 mesh, safetensors or Orbax, must have been read by each process only in
+its own devices' slices.
 
-Runtime: about 160 s on a 2-core CPU, over the CI budget. Each decode
-program's first call takes ~15 s in the two-process run against ~5 s in one
-process, with the CPUs mostly idle (compile ~10 s wall at ~5 s CPU; the
-cause, somewhere in multi-process compilation or gloo setup, is not found
-yet); 16 programs are compiled in all.
+The launcher (experiments.run) also runs on the two processes with per-host
+input on a text prompt file, and must give the reference's completions.
+
+Runtime (`make test-multihost`, under nice, on the shared 2-core machine):
+54 s before per-host rows at load ~2; with them, the same back to back
+against the previous version at load ~7: 165 s vs 138 s. What costs: the
+launcher's five extra programs (target-only at widths 4 and 1, three timing
+blocks) and the Orbax load. Each process's log (its steps' wall times) is
+kept in the output directory.
 """
 
+import collections
 import json
 import os
 import socket
@@ -29,7 +38,11 @@ import pytest
 
 from specdec_jax import loading
 from specdec_jax.families import tensor_io
+from specdec_jax.families.t5 import checkpoints as t5_checkpoints
+from specdec_jax import text
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
+from specdec_jax.families.registry import family_of
+from specdec_jax.core.outputs import sequence_lengths
 from specdec_jax.tools.testing import random_encoder_tokens, tiny_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +52,22 @@ T5_TINY = dict(vocab_size=64, num_heads=8, head_dim=8, emb_dim=32, mlp_dim=64,
                num_encoder_layers=1, num_decoder_layers=1)
 CHEAP_COMPILES = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TIMEOUT_S = 240
+
+
+LAUNCHER_PROMPTS = ["the cat sat on", "hello world", "a quick brown fox", "the dog sat",
+                    "hello again", "the other model"]
+
+
+def _bpe_tokenizer(path):
+  """A BPE tokenizer.json of at most 96 ids (<pad> 0, <s> 1, </s> 2 = llama_tiny's EOS)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  tok.train_from_iterator(LAUNCHER_PROMPTS * 4 + ["the lazy dog jumps over the log"], trainers.BpeTrainer(
+      vocab_size=90, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False))
+  tok.save(str(path))
+  return tok
 
 
 def _decoder_only_pair():
@@ -61,11 +90,19 @@ def checkpoints(tmp_path_factory):
   for name, model in (("t5_target", t5_target), ("t5_draft", t5_draft),
                       ("decoder_only_target", do_target), ("decoder_only_draft", do_draft)):
     loading.export_hf(model, str(directory / name))
-  rng = np.random.RandomState(0)
+  t5_checkpoints.save_model(t5_target, str(directory / "t5_target_orbax"))  # Orbax
+  # Text prompts and a BPE tokenizer: the decoder-only batch is the 6 prompts
+  # tokenized, padded to 8 rows with the last (as the launcher batches them),
+  # so the launcher's speculative decode is that batch's (and its program).
+  tokenizer = _bpe_tokenizer(directory / "decoder_only_target" / "tokenizer.json")
+  (directory / "prompts.jsonl").write_text("".join(
+      json.dumps({"inputs": p}) + "\n" for p in LAUNCHER_PROMPTS))
+  rows = [tokenizer.encode(p).ids for p in LAUNCHER_PROMPTS]
+  rows += [rows[-1]] * (8 - len(rows))
+  tokens, lengths = family_of(do_target).text_inputs(do_target.config, rows, 7)
   np.savez(directory / "inputs.npz",
            t5_tokens=np.asarray(random_encoder_tokens(8, 8, 64, seed=3)),
-           decoder_only_tokens=rng.randint(3, 96, (8, 7)).astype(np.int32),
-           decoder_only_lengths=np.array([5, 2, 7, 3, 6, 1, 4, 7], np.int32))
+           decoder_only_tokens=tokens, decoder_only_lengths=lengths)
   return directory
 
 
@@ -82,29 +119,35 @@ def runs(checkpoints, tmp_path_factory):
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
 
-  def start(mode, devices, *extra):
+  def log_file(name):
+    return out / f"{name.replace(' ', '_')}.log"
+
+  def start(name, mode, devices, *extra):
     env_i = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
                                 f"{CHEAP_COMPILES}")
-    return subprocess.Popen([sys.executable, WORKER, str(checkpoints), str(out), mode, *extra],
-                            cwd=REPO, env=env_i, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # Each worker's output goes to its own file (each step's wall time, for when
+    # this gets slow), not a pipe: a pipe nobody drains while the test waits on
+    # another process would block a worker that logs much (JAX_LOG_COMPILES).
+    with open(log_file(name), "w") as log:
+      return subprocess.Popen([sys.executable, WORKER, str(checkpoints), str(out), mode, *extra],
+                              cwd=REPO, env=env_i, stdout=log, stderr=subprocess.STDOUT)
 
-  procs = {"reference": start("reference", 8)}
+  procs = {"reference": start("reference", "reference", 8)}
   for i in range(2):
-    procs[f"process {i}"] = start("multihost", 4, address, "2", str(i))
-  logs, failed = {}, []
+    procs[f"process {i}"] = start(f"process {i}", "multihost", 4, address, "2", str(i))
+  failed = []
   try:
     for name, proc in procs.items():
-      logs[name], _ = proc.communicate(timeout=TIMEOUT_S)
+      proc.wait(timeout=TIMEOUT_S)
       if proc.returncode:
         failed.append(name)
   finally:
     for proc in procs.values():  # Only the processes this test started.
       if proc.poll() is None:
         proc.kill()
-        proc.communicate()
-  assert not failed, "\n\n".join(f"{name} (rc {procs[name].returncode}):\n{logs.get(name, '')[-4000:]}"
-                                 for name in failed)
+        proc.wait()
+  assert not failed, "\n\n".join(f"{name} (rc {procs[name].returncode}):\n"
+                                 f"{log_file(name).read_text()[-4000:]}" for name in failed)
   return out
 
 
@@ -117,12 +160,19 @@ def _outputs(runs, name):
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_two_processes_decode_like_one_and_like_unsharded(runs, family, mode):
   reference = _outputs(runs, "reference_0")
-  for process in (0, 1):  # Both processes hold the whole outputs.
-    got = _outputs(runs, f"multihost_{process}")
-    for field in ("sequences", "accepted"):
-      want = reference[f"unsharded/{family}/{mode}/{field}"]
-      np.testing.assert_array_equal(reference[f"sharded/{family}/{mode}/{field}"], want)
-      np.testing.assert_array_equal(got[f"sharded/{family}/{mode}/{field}"], want)
+  processes = [_outputs(runs, f"multihost_{process}") for process in (0, 1)]
+  for field in ("sequences", "accepted"):
+    want = reference[f"unsharded/{family}/{mode}/{field}"]
+    np.testing.assert_array_equal(reference[f"sharded/{family}/{mode}/{field}"], want)
+    for got in processes:  # The whole batch on every process (greedy): whole outputs.
+      if mode == "greedy":
+        np.testing.assert_array_equal(got[f"sharded/{family}/{mode}/{field}"], want)
+    # Per-host rows: process p passed rows [4p, 4p + 4) and got those rows back.
+    np.testing.assert_array_equal(processes[0][f"perhost/{family}/{mode}/{field}"], want[:4])
+    np.testing.assert_array_equal(processes[1][f"perhost/{family}/{mode}/{field}"], want[4:])
+  # Both placements ran: T5's replicated batch gathered, decoder-only's direct.
+  for got in processes:
+    assert bool(got[f"perhost/{family}/direct"]) == (family == "decoder_only")
   accepted = reference[f"unsharded/{family}/{mode}/accepted"]
   steps = reference[f"unsharded/{family}/{mode}/sequences"].shape[1]
   # The draft disagrees sometimes: both branches of the rejection rule ran.
@@ -166,6 +216,59 @@ def test_each_process_reads_only_its_own_slices(runs, checkpoints, family):
                   if _cells(set(blocks)) * 2 == sizes[name])
   # The model-sharded tensors (most of them) were read half by each process.
   assert halves >= len(by_tensor)
+
+
+def test_launcher_per_host_rows_like_one_process(runs, checkpoints):
+  """experiments.run on the two processes (mesh 4,2, one batch of 8: the 6
+  prompts and 2 repeats of the last), each parsing only its own lines of the
+  prompt file, gives the completions of the reference's single-process and
+  unsharded greedy decode of the same batch; only process 0 writes results."""
+  tokenizer = text.checkpoint_tokenizer(str(checkpoints / "decoder_only_target"), None)
+  reference = _outputs(runs, "reference_0")
+  eos = loading.load_model(str(checkpoints / "decoder_only_target")).config.eos_id
+  want = {}
+  for run in ("unsharded", "sharded"):
+    sequences = reference[f"{run}/decoder_only/greedy/sequences"]
+    lengths = np.asarray(sequence_lengths(sequences, eos))
+    want[run] = text.decode_rows(tokenizer, sequences, lengths, eos)[:len(LAUNCHER_PROMPTS)]
+  assert want["sharded"] == want["unsharded"] and any(want["unsharded"])
+  for process in (0, 1):
+    with open(runs / f"launcher_multihost_{process}.json") as f:
+      record = json.load(f)
+    # Process 0 fed rows 0-3 of the batch, process 1 rows 4-7 (examples 4, 5, 5, 5).
+    assert record["parsed"] == [[[0, 1, 2, 3]], [[4, 5, 5, 5]]][process]
+    result = record["result"]
+    assert result["per_host_input"] and result["processes"] == 2
+    assert result["identical_outputs"] is True
+    assert [c["input"] for c in result["completions"]] == LAUNCHER_PROMPTS
+    assert [c["speculative"] for c in result["completions"]] == want["unsharded"]
+    assert [c["baseline"] for c in result["completions"]] == want["unsharded"]
+  written = json.loads((runs / "launcher_multihost_0" / "results.json").read_text())
+  assert written["completions"] == result["completions"]
+  assert not (runs / "launcher_multihost_1" / "results.json").exists()
+
+
+def test_orbax_load_reads_only_each_process_shards(runs):
+  """The Orbax T5 target restored into the 1,8 shardings: each process asked
+  TensorStore exactly for the distinct blocks its devices hold, each once (its
+  shards equal the safetensors load's: checked in the worker)."""
+  for process in (0, 1):
+    with open(runs / f"reads_multihost_{process}.json") as f:
+      record = json.load(f)
+    held, shapes = record["shards"]["orbax"], record["shapes"]["orbax"]
+    want = collections.Counter(
+        (tuple(shapes[name]), box) for name, boxes in held.items()
+        for box in {tuple(map(tuple, b)) for b in boxes})
+    got = collections.Counter((tuple(r["shape"]), tuple(map(tuple, r["index"])))
+                              for r in record["reads"]["orbax"])
+    assert got == want
+    read_elements = sum(_cells([box]) * n for (_, box), n in got.items())
+    whole_elements = sum(int(np.prod(shape)) for shape in shapes.values())
+    # The model-sharded tensors (most of the elements) were read half.
+    assert read_elements < 0.75 * whole_elements, (read_elements, whole_elements)
+    halves = sum(1 for name, boxes in held.items()
+                 if _cells({tuple(map(tuple, b)) for b in boxes}) * 2 == np.prod(shapes[name]))
+    assert halves >= len(held) // 2
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama_tiny", "gpt2_tiny"])

@@ -376,3 +376,27 @@ def test_multidevice_checkpoint_loads_straight_into_shards(pair, tmp_path, recor
                                  jax.tree_util.tree_leaves(expected)):
     assert got.sharding == sharding_
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_per_host_helpers_on_one_process():
+  """On one process the per-host helpers are the identity (the 2-process
+  behaviour is tests/test_multihost.py's)."""
+  part, _ = sharding.make_partitioners("1,-1")
+  tokens = np.arange(12, dtype=np.int32).reshape(4, 3)
+  lengths = np.array([3, 1, 2, 3], np.int32)
+  got_tokens, got_lengths = sharding.global_batch(part, tokens, lengths)
+  np.testing.assert_array_equal(np.asarray(got_tokens), tokens)
+  np.testing.assert_array_equal(np.asarray(got_lengths), lengths)
+  assert got_tokens.sharding == part.batch_sharding(tokens.shape)
+  with pytest.raises(ValueError, match="same leading"):
+    sharding.global_batch(part, tokens, lengths[:3])
+  assert sharding.process_row_block(4) == slice(0, 4)
+  assert sharding.process_row_block(4, 1) == slice(4, 8)
+  assert sharding.blocks_match_devices(part.batch_sharding((4, 3)), (4, 3), 4)
+  assert not sharding.blocks_match_devices(part.batch_sharding((4, 3)), (4, 3), 2)
+  rows = sharding.gather_ragged([[1, 2, 3], [], [4]])
+  assert [r.tolist() for r in rows] == [[1, 2, 3], [], [4]]
+  assert sharding.gather_texts(["héllo", ""]) == ["héllo", ""]
+  assert sharding.on_every_process(lambda: 7, "x") == 7
+  with pytest.raises(KeyError):
+    sharding.on_every_process(lambda: {}["absent"], "x")

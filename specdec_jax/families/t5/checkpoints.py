@@ -89,8 +89,10 @@ def load_checkpoint_model(path, *, dtype: Optional[str] = None, progress: bool =
       `loading.load_sharded_model` passes one that reads and sends each
       device only its slice. Hugging Face and T5X formats call it tensor by
       tensor with a lazy `tensor_io.TensorView` (`view[index]` reads one
-      block from disk, `np.asarray(view)` all of it); Orbax checkpoints are
-      restored whole.
+      block from disk, `np.asarray(view)` all of it). Orbax checkpoints
+      restore into `place.sharding(key, shape)` when `place` has one (each
+      process reads only its shards), else whole onto this process's first
+      device.
     **config_overrides: `T5Config` fields to set on top of the inferred config
       (e.g. relative_attention_max_distance for T5X checkpoints).
   Raises:
@@ -697,20 +699,32 @@ def _orbax_metadata_tree(location: str):
 
 
 def _restore_orbax(location: str, prefix: Tuple[str, ...], config: T5Config, origin: str,
-                   metadata_params: Mapping, progress: bool) -> Model:
-  """Checks shapes from Orbax metadata, then restores only the params, cast on read."""
+                   metadata_params: Mapping, progress: bool, place=None) -> Model:
+  """Checks shapes from Orbax metadata, then restores only the params, cast on read.
+
+  With a sharded `place` (one with `.sharding(key, shape)`, as
+  `loading.ShardedPlacement`), every array is restored straight into its
+  target sharding: Orbax asks TensorStore for the index ranges of this
+  process's devices only (each distinct block once), so no process reads a
+  tensor whole. Otherwise each array lands whole on this process's first
+  device.
+  """
   import orbax.checkpoint as ocp
   flat = traverse_util.flatten_dict(metadata_params, sep="/")
   tensors = {k: Tensor(f"{origin}: {k}", tuple(getattr(v, "shape", ()) or ()), None)
              for k, v in flat.items()}
   _check_tensors(config, tensors, origin)
   dtype = jnp.dtype(config.dtype)
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  # jax.local_devices: on several processes jax.devices()[0] is process 0's.
+  local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  sharding_of = getattr(place, "sharding", None)
   target = traverse_util.unflatten_dict(
       {tuple(k.split("/")): jax.ShapeDtypeStruct(s, dtype)
        for k, s in expected_shapes(config).items()})
-  restore_args = jax.tree_util.tree_map(
-      lambda s: ocp.ArrayRestoreArgs(dtype=s.dtype, sharding=sharding), target)
+  restore_args = traverse_util.unflatten_dict({
+      key: ocp.ArrayRestoreArgs(dtype=s.dtype, sharding=local if sharding_of is None else
+                                sharding_of(key, s.shape))
+      for key, s in traverse_util.flatten_dict(target).items()})
   for key in reversed(prefix):
     target, restore_args = {key: target}, {key: restore_args}
   if progress:
@@ -727,18 +741,16 @@ def _restore_orbax(location: str, prefix: Tuple[str, ...], config: T5Config, ori
 
 
 def _load_orbax(location: str, dtype: str, progress: bool, overrides, place) -> Model:
-  del place  # Orbax restores whole arrays; see load_checkpoint_model.
   location = _local_or_url(location)
   tree = _orbax_metadata_tree(location)
   prefix, params = _find_params(tree, location)
   shapes = {k: tuple(getattr(v, "shape", ()) or ())
             for k, v in traverse_util.flatten_dict(params, sep="/").items()}
   config = infer_config_from_shapes(shapes, location, dtype, overrides)
-  return _restore_orbax(location, prefix, config, location, params, progress)
+  return _restore_orbax(location, prefix, config, location, params, progress, place)
 
 
 def _load_specdec(directory: str, dtype: str, progress: bool, overrides, place) -> Model:
-  del place  # Orbax restores whole arrays; see load_checkpoint_model.
   config_path = os.path.join(directory, SPECDEC_CONFIG)
   try:
     with open(config_path) as f:
@@ -758,5 +770,5 @@ def _load_specdec(directory: str, dtype: str, progress: bool, overrides, place) 
   if not os.path.isdir(location):
     raise CheckpointError(f"{directory}: has {SPECDEC_CONFIG} but no {SPECDEC_PARAMS}/ directory")
   params = _orbax_metadata_tree(location)
-  return _restore_orbax(location, (), config, location, params, progress)
+  return _restore_orbax(location, (), config, location, params, progress, place)
 
