@@ -50,8 +50,9 @@ test-slow: $(VENV)/.test
 
 # Two jax.distributed processes x 4 CPU devices on localhost against one
 # 8-device process and the unsharded decode (tests/test_multihost.py). Its
-# own target: its first compiles run slower across processes (46 s on a
-# quiet 2-core machine, ~2.5 min on a loaded one).
+# own target: its first compiles run slower across processes (54 s on the
+# shared 2-core machine at load ~2 before per-host rows and the launcher run
+# were added; back to back at load ~4-5, 143 s against 122 s for the version before).
 test-multihost: $(VENV)/.test
 	$(PY) -m pytest -q --timeout=900 tests/test_multihost.py
 

@@ -408,7 +408,9 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
       if per_host:
         # Rows differ by design; the rng and the local shapes must not.
         sharding.assert_same_on_every_process(
-            dict(rng=key_data, local_inputs_shape=np.array(tokens.shape)))
+            dict(rng=key_data, local_inputs_shape=np.array(tokens.shape)),
+            "with process_local=True every process passes its own rows, the same number "
+            "of the same width (pad the last batch), and the same rng and settings")
         tokens, lengths = sharding.global_batch(partitioner, tokens, lengths,
                                                 check_shapes=False)
         args = (params, draft_params, tokens, lengths, rng)

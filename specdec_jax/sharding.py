@@ -600,7 +600,9 @@ def local_copy(tree):
   return jax.tree_util.tree_map(one, tree)
 
 
-def assert_same_on_every_process(named: Mapping[str, Any]) -> None:
+def assert_same_on_every_process(named: Mapping[str, Any],
+                                 hint: str = "every process must pass the same global batch, "
+                                             "rng and settings") -> None:
   """Raises ValueError naming the inputs whose host values differ between processes.
 
   T5X-style multi-host decoding feeds every process the same global batch;
@@ -618,8 +620,7 @@ def assert_same_on_every_process(named: Mapping[str, Any]) -> None:
   differ = [n for i, n in enumerate(names) if (everyone[:, i] != everyone[0, i]).any()]
   if differ:
     raise ValueError(f"multi-host generate: {', '.join(differ)} differ between processes "
-                     f"(process {jax.process_index()} of {jax.process_count()}); every process "
-                     "must pass the same global batch, rng and settings")
+                     f"(process {jax.process_index()} of {jax.process_count()}); {hint}")
 
 
 # ---------------------------------------------------------------------------

@@ -18,10 +18,11 @@ The launcher (experiments.run) also runs on the two processes with per-host
 input on a text prompt file, and must give the reference's completions.
 
 Runtime (`make test-multihost`, under nice, on the shared 2-core machine):
-54 s before per-host rows at load ~2; with them, the same back to back
-against the previous version at load ~7: 165 s vs 138 s. What costs: the
-launcher's five extra programs (target-only at widths 4 and 1, three timing
-blocks) and the Orbax load. Each process's log (its steps' wall times) is
+54 s before per-host rows at load ~2; back to back against the previous
+version, 143 s vs 122 s at load ~4-5 (165 s vs 138 s at ~7). What costs: the
+launcher's extra programs (target-only at widths 4 and 1, three timing
+blocks; its speculative decode reuses the per-host program) and the Orbax
+load. Each process's log (its steps' wall times) is
 kept in the output directory.
 """
 
