@@ -49,6 +49,7 @@ from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
 from specdec_jax.train import distill
 from specdec_jax.train import trainer as train
 from specdec_jax.train.distill import distill_drafts, measure_alpha
+from specdec_jax.train.feature import feature_batch, feature_loss_fn, ttt_anchors
 from specdec_jax.train.trainer import TrainState, fit, make_optimizer, train_step
 
 __version__ = "0.2.0"

@@ -243,3 +243,44 @@ def test_shipped_feature_heads_decode_exactly(family):
   got = sj.generate(pair.target, tokens, lengths, draft=head, gamma=4, **kwargs)
   np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
   assert got.stats.alpha > 0.3, got.stats.summary()  # trained: far above a random head
+
+
+@pytest.mark.slow
+def test_head_training_stages_run_resume_and_export(tmp_path):
+  """experiments.train_feature_heads' train / evaluate / export stages on a tiny GPT-2
+  "pair" (its data.npz written here): a rerun of a finished train stage is a no-op, the
+  export loads back as the pair's drafts['feature'], the card gets its section."""
+  import json
+  from experiments import train_feature_heads as heads
+  from specdec_jax import demo_pair
+  target = sj.load_model("gpt2_tiny", vocab_size=32, seed=0, dtype="float32")
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(2, 32, (2, 6)).astype(np.int32)
+  heldout = [dict(path="x.py", input_ids=p.tolist(), target_ids=[3] * 4) for p in prompts]
+  pair = demo_pair.DemoPair("decoder_only", None, target, {}, {}, heldout, 6, 4,
+                            dict(settings=dict(seq_len=12)))
+  workdir = str(tmp_path / "run")
+  import os
+  os.makedirs(workdir)
+  demo_pair.save_npz_atomic(os.path.join(workdir, "data.npz"),
+                            windows=rng.integers(2, 32, (20, 12)).astype(np.int32),
+                            eval_windows=rng.integers(2, 32, (4, 12)).astype(np.int32))
+  s = heads.HeadSettings(steps=4, batch=4, num_anchors=3, checkpoint_every=2, eval_every=0,
+                         num_alpha_prompts=2, gamma=2, cost_repeats=1, warmup_steps=1)
+  heads.stage_train(s, pair, workdir)
+  stats = json.load(open(os.path.join(workdir, "stats.json")))["train"]
+  assert stats["steps"] == 4 and set(stats["heldout_accuracy_by_step"]) == {"0", "1", "2"}
+  heads.stage_train(s, pair, workdir)  # finished: nothing more
+  assert json.load(open(os.path.join(workdir, "stats.json")))["train"] == stats
+  heads.stage_evaluate(s, pair, workdir)
+  out = tmp_path / "out"
+  (out).mkdir()
+  (out / "MODEL_CARD.md").write_text("# tiny pair\n")
+  heads.stage_export(s, pair, workdir, str(out), "python -m experiments.train_feature_heads")
+  card = (out / "MODEL_CARD.md").read_text()
+  assert card.startswith("# tiny pair") and "## Feature head" in card and "| feature |" in card
+  loaded = demo_pair.load_feature_head(str(out), target)
+  shipped = heads._trained_draft(s, pair, workdir)
+  for got, want in zip(jax.tree_util.tree_leaves(loaded.head_params),
+                       jax.tree_util.tree_leaves(shipped.head_params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
