@@ -42,8 +42,9 @@ test: $(VENV)/.test
 	  --ignore=tests/test_multihost.py tests
 
 # The long statistical and method suites (token trees, tree and block
-# verification, the GPU benchmark dry run): marked `slow`, run by CI beside
-# `make test` so that `make test` stays under 15 minutes on 2 cores.
+# verification, feature drafts, the 8-device subprocesses, the Table 2 sweep,
+# the GPU benchmark dry run): marked `slow`, run by CI beside `make test` so
+# that `make test` stays near 15 minutes on 2 cores.
 test-slow: $(VENV)/.test
 	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m slow \
 	  --ignore=tests/test_multihost.py tests

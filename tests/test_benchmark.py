@@ -78,6 +78,7 @@ def test_parse_methods_flags():
   assert pred == {"C=0.9,c=0.05": pytest.approx(3.0 / (2 * 0.05 + 0.9))}
 
 
+@pytest.mark.slow  # long: `make test-slow` (make test stays under 15 minutes)
 def test_methods_side_by_side(tmp_path):
   """--verifications/--trees/--dynamic_trees: every method at one width, tiny models."""
   out = tmp_path / "methods.json"

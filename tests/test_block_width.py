@@ -31,6 +31,7 @@ def _cast(model: Model, dtype: str) -> Model:
                jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
 
 
+@pytest.mark.slow  # long: `make test-slow` (make test stays under 15 minutes)
 @pytest.mark.skipif(not SHIPPED, reason="demo_pair/ not trained")
 def test_demo_pair_bf16_speculative_equals_target_only_with_defaults():
   pair = sj.load_demo_pair()

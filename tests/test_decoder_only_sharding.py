@@ -90,6 +90,7 @@ def test_planner_shards_qwen2_7b_and_flags_few_kv_heads():
 # ---------------------------------------------------------------------------
 # Eight devices.
 
+@pytest.mark.slow  # long: `make test-slow` (make test stays under 15 minutes)
 def test_multidevice_in_subprocess():
   if MULTI:
     pytest.skip("already running with 8 devices")

@@ -141,6 +141,7 @@ def _head_and_params(target, weights, draft_ids):
   return head, params
 
 
+@pytest.mark.slow
 def test_eagle3_head_matches_the_public_code_transcribed_in_torch():
   """Prompt pairs (h_t, token_{t+1}) in one block, then 3 drafting steps that feed the
   head's own output back: out and logits to 1e-5 (float32); target-vocab logits are
@@ -198,6 +199,7 @@ def test_eagle3_head_matches_the_public_code_transcribed_in_torch():
   assert np.std(want_logits.numpy()) > 0.1  # Not a degenerate comparison.
 
 
+@pytest.mark.slow
 def test_eagle3_features_are_the_public_layer_inputs():
   """The target's "eagle3" features = transformers' hidden_states[2], [L//2], [L-3]
   (the inputs of those layers), concatenated in that order, as EAGLE-3's code takes."""
@@ -307,6 +309,7 @@ def _assert_tensors_landed(draft, written, names):
     np.testing.assert_array_equal(flat[ours], want.T if transpose else want, err_msg=ours)
 
 
+@pytest.mark.slow
 def test_eagle3_directory_loads_with_every_tensor_in_place(tmp_path):
   from specdec_jax.families.decoder_only.eagle_checkpoints import eagle3_names
   target = _target()
@@ -332,6 +335,7 @@ def test_eagle3_directory_loads_with_every_tensor_in_place(tmp_path):
   assert hf["architectures"] == ["LlamaForCausalLMEagle3"]
 
 
+@pytest.mark.slow
 def test_eagle1_directory_loads_with_every_tensor_in_place(tmp_path):
   from specdec_jax.families.decoder_only.eagle_checkpoints import eagle1_names
   target = _target(layers=2)
@@ -436,6 +440,7 @@ def _greedy_target(dtype):
   return _cast(_target(seed=1, layers=DECODE_LAYERS), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_loaded_eagle3_head_greedy_equals_target_only(tmp_path, dtype):
   target = _greedy_target(dtype)
@@ -494,6 +499,7 @@ def test_loaded_eagle3_head_samples_follow_target_distribution(tmp_path):
     assert np.isin(drafted[kept], draft_ids).all()
 
 
+@pytest.mark.slow
 def test_loaded_eagle1_head_greedy_equals_target_only(tmp_path):
   target = _greedy_target("float32")
   write_eagle1_dir(tmp_path / "e1", target, seed=10)

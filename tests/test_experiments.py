@@ -143,6 +143,7 @@ def test_table2_row_configs(input_file):
     assert exp.max_decode_steps >= exp.gamma + 1, row.name
 
 
+@pytest.mark.slow  # long: `make test-slow` (make test stays under 15 minutes)
 def test_reproduce_table2_runs_all_rows_and_resumes(tmp_path, input_file, monkeypatch):
   """run_rows runs every row, an interrupted run resumes where it stopped, and the
   table compares every row with the paper's.

@@ -43,6 +43,7 @@ def _uncached_features(model, tokens, layers=None):
 # ---------------------------------------------------------------------------
 # 1. The family capability.
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [None, (0, 1, 2), "eagle3"])
 def test_feature_block_matches_block_and_uncached_forward(layers):
   model = _target()
@@ -109,6 +110,7 @@ def _prompts(batch, length, vocab, seed):
   return tokens, lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("vocab", [8, 64])
 def test_greedy_feature_draft_equals_target_only_at_the_same_width(dtype, vocab):
@@ -187,6 +189,7 @@ class _RecordingDraft(sj.FeatureDraft):
     return propose
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_features_handed_to_the_draft_are_a_function_of_accepted_tokens(temperature):
   """Every feature a draft receives equals the target's uncached feature at that
@@ -246,6 +249,7 @@ def test_features_handed_to_the_draft_are_a_function_of_accepted_tokens(temperat
 # ---------------------------------------------------------------------------
 # 5. The EAGLE-1 loss with the trainer.
 
+@pytest.mark.slow
 def test_eagle1_loss_trains_the_head_and_raises_acceptance():
   import functools
   from specdec_jax.families.decoder_only.batch import lm_batch
@@ -282,6 +286,7 @@ def test_eagle1_loss_trains_the_head_and_raises_acceptance():
       before.summary(), after.stats.summary())
 
 
+@pytest.mark.slow
 def test_feature_draft_serves_a_tied_qwen2_target():
   """Qwen2 layout: tied head (logits through the embedding table), q/k/v biases."""
   target = sj.load_model("qwen2_tiny", vocab_size=8, seed=3, dtype="float32")
@@ -298,6 +303,7 @@ def test_feature_draft_serves_a_tied_qwen2_target():
   assert got.stats.accepted.sum() > 0, got.stats.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_feature_draft_serves_a_learned_position_gpt2_target(dtype):
   """GPT-2 layout (learned positions, LayerNorm, tied head): the head adds the target's

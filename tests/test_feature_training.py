@@ -54,6 +54,7 @@ def _eagle1_reference(draft, head_params, batch, ce_weight=0.1):
   return jnp.sum(weights * (regression + ce_weight * ce))
 
 
+@pytest.mark.slow
 def test_ttt_with_one_step_is_the_eagle1_loss():
   target = _target()
   batch = _sampled_batch(target)
@@ -120,6 +121,7 @@ def _t5_batch(target, rows=3, seed=4):
   return feature_train.feature_batch(target, dict(inputs=inputs, targets=targets))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["decoder_only", "t5"])
 def test_ttt_unroll_matches_one_anchor_at_a_time_decoding(family):
   if family == "t5":
@@ -165,6 +167,7 @@ def test_ttt_anchors_are_learned_positions_and_reproducible():
     feature_train.feature_loss_fn(draft, ttt_steps=2)(draft.head_params, batch)
 
 
+@pytest.mark.slow
 def test_ttt_training_lowers_the_loss_and_raises_acceptance():
   target = _target(vocab=64, seed=0)
   batch = _sampled_batch(target, rows=32, steps=24, seed=0)

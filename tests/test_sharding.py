@@ -144,6 +144,7 @@ def _at(tree, key):
   return tree
 
 
+@pytest.mark.slow  # long: `make test-slow` (make test stays under 15 minutes)
 def test_multidevice_in_subprocess():
   if MULTI:
     pytest.skip("already running with 8 devices")

@@ -60,6 +60,7 @@ def _decoder_features(model, encoder_tokens, decoder_inputs, layers=None):
 # ---------------------------------------------------------------------------
 # 1. The family capability.
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [None, (0, 1, 2), "eagle3"])
 def test_t5_feature_block_matches_block_and_uncached_forward(layers):
   model = _target(num_decoder_layers=6) if layers == "eagle3" else _target()
@@ -153,6 +154,7 @@ def _encoder_rows(batch, width, vocab, seed):
   return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_t5_greedy_feature_draft_equals_target_only_at_the_same_width(dtype):
   target = _cast(_target(vocab=16, seed=1), dtype)
@@ -168,6 +170,7 @@ def test_t5_greedy_feature_draft_equals_target_only_at_the_same_width(dtype):
       target.params["token_embedder"]["embedding"])
 
 
+@pytest.mark.slow
 def test_t5_feature_head_reads_the_encoder_outputs():
   """The head's cross-attention sees the memory: other encoder inputs, other drafts
   (the same decoder prefix), and a tied (original T5) target is served too."""
@@ -213,6 +216,7 @@ def test_t5_feature_draft_samples_follow_target_distribution(setting):
   assert _chi_square_ok(observed, expected, n) > P_VALUE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_t5_features_handed_to_the_draft_are_a_function_of_accepted_tokens(temperature):
   """Every feature a T5 draft receives equals the target's uncached teacher-forced
