@@ -24,7 +24,7 @@ Stages (each resumable; a finished stage is a no-op when rerun, except
             the "Feature head" section of out_dir/MODEL_CARD.md.
 
 Usage:
-  python -m experiments.train_feature_heads --pair=decoder_only \
+  python -m experiments.train_feature_heads --demo_pair=decoder_only \
       --workdir=/tmp/head_do --gin_file=configs/train/feature_head.gin
   (--stages=train to resume training only; --gin.HeadSettings.steps=N to train longer
   in a fresh --workdir; --out_dir defaults to the pair's directory)
@@ -51,7 +51,8 @@ from specdec_jax.train import feature as feature_train
 from specdec_jax.train import trainer as train
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("pair", "decoder_only", ["decoder_only", "t5"], "Which demo pair's target.")
+flags.DEFINE_enum("demo_pair", "decoder_only", ["decoder_only", "t5"],
+                  "Which demo pair's target (not --pair: experiments.run owns that flag).")
 flags.DEFINE_string("workdir", None, "Run directory (data, checkpoints, metrics, stats).")
 flags.DEFINE_string("out_dir", None, "Where `export` writes (default: the pair's directory).")
 flags.DEFINE_list("stages", ["data", "train", "evaluate", "export"],
@@ -388,14 +389,14 @@ def main(argv):
   workdir = FLAGS.workdir
   os.makedirs(workdir, exist_ok=True)
   recorded = read_json(os.path.join(workdir, "settings.json"))
-  current = dict(pair=FLAGS.pair, **dataclasses.asdict(s))
+  current = dict(pair=FLAGS.demo_pair, **dataclasses.asdict(s))
   if recorded is not None and recorded != current:
     raise ValueError(f"{workdir} was made with other settings ({recorded}); use a new --workdir "
                      "to change them")
   write_json(os.path.join(workdir, "settings.json"), current)
-  pair = demo_pair_lib.load_demo_pair(FLAGS.pair, with_feature_head=False)
-  out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.pair]
-  command = " ".join([f"python -m experiments.train_feature_heads --pair={FLAGS.pair}",
+  pair = demo_pair_lib.load_demo_pair(FLAGS.demo_pair, with_feature_head=False)
+  out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.demo_pair]
+  command = " ".join([f"python -m experiments.train_feature_heads --demo_pair={FLAGS.demo_pair}",
                       "--workdir=WORKDIR"] + [f"--gin_file={f}" for f in gin_flags.GIN_FILES.value]
                      + [f"--gin_bindings='{b}'" for b in gin_flags.GIN_BINDINGS.value])
   stages = dict(data=lambda: stage_data(s, pair, workdir),
