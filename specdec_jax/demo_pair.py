@@ -76,33 +76,23 @@ def load_weights_bf16(path: str, config: T5Config):
   """Reads `save_weights_bf16` output as a float32 param tree, checking it fits `config`."""
   from specdec_jax.families.t5.model import init_params  # Only for the expected shapes.
   import jax
-  expected = traverse_util.flatten_dict(
-      jax.eval_shape(lambda: init_params(config.replace(dtype="float32"), 0)), sep="/")
-  with np.load(path) as f:
-    flat = {k: jnp.asarray(f[k].view(ml_dtypes.bfloat16).astype(np.float32)) for k in f.files}
-  if set(flat) != set(expected):
-    raise ValueError(f"{path}: parameter names differ from the config's; missing "
-                     f"{sorted(set(expected) - set(flat))[:5]}, extra "
-                     f"{sorted(set(flat) - set(expected))[:5]}")
-  for k, v in flat.items():
-    if v.shape != expected[k].shape:
-      raise ValueError(f"{path}: {k} has shape {v.shape}, the config needs {expected[k].shape}")
-  return traverse_util.unflatten_dict(flat, sep="/")
+  return _read_bf16_like(path, jax.eval_shape(
+      lambda: init_params(config.replace(dtype="float32"), 0)), "the config's")
 
 
-def _read_bf16_like(path: str, expected):
+def _read_bf16_like(path: str, expected, whose: str = "the head's"):
   """Reads `save_weights_bf16` output as float32 arrays shaped like `expected` (a tree of
   ShapeDtypeStructs), naming any missing, extra or misshapen entry."""
   expected = traverse_util.flatten_dict(expected, sep="/")
   with np.load(path) as f:
     flat = {k: jnp.asarray(f[k].view(ml_dtypes.bfloat16).astype(np.float32)) for k in f.files}
   if set(flat) != set(expected):
-    raise ValueError(f"{path}: parameter names differ from the head's; missing "
+    raise ValueError(f"{path}: parameter names differ from {whose}; missing "
                      f"{sorted(set(expected) - set(flat))[:5]}, extra "
                      f"{sorted(set(flat) - set(expected))[:5]}")
   for k, v in flat.items():
     if v.shape != expected[k].shape:
-      raise ValueError(f"{path}: {k} has shape {v.shape}, the head needs {expected[k].shape}")
+      raise ValueError(f"{path}: {k} has shape {v.shape}, {whose} needs {expected[k].shape}")
   return traverse_util.unflatten_dict(flat, sep="/")
 
 
