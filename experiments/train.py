@@ -29,13 +29,14 @@ import jax
 import numpy as np
 
 from experiments import gin_flags
+from experiments import train_stages  # noqa: F401  (defines --workdir)
 from specdec_jax import data
 from specdec_jax.train import trainer as train
 from specdec_jax.families.t5.model import init_params
 from specdec_jax.families.t5.config import get_config
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Checkpoints, metrics and outputs.", required=True)
+# --workdir (checkpoints, metrics and outputs; required): experiments/train_stages.py.
 
 
 def load_examples(path: str, tokenizer: Optional[data.Tokenizer], input_len: int,
@@ -114,6 +115,8 @@ def train_experiment(workdir: str, *, train_file: str = gin.REQUIRED,
 def main(argv):
   del argv
   gin_flags.parse_flags()
+  if not FLAGS.workdir:
+    raise app.UsageError("--workdir is required")
   os.makedirs(FLAGS.workdir, exist_ok=True)
   train_experiment(FLAGS.workdir)
 

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from experiments.train_stages import check_stages, read_json, run_stages, write_json
+from experiments.train_stages import (check_stages, read_json, run_stages, selected_stages,
+                                      write_json)
 from specdec_jax import data
 from specdec_jax.families.decoder_only.batch import lm_batch
 from specdec_jax.train import distill
@@ -54,10 +55,9 @@ from specdec_jax.families.decoder_only.model import DecoderOnlyModel, init_decod
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "decoder_only_pair_run", "Run directory (data, checkpoints).")
-flags.DEFINE_string("out_dir", "demo_pair_decoder_only", "Where `export` writes the assets.")
-flags.DEFINE_list("stages", ["data", "pretrain", "distill", "ngram", "alpha", "export"],
-                  "Stages to run, in pipeline order.")
+# --workdir, --out_dir, --stages: experiments/train_stages.py (defaults below).
+DEFAULT_WORKDIR, DEFAULT_OUT_DIR = "decoder_only_pair_run", "demo_pair_decoder_only"
+DEFAULT_STAGES = ("data", "pretrain", "distill", "ngram", "alpha", "export")
 flags.DEFINE_integer("pretrain_steps", None, "Override PairSettings.pretrain_steps.")
 flags.DEFINE_integer("distill_steps", None, "Override PairSettings.distill_steps.")
 
@@ -379,7 +379,7 @@ def model_card(info) -> str:
   lines = [
       "# Decoder-only demo pair: a GPT-like target and its drafts (Table 3 in miniature)", "",
       "Trained by `python -m experiments.train_decoder_only_pair` on one shared 2-core CPU;",
-      "loaded by `specdec_jax.load_demo_pair("decoder_only")` (bf16 on disk, float32 in memory).",
+      "loaded by `specdec_jax.load_demo_pair('decoder_only')` (bf16 on disk, float32 in memory).",
       "`target/` and `draft/` are Hugging Face `GPT2LMHeadModel` directories (bf16",
       "safetensors): `specdec_jax.load_model(path)` and transformers read them as they are.", "",
       "## Data", "",
@@ -467,20 +467,21 @@ def model_card(info) -> str:
 
 def main(argv):
   del argv
-  s, workdir = _settings(), FLAGS.workdir
+  s, workdir = _settings(), workdir or DEFAULT_WORKDIR
+  selected = selected_stages(DEFAULT_STAGES)
   stages = dict(data=lambda: stage_data(s, workdir), pretrain=lambda: stage_pretrain(s, workdir),
                 distill=lambda: stage_distill(s, workdir), ngram=lambda: stage_ngram(s, workdir),
                 alpha=lambda: stage_alpha(s, workdir),
-                export=lambda: stage_export(s, workdir, FLAGS.out_dir))
-  check_stages(stages, FLAGS.stages)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  recorded = read_json(os.path.join(FLAGS.workdir, "settings.json"))
+                export=lambda: stage_export(s, workdir, FLAGS.out_dir or DEFAULT_OUT_DIR))
+  check_stages(stages, selected)
+  os.makedirs(workdir, exist_ok=True)
+  recorded = read_json(os.path.join(workdir, "settings.json"))
   current = json.loads(json.dumps(dataclasses.asdict(s)))
   if recorded is not None and recorded != current:
-    raise ValueError(f"{FLAGS.workdir} was made with other settings ({recorded}); use a new "
+    raise ValueError(f"{workdir} was made with other settings ({recorded}); use a new "
                      "--workdir to change them")
-  write_json(os.path.join(FLAGS.workdir, "settings.json"), current)
-  run_stages(stages, FLAGS.stages)
+  write_json(os.path.join(workdir, "settings.json"), current)
+  run_stages(stages, selected)
 
 
 if __name__ == "__main__":

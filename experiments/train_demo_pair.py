@@ -31,16 +31,17 @@ import jax
 import numpy as np
 
 from experiments import gin_flags
-from experiments.train_stages import check_stages, read_json, run_stages, write_json
+from experiments.train_stages import (check_stages, read_json, run_stages, selected_stages,
+                                      write_json)
 from specdec_jax import data
 from specdec_jax.train import trainer as train
 from specdec_jax.families.t5.model import Model, init_params
 from specdec_jax.families.t5.config import T5Config
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "demo_pair_run", "Run directory (data, checkpoints, logs).")
-flags.DEFINE_string("out_dir", "demo_pair", "Where `export` writes the shipped assets.")
-flags.DEFINE_list("stages", ["data", "pretrain", "distill", "ngram", "export"], "Stages to run.")
+# --workdir, --out_dir, --stages: experiments/train_stages.py (defaults below).
+DEFAULT_WORKDIR, DEFAULT_OUT_DIR = "demo_pair_run", "demo_pair"
+DEFAULT_STAGES = ("data", "pretrain", "distill", "ngram", "export")
 flags.DEFINE_string("mini_table2_json", "results/mini_table2/results.json",
                     "experiments.mini_table2 results to quote in the model card, if present.")
 
@@ -418,16 +419,17 @@ def model_card(info) -> str:
 def main(argv):
   del argv
   gin_flags.parse_flags()
-  s, workdir = DemoPairSettings(), FLAGS.workdir
+  s, workdir = DemoPairSettings(), FLAGS.workdir or DEFAULT_WORKDIR
+  out_dir, selected = out_dir or DEFAULT_OUT_DIR, selected_stages(DEFAULT_STAGES)
   stages = dict(data=lambda: stage_data(s, workdir), pretrain=lambda: stage_pretrain(s, workdir),
                 distill=lambda: stage_distill(s, workdir), ngram=lambda: stage_ngram(s, workdir),
-                export=lambda: stage_export(s, workdir, FLAGS.out_dir),
-                card=lambda: stage_card(FLAGS.out_dir))
-  check_stages(stages, FLAGS.stages)
+                export=lambda: stage_export(s, workdir, out_dir),
+                card=lambda: stage_card(out_dir))
+  check_stages(stages, selected)
   os.makedirs(workdir, exist_ok=True)
   write_json(os.path.join(workdir, "settings.json"),
               json.loads(json.dumps(dataclasses.asdict(s))))
-  run_stages(stages, FLAGS.stages)
+  run_stages(stages, selected)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ Stages (each resumable; a finished stage is a no-op when rerun, except
             the "Feature head" section of out_dir/MODEL_CARD.md.
 
 Usage:
-  python -m experiments.train_feature_heads --demo_pair=decoder_only \
+  python -m experiments.train_feature_heads --target_pair=decoder_only \
       --workdir=/tmp/head_do --gin_file=configs/train/feature_head.gin
   (--stages=train to resume training only; --gin.HeadSettings.steps=N to train longer
   in a fresh --workdir; --out_dir defaults to the pair's directory)
@@ -44,19 +44,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import gin_flags
-from experiments.train_stages import check_stages, read_json, run_stages, write_json
+from experiments.train_stages import (check_stages, read_json, run_stages, selected_stages,
+                                      write_json)
 from specdec_jax import data
 from specdec_jax import demo_pair as demo_pair_lib
 from specdec_jax.train import feature as feature_train
 from specdec_jax.train import trainer as train
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("demo_pair", "decoder_only", ["decoder_only", "t5"],
-                  "Which demo pair's target (not --pair: experiments.run owns that flag).")
-flags.DEFINE_string("workdir", None, "Run directory (data, checkpoints, metrics, stats).")
-flags.DEFINE_string("out_dir", None, "Where `export` writes (default: the pair's directory).")
-flags.DEFINE_list("stages", ["data", "train", "evaluate", "export"],
-                  "Stages to run, in pipeline order.")
+flags.DEFINE_enum("target_pair", "decoder_only", ["decoder_only", "t5"],
+                  "Which demo pair's target. (Not --pair or --demo_pair: experiments.run "
+                  "and scripts/benchmark.py own those, and tests import all three.)")
+# --workdir (required here), --out_dir (default: the pair's directory), --stages:
+# experiments/train_stages.py.
 
 STAGES = ("data", "train", "evaluate", "export")
 HEAD_NPZ, HEAD_JSON = demo_pair_lib.FEATURE_HEAD_FILES
@@ -385,25 +385,26 @@ def main(argv):
   s = HeadSettings()
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  check_stages(STAGES, FLAGS.stages)
+  selected = selected_stages(STAGES)
+  check_stages(STAGES, selected)
   workdir = FLAGS.workdir
   os.makedirs(workdir, exist_ok=True)
   recorded = read_json(os.path.join(workdir, "settings.json"))
-  current = dict(pair=FLAGS.demo_pair, **dataclasses.asdict(s))
+  current = dict(pair=FLAGS.target_pair, **dataclasses.asdict(s))
   if recorded is not None and recorded != current:
     raise ValueError(f"{workdir} was made with other settings ({recorded}); use a new --workdir "
                      "to change them")
   write_json(os.path.join(workdir, "settings.json"), current)
-  pair = demo_pair_lib.load_demo_pair(FLAGS.demo_pair, with_feature_head=False)
-  out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.demo_pair]
-  command = " ".join([f"python -m experiments.train_feature_heads --demo_pair={FLAGS.demo_pair}",
+  pair = demo_pair_lib.load_demo_pair(FLAGS.target_pair, with_feature_head=False)
+  out_dir = FLAGS.out_dir or demo_pair_lib.DIRS[FLAGS.target_pair]
+  command = " ".join([f"python -m experiments.train_feature_heads --target_pair={FLAGS.target_pair}",
                       "--workdir=WORKDIR"] + [f"--gin_file={f}" for f in gin_flags.GIN_FILES.value]
                      + [f"--gin_bindings='{b}'" for b in gin_flags.GIN_BINDINGS.value])
   stages = dict(data=lambda: stage_data(s, pair, workdir),
                 train=lambda: stage_train(s, pair, workdir),
                 evaluate=lambda: stage_evaluate(s, pair, workdir),
                 export=lambda: stage_export(s, pair, workdir, out_dir, command))
-  run_stages(stages, FLAGS.stages)
+  run_stages(stages, selected)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,30 @@
-"""What the pair-training scripts (`train_demo_pair`, `train_decoder_only_pair`) share:
-the stage runner and the run directory's JSON files."""
+"""What the staged trainers (`train_demo_pair`, `train_decoder_only_pair`,
+`train_feature_heads`, and `train` for `--workdir`) share: their flags, the stage
+runner and the run directory's JSON files."""
 
 import json
 import os
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from absl import logging
+from absl import flags, logging
 
 from specdec_jax import data
+
+# Defined once here, not in each trainer: tests import several trainers into one
+# process, and absl refuses a flag name defined twice. Each trainer names its own
+# defaults (`or` below).
+flags.DEFINE_string("workdir", None, "Run directory: data, checkpoints, metrics, stats "
+                    "(default: the trainer's own; required by experiments.train).")
+flags.DEFINE_string("out_dir", None, "Where the `export` stage writes (default: the trainer's own).")
+flags.DEFINE_list("stages", None, "Stages to run, in pipeline order (default: the trainer's "
+                  "whole pipeline).")
+FLAGS = flags.FLAGS
+
+
+def selected_stages(default: Sequence[str]) -> list:
+  """--stages, or the trainer's `default` pipeline when the flag is not given."""
+  return list(FLAGS.stages) if FLAGS.stages is not None else list(default)
 
 
 def write_json(path: str, obj) -> None:
