@@ -43,6 +43,7 @@ def test_outside_share_and_paired_ratios():
   with pytest.raises(ValueError):
     benchmark.paired_ratios([1.0], [])
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_smoke_run_has_every_field(tmp_path):
   out = tmp_path / "bench.json"

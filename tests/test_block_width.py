@@ -57,6 +57,7 @@ def test_demo_pair_bf16_speculative_equals_target_only_with_defaults():
                                         decode_fn=decoding.speculative_sample, gamma=4)
   np.testing.assert_array_equal(np.asarray(spec.predict_batch(params, batch)), expected)
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_random_pair_bf16_many_near_ties_identical():
   # Random weights give flat next-token distributions: many near-ties, the
@@ -215,6 +216,7 @@ def test_matmul_precision_option():
   with pytest.raises(ValueError, match="matmul_precision"):
     sj.generate(target, inputs, max_decode_steps=5, matmul_precision="fastest")
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_unrolled_fixed_length_draft_equals_the_loop():
   # Accelerators unroll fixed-length drafting (no host read-back of a loop
@@ -235,6 +237,7 @@ def test_unrolled_fixed_length_draft_equals_the_loop():
   for key in outs[0][1]:
     np.testing.assert_array_equal(np.asarray(outs[0][1][key]), np.asarray(outs[1][1][key]))
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_batch_invariant_option_gives_each_row_its_batch_1_output():
   target, draft = testing.tiny_pair(vocab_size=128, noise=0.05, seed=8)
@@ -309,6 +312,7 @@ def test_cpu_float32_defaults_keep_greedy_identity_on_near_ties(family):
                                   err_msg=f"{family} gamma={gamma}")
     assert 0.1 < out.stats.acceptance_rate < 1.0, out.stats.summary()
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_near_tie_t5_pair_is_sensitive_to_block_shape_in_bf16():
   """The control for the test above: the T5 pair in bf16, target-only at

@@ -58,7 +58,7 @@ def test_divergences():
     distill.divergence_sum(p, logits_q, mask, "js", 1.0)
 
 
-@pytest.mark.parametrize("divergence", ["forward_kl", "tv"])
+@pytest.mark.parametrize("divergence", [pytest.param("forward_kl", marks=pytest.mark.slow), "tv"])
 def test_distillation_raises_alpha(trained_target, divergence):
   draft = Model(DRAFT, init_params(DRAFT, 5))
   prompts = _task(32, 99).inputs  # Held-out prompts, the same before and after.

@@ -349,6 +349,7 @@ def _train_copy_model(vocab=32, length=8, batch=64, steps=300, learning_rate=5e-
     params, opt_state, loss = train_step(params, opt_state, jax.random.PRNGKey(step))
   return type(model)(model.config, params), make_batch, float(loss)
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_prompt_lookup_accepts_almost_everything_on_a_copy_task():
   model, make_batch, loss = _train_copy_model()

@@ -510,6 +510,7 @@ def test_loaded_eagle1_head_greedy_equals_target_only(tmp_path):
   assert got.stats.iterations.sum() > 0
 
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 # ---------------------------------------------------------------------------
 # Bad directories.
 

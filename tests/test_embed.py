@@ -13,6 +13,7 @@ def _teacher_forced(model, enc, targets):
   dec = np.concatenate([np.zeros((len(targets), 1), np.int32), targets[:, :-1]], axis=1)
   return np.asarray(model.logits(enc, dec))
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_demo_target_embedded_at_t5_1_1_base_shape():
   """The shipped (trained) demo target in the T5 1.1 base shape: gated, untied, 12+12 layers."""
@@ -40,6 +41,7 @@ def test_demo_target_embedded_at_t5_1_1_base_shape():
   got = sj.generate(large, enc, max_decode_steps=steps).sequences
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_every_growth_at_once_keeps_logits_and_greedy_outputs():
   """Width x3, more heads, wider heads, more MLP units, more encoder and decoder layers."""
@@ -90,6 +92,7 @@ def test_named_shape_takes_the_small_models_vocabulary():
       xxl.emb_dim, xxl.num_heads, xxl.mlp_dim, xxl.num_decoder_layers)
   assert large.vocab_size == 97 and large.dtype == "bfloat16"
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_embedded_feature_head_drafts_what_the_small_head_drafts():
   """A T5 feature head grown with its target (`embed_feature_head_params`): the large pair

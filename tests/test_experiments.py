@@ -207,6 +207,7 @@ def _run_files(files, bindings, out):
   finally:
     gin.clear_config()
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_tree_draft_kind_end_to_end(tmp_path, input_file):
   """configs/drafts/tree.gin around the pair's (T5) model draft: greedy outputs equal

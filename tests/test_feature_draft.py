@@ -329,6 +329,7 @@ def test_feature_draft_serves_a_learned_position_gpt2_target(dtype):
                    head.init_cache(params["head"], 1, 16))[0] for p in (0, 5)]
   assert not np.allclose(np.asarray(at[0], np.float32), np.asarray(at[1], np.float32))
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_a_prebuilt_head_is_driven_through_the_contract():
   """FeatureDraft(target, head=...) drives any FeatureHead: here the family's own head

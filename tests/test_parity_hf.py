@@ -133,6 +133,7 @@ def test_t5_1_1_published_untied_gated_gelu(tmp_path):
   _assert_logits_parity(ours, reference)
   _assert_greedy_parity(ours, reference)
 
+@pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_original_t5_relu_tied_rescaled(tmp_path):
   hf = _random_hf_model(2, gain=3.0, feed_forward_proj="relu", tie_word_embeddings=True)
