@@ -585,3 +585,19 @@ def test_bad_eagle_directories_get_clear_errors(tmp_path):
   write_eagle1_dir(tmp_path / "e1miss", small, drop=("layers.0.mlp.down_proj.weight",))
   with pytest.raises(err, match=r"missing \(1\):\n.*layers\.0\.mlp\.down_proj\.weight"):
     load(tmp_path / "e1miss", small)
+
+
+def test_eagle_heads_refuse_targets_without_rotary_llama_layers():
+  """One check (`eagle3_head.check_rotary_target`) words the head's and the loader's error."""
+  from specdec_jax.families.decoder_only import eagle_checkpoints
+  from specdec_jax.families.tensor_io import CheckpointError
+  gpt2 = sj.load_model("gpt2_tiny", vocab_size=VOCAB).config
+  t5 = sj.load_model("tiny", vocab_size=VOCAB).config
+  for target, message in ((gpt2, "a gpt2 target layout is not supported"),
+                          (t5, "Llama-layout targets; the target is a T5Config model")):
+    with pytest.raises(ValueError, match=message) as raised:
+      Eagle3Head(target)
+    assert not isinstance(raised.value, CheckpointError)
+    with pytest.raises(CheckpointError, match=message):
+      eagle_checkpoints.check_target(target)
+  Eagle3Head(_target().config)  # a Llama target is served

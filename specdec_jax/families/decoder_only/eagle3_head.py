@@ -83,6 +83,23 @@ Array = jax.Array
 SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "mistral")
 
 
+def check_rotary_target(target_config, what: str = "an EAGLE-3 head",
+                        error: type = ValueError) -> None:
+  """Raises `error` unless the target is a decoder-only Llama-layout rotary model.
+
+  EAGLE heads (EAGLE-1 and -3 checkpoints, `Eagle3Head`) are Llama layers
+  whose rotary attention reads the target's positions; a T5 or GPT-2 target
+  has neither. One check, so a constructor and a checkpoint loader word it alike.
+  """
+  if not isinstance(target_config, DecoderOnlyConfig):
+    raise error(f"{what} drafts for decoder-only Llama-layout targets; the target is "
+                f"a {type(target_config).__name__} model")
+  if target_config.family not in SUPPORTED_TARGET_FAMILIES:
+    raise error(f"{what} drafts for Llama-layout rotary targets "
+                f"({', '.join(SUPPORTED_TARGET_FAMILIES)}); a {target_config.family} "
+                f"target layout is not supported")
+
+
 class Eagle3Midlayer(nn.Module):
   """The EAGLE-3 decoder layer: attention over [input_layernorm(emb); hidden_norm(g)].
 
@@ -219,13 +236,7 @@ class Eagle3Head(FeatureHead):
   def __init__(self, target_config: DecoderOnlyConfig,
                layer_config: Optional[DecoderOnlyConfig] = None, draft_to_target=None,
                own_embeddings: bool = False):
-    if not isinstance(target_config, DecoderOnlyConfig):
-      raise ValueError(f"an EAGLE-3 head serves decoder-only targets, got a "
-                       f"{type(target_config).__name__}")
-    if target_config.family not in SUPPORTED_TARGET_FAMILIES:
-      raise ValueError(f"an EAGLE-3 head serves Llama-layout rotary targets "
-                       f"({', '.join(SUPPORTED_TARGET_FAMILIES)}); a {target_config.family} "
-                       f"target is not supported")
+    check_rotary_target(target_config)
     self.config = target_config
     if layer_config is None:
       layer_config = head_config_like(target_config)

@@ -39,8 +39,8 @@ from flax import traverse_util
 
 from specdec_jax.families.decoder_only import checkpoints as hf_checkpoints
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
-from specdec_jax.families.decoder_only.eagle3_head import (SUPPORTED_TARGET_FAMILIES, Eagle3Head,
-                                                           check_draft_to_target)
+from specdec_jax.families.decoder_only.eagle3_head import (Eagle3Head, check_draft_to_target,
+                                                           check_rotary_target)
 from specdec_jax.families.tensor_io import (CheckpointError, cast, hf_weight_files,
                                             raise_on_mismatch, write_safetensors)
 
@@ -97,13 +97,8 @@ def detect_format(tensor_names, hf: Mapping[str, Any], origin: str) -> str:
 
 
 def check_target(target_config, what: str = "an EAGLE head") -> None:
-  if not isinstance(target_config, DecoderOnlyConfig):
-    raise CheckpointError(f"{what} drafts for decoder-only Llama-layout targets; the target is "
-                          f"a {type(target_config).__name__} model")
-  if target_config.family not in SUPPORTED_TARGET_FAMILIES:
-    raise CheckpointError(f"{what} drafts for Llama-layout rotary targets "
-                          f"({', '.join(SUPPORTED_TARGET_FAMILIES)}); a {target_config.family} "
-                          f"target layout is not supported")
+  """`eagle3_head.check_rotary_target`, raising CheckpointError."""
+  check_rotary_target(target_config, what, CheckpointError)
 
 
 def head_config(hf: Mapping[str, Any], target_config: DecoderOnlyConfig, origin: str,
