@@ -404,7 +404,9 @@ def _exact_continuations(model, prompt, steps, eos_id, **sampling_kw):
 # Temperature with top-k, and nucleus sampling; each setting compiles its own
 # loop (~10 s), and plain temperature-1 sampling is the same code path untruncated.
 @pytest.mark.parametrize("setting", [dict(temperature=0.7, topk=3),
-                                     dict(temperature=1.0, topp=0.8)], ids=["t0.7_top3", "topp0.8"])
+                                     pytest.param(dict(temperature=1.0, topp=0.8),
+                                                  marks=pytest.mark.slow)],
+                         ids=["t0.7_top3", "topp0.8"])
 def test_speculative_samples_follow_target_distribution_ragged_prompts(setting):
   """Two prompts of different lengths in one batch, each row's continuation
   distributed as the target's (llama layout target, noisy-copy draft)."""

@@ -44,6 +44,7 @@ def test_load_model_reads_a_decoder_only_hf_directory(tmp_path):
   for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(loaded.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+@pytest.mark.slow  # make test budget; runs in make test-slow
 
 def test_generate_runs_decoder_only_targets_and_drafts():
   target = sj.load_model("llama_tiny", dtype="float32", seed=1)
