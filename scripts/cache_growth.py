@@ -12,6 +12,12 @@ of each kind from the short to the long cache says what the wider block adds.
 (Microbenchmarks of attention alone mislead here: with the cache a constant,
 XLA hoists its transposes out of the timing loop.)
 
+Part 3, prefix attention side by side: the same greedy decode loop (one
+block call per token, the cache carried, `families.t5.decode.decode_block`)
+with self-attention over the whole cache (`prefix_chunk=0`) and over the
+written prefix in chunks (the CPU default, `PREFIX_CHUNK`), compiled together
+and interleaved; ms per token, fastest of --repeats.
+
   python scripts/cache_growth.py --output_json=benchmarks/cpu/issue21/cache_growth.json
 """
 import json
@@ -90,18 +96,50 @@ def part_profile(pair, widths, steps, calls):
   return out
 
 
+def part_prefix(pair, widths, steps, repeats):
+  """{f'chunk{c}_width{w}_steps{n}': ms per token}: whole-cache against prefix attention."""
+  from specdec_jax.families.t5 import decode
+  model = pair.target
+  x = pair.heldout_inputs(1)
+  prepared = decode.prepare_decode_params(model.params, model.config)
+
+  def loop(w, n, chunk):
+    cache = model.init_cache(1, n, x)
+
+    @jax.jit
+    def run(cache):
+      def body(i, carry):
+        cache, token = carry
+        logits, cache = decode.decode_block(
+            prepared, model.config, jnp.broadcast_to(token, (1, w)), jnp.full((1,), i, jnp.int32),
+            cache, "dots", prefix_chunk=chunk)
+        return cache, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
+      return jax.lax.fori_loop(0, n - w + 1, body, (cache, jnp.zeros((1, 1), jnp.int32)))[1]
+    return lambda: jax.block_until_ready(run(cache))
+
+  fns = {f"chunk{c}_width{w}_steps{n}": loop(w, n, c)
+         for n in steps for w in widths for c in (0, decode.PREFIX_CHUNK)}
+  seconds = _fastest(fns, repeats)
+  return {name: s * 1e3 / (int(name.split("steps")[1]) - int(name.split("_")[1][5:]) + 1)
+          for name, s in seconds.items()}
+
+
 def main(argv):
   del argv
   import specdec_jax as sj
+  from specdec_jax.families.t5 import decode
   widths = [int(w) for w in FLAGS.widths]
   steps = [int(n) for n in FLAGS.decode_steps]
   pair = sj.load_demo_pair()
   results = dict(generate_ms_per_token=part_generate(pair, widths, steps, FLAGS.repeats),
                  profile_ms_per_call=part_profile(pair, widths, steps, FLAGS.calls),
+                 prefix_ms_per_token=part_prefix(pair, widths, steps, FLAGS.repeats),
                  load_average=list(os.getloadavg()),
                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  note="demo T5 target, float32, batch 1, greedy, EOS off; generate: fastest "
-                      f"of {FLAGS.repeats}; profile: XLA op time per block call, by kind")
+                      f"of {FLAGS.repeats}; profile: XLA op time per block call, by kind; "
+                      f"prefix: decode loop, whole cache (chunk0) against prefix attention "
+                      f"(chunk{decode.PREFIX_CHUNK}), fastest of {FLAGS.repeats}")
   short, long_ = steps[0], steps[-1]
   g, prof = results["generate_ms_per_token"], results["profile_ms_per_call"]
   for w in widths:
@@ -112,6 +150,12 @@ def main(argv):
           f"{g[f'width{w}_steps{long_}']:.3f} ms/token; ops per call {sum(a.values()):.2f} -> "
           f"{sum(b.values()):.2f} ms; growth by kind: "
           + ", ".join(f"{kind} +{ms:.2f}" for ms, kind in growth))
+  p = results["prefix_ms_per_token"]
+  for w in widths:
+    print(f"width {w}: whole cache " + " -> ".join(
+        f"{p[f'chunk0_width{w}_steps{n}']:.3f}" for n in (short, long_)) + " ms/token; prefix "
+        + " -> ".join(f"{p[f'chunk{decode.PREFIX_CHUNK}_width{w}_steps{n}']:.3f}"
+                      for n in (short, long_)))
   print(f"load {results['load_average']}")
   if FLAGS.output_json:
     sj.data.write_bytes_atomic(FLAGS.output_json, (json.dumps(results, indent=1) + "\n").encode())

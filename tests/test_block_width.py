@@ -313,6 +313,26 @@ def test_cpu_float32_defaults_keep_greedy_identity_on_near_ties(family):
                                   err_msg=f"{family} gamma={gamma}")
     assert 0.1 < out.stats.acceptance_rate < 1.0, out.stats.summary()
 
+@pytest.mark.slow  # ~1 min: a cache longer than the prefix-attention chunk
+def test_cpu_float32_defaults_keep_greedy_identity_past_the_attention_chunk():
+  """The same identity where T5's CPU self-attention runs over the written prefix
+  in chunks (`families.t5.decode._attend_dots_prefix`, caches longer than
+  `PREFIX_CHUNK`): target-only at width 1 and speculative at gamma + 1 run
+  different numbers of chunks per call, which by construction does not change
+  the bits. Batch 16, gamma 4, until 40 tokens past the first chunk."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the narrow defaults are CPU float32's")
+  from specdec_jax.families.t5 import decode as t5_decode
+  target, draft, inputs, lengths = _near_tie_pair("t5", "float32")
+  steps = t5_decode.PREFIX_CHUNK + 40
+  expected = np.asarray(sj.generate(target, inputs, lengths, max_decode_steps=steps,
+                                    eos_id=-1).sequences)
+  out = sj.generate(target, inputs, lengths, max_decode_steps=steps, eos_id=-1, draft=draft,
+                    gamma=4)
+  np.testing.assert_array_equal(np.asarray(out.sequences), expected)
+  assert 0.1 < out.stats.acceptance_rate < 1.0, out.stats.summary()
+
+
 @pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_near_tie_t5_pair_is_sensitive_to_block_shape_in_bf16():

@@ -117,6 +117,67 @@ def test_bad_layouts_and_options_are_named():
   with pytest.raises(ValueError, match="attention must be one of"):
     t5_decode.block_fn(model.params, model.config, "flash")(
         jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), cache)
+  with pytest.raises(ValueError, match="prefix_chunk must be an int >= 0"):
+    t5_decode.block_fn(model.params, model.config, "dots", prefix_chunk=-4)(
+        jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), cache)
+
+
+def _prefix_case(dtype):
+  """A 3-layer model whose cache rows were filled to different depths, block by block."""
+  model = sj.load_model("tiny", dtype=dtype, seed=2, vocab_size=97, num_heads=3, head_dim=8,
+                        num_decoder_layers=3)
+  prepared = t5_decode.prepare_decode_params(model.params, model.config)
+  enc = testing.random_encoder_tokens(3, 7, 97, seed=1)
+  block = jax.jit(lambda tokens, positions, cache, chunk: t5_decode.decode_block(
+      prepared, model.config, tokens, positions, cache, "dots", prefix_chunk=chunk),
+      static_argnums=3)
+
+  def filled_cache(max_len, chunk):
+    cache = model.init_cache(3, max_len, enc)
+    rng = np.random.default_rng(0)
+    for start in range(0, 40, 4):
+      tokens = jnp.asarray(rng.integers(0, 97, (3, 4)), jnp.int32)
+      _, cache = block(tokens, jnp.full((3,), start, jnp.int32), cache, chunk)
+    return cache
+
+  tokens = jnp.array([[5, 6, 7], [8, 9, 10], [11, 12, 13]], jnp.int32)
+  return block, filled_cache, tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_attention_equals_attention_over_the_whole_cache(dtype):
+  """Chunks that divide the cache and chunks that do not (the last one shifted back),
+  rows at different depths, one row's block running past the cache's end."""
+  block, filled_cache, tokens = _prefix_case(dtype)
+  positions = jnp.array([40, 20, 98], jnp.int32)
+  f32 = lambda x: np.asarray(x, np.float32)
+  rtol = 1e-5 if dtype == "float32" else 3e-2
+  cache = filled_cache(100, 0)
+  whole_logits, whole_cache = block(tokens, positions, cache, 0)
+  scale = np.abs(f32(whole_logits)).max()
+  for chunk in (8, 12, 47, 99):
+    logits, new_cache = block(tokens, positions, cache, chunk)
+    np.testing.assert_allclose(f32(logits), f32(whole_logits), rtol=rtol, atol=rtol * scale)
+    for got, want in zip(jax.tree_util.tree_leaves(new_cache),
+                         jax.tree_util.tree_leaves(whole_cache)):
+      # Layer 1's keys and values are layer 0's attention output: equal to rounding.
+      np.testing.assert_allclose(f32(got), f32(want), rtol=rtol,
+                                 atol=rtol * (np.abs(f32(want)).max() + 1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_attention_bits_depend_on_neither_cache_length_nor_batch_mates(dtype):
+  """The chunks past a row's last key change its softmax state by exactly nothing."""
+  block, filled_cache, tokens = _prefix_case(dtype)
+  short, long_ = filled_cache(48, 8), filled_cache(128, 8)
+  positions = jnp.array([40, 20, 33], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(block(tokens, positions, short, 8)[0]),
+                                np.asarray(block(tokens, positions, long_, 8)[0]))
+  # Row 2 moving from position 33 to 100 runs 13 chunks instead of 5 for every row.
+  near = np.asarray(block(tokens, jnp.array([10, 20, 33], jnp.int32), long_, 8)[0])
+  far = np.asarray(block(tokens, jnp.array([10, 20, 100], jnp.int32), long_, 8)[0])
+  np.testing.assert_array_equal(near[:2], far[:2])
+  assert not np.array_equal(near[2], far[2])
 
 
 def test_softmax_matches_jax_and_survives_masked_rows():
@@ -168,19 +229,27 @@ def test_count_ops_reads_scheduled_computations_only():
 
 @pytest.mark.parametrize("k", [1, 5])
 def test_cpu_cache_write_grows_with_the_cache_only_as_reading_does(demo_target_config, k):
-  """The 'dots' step at a 16x longer cache: no copy of the cache, and the same
-  operations (so nothing is added per position). For k >= 2 the cache write is
-  in place (one dynamic-update-slice fusion per cache, reading no whole cache);
-  at k = 1 it stays the one select pass (`_blend_block`)."""
+  """The 'dots' step at longer caches: no copy of the cache, and operations that do
+  not depend on its length (so nothing is added per position). Caches longer than
+  `PREFIX_CHUNK` add one loop per layer, over the written prefix's chunks
+  (`_attend_dots_prefix`), whose body is the same at 512 and 1024 positions. For
+  k >= 2 the cache write is in place (one dynamic-update-slice fusion per cache,
+  reading no whole cache); at k = 1 it stays the one select pass (`_blend_block`)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the 'dots' path's compiled form is XLA CPU's")
   block_fn_for = lambda cfg: _fast_block_fn(cfg, "dots")
+  assert t5_decode.PREFIX_CHUNK < 512
   short = hlo_ops.ops_per_layer(demo_target_config, k, block_fn_for, max_len=64)
+  mid = hlo_ops.ops_per_layer(demo_target_config, k, block_fn_for, max_len=512)
   long = hlo_ops.ops_per_layer(demo_target_config, k, block_fn_for, max_len=1024)
-  assert short == long and "copy" not in long, (short, long)
+  assert "copy" not in short and "while" not in short, short
+  assert mid == long and long["while"] == 1, (mid, long)
   text = hlo_ops.compiled_block_text(demo_target_config.replace(num_decoder_layers=1), k,
                                      block_fn_for(demo_target_config.replace(
                                          num_decoder_layers=1)), max_len=1024)
+  cache_copies = [line for line in text.splitlines()
+                  if " copy(" in line and "f32[1,4,1024,64]" in line.split(" copy(")[0]]
+  assert not cache_copies, cache_copies
   writes = [line for line in text.splitlines()
             if "fusion(" in line and "f32[1,4,1024,64]" in line.split("fusion(")[0]]
   if k > 1:

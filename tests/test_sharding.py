@@ -261,6 +261,20 @@ def test_multidevice_tree_equals_unsharded(pair, sharded_models):
 
 
 @multidevice
+def test_multidevice_prefix_attention_equals_unsharded(pair, sharded_models):
+  """A cache longer than the CPU prefix-attention chunk: its per-layer loop over the
+  written chunks, with the batch's max position reduced across the mesh."""
+  from specdec_jax.families.t5 import decode as t5_decode
+  target, _, tokens = pair
+  target_part, _, sharded_target, _ = sharded_models["2,4"]
+  steps = t5_decode.PREFIX_CHUNK + 20
+  want = generate(target, tokens, max_decode_steps=steps, eos_id=-1)
+  got = generate(sharded_target, tokens, max_decode_steps=steps, eos_id=-1,
+                 partitioner=target_part)
+  np.testing.assert_array_equal(got.sequences, want.sequences)
+
+
+@multidevice
 def test_multidevice_temperature_sample_equals_unsharded(pair, sharded_models):
   target, _, tokens = pair
   target_part, _, sharded_target, _ = sharded_models["2,4"]

@@ -23,9 +23,16 @@ larger operations (counted per layer by `specdec_jax.tools.hlo_ops`):
   (`attention='in_layout'`) scores and outputs are multiply-and-sum fusions
   into which the softmax fuses (fewest operations); on CPU (`'dots'`),
   batched dots, which XLA CPU runs far faster than its reductions;
+* on CPU, self-attention over a cache longer than `PREFIX_CHUNK` reads only
+  the positions written so far, a chunk at a time, merged as FlashAttention
+  merges them (`_attend_dots_prefix`): a decode step then costs the tokens it
+  has, not the cache it was given, and its bits do not depend on how many
+  chunks it ran (so neither on the cache's length nor on the batch's other
+  rows);
 * keys and values are set in the cache in place by a scatter on
-  accelerators, and on CPU for blocks of 2+ tokens (O(k) per step, not
-  O(len)); on CPU one-token blocks use one select pass (`_blend_block`),
+  accelerators, and on CPU for blocks of 2+ tokens and wherever the prefix
+  attention reads the cache (O(k) per step, not O(len)); on CPU one-token
+  blocks over a whole short cache use one select pass (`_blend_block`),
   where XLA CPU would copy the cache around an in-place write. The cache is
   `families/t5/network.py`'s (`T5.init_cache` makes it, and sharding rules
   apply as is).
@@ -227,7 +234,70 @@ def _attend_dots(query: Array, key: Array, value: Array, bias: Array,
   return out.astype(value.dtype)
 
 
+def _attend_dots_prefix(query: Array, key: Array, value: Array, bias: Array, filled: Array,
+                        chunk: int) -> Array:
+  """`_attend_dots` over the cache's first `filled` positions only, `chunk` keys at a time.
+
+  Args:
+    query: [batch, q, heads, head_dim]; key, value: [batch, heads, len,
+      head_dim].
+    bias: float32 [batch, q, heads, len] (mask folded in).
+    filled: int32 scalar, how many leading cache positions any row may attend
+      (the batch's last written position + 1); later keys are never read.
+    chunk: keys per step of the loop.
+  Returns:
+    [batch, q, heads, head_dim] in value's dtype.
+
+  Why: a decode step attends to the positions written so far, but a cache
+  built for n steps has n; reading all of them makes every step cost the
+  whole cache (the growth `scripts/cache_growth.py` measures). The loop runs
+  ceil(filled / chunk) chunks and merges them as FlashAttention does: a
+  running max m, sum of exponentials z and unnormalised output o per query,
+  rescaled by exp(m_old - m_new) as each chunk arrives, and o / z at the end.
+  A chunk whose keys are all masked for a row changes that row's (m, z, o) by
+  exactly nothing (its exponentials are exactly 0 and the rescale exactly 1,
+  the first chunk always holding a visible key), so the result is the same
+  bits however many chunks run: it does not depend on the cache's length, nor
+  on how far the batch's other rows have got. The last chunk is shifted back
+  to end at the cache's end when len is not a multiple of chunk, its keys
+  before the chunk's own start masked so that none counts twice.
+  """
+  f32 = jnp.float32
+  batch, q, heads, _ = query.shape
+  length = key.shape[2]
+  bias = jnp.moveaxis(bias, 1, 3)  # [batch, heads, len, q]
+  lowest = jnp.finfo(f32).min.astype(f32)
+  count = jnp.clip((filled + chunk - 1) // chunk, 1, -(-length // chunk))
+
+  def merge(i, carry):
+    top, total, out = carry  # [batch, heads, 1, q] x 2, [batch, q, heads, head_dim]
+    own_start = i * chunk
+    start = jnp.minimum(own_start, length - chunk)
+    keys = jax.lax.dynamic_slice_in_dim(key, start, chunk, axis=2)
+    values = jax.lax.dynamic_slice_in_dim(value, start, chunk, axis=2)
+    counted = (start + jnp.arange(chunk) < own_start)[None, None, :, None]
+    scores = jnp.einsum("bhkd,bqhd->bhkq", keys, query, preferred_element_type=f32)
+    scores = jnp.where(counted, _MASK_VALUE, scores
+                       + jax.lax.dynamic_slice_in_dim(bias, start, chunk, axis=2))
+    new_top = jnp.maximum(top, jnp.max(scores, axis=2, keepdims=True))
+    rescale = jnp.exp(top - new_top)
+    weights = jnp.exp(scores - new_top)
+    total = total * rescale + jnp.sum(weights, axis=2, keepdims=True)
+    out = out * jnp.moveaxis(rescale, (1, 3), (2, 1)) + jnp.einsum(
+        "bhkd,bhkq->bqhd", values, weights.astype(value.dtype), preferred_element_type=f32)
+    return new_top, total, out
+
+  init = (jnp.full((batch, heads, 1, q), lowest, f32), jnp.zeros((batch, heads, 1, q), f32),
+          jnp.zeros(query.shape, f32))
+  _, total, out = jax.lax.fori_loop(0, count, merge, init)
+  return (out / jnp.moveaxis(total, (1, 3), (2, 1))).astype(value.dtype)
+
+
 ATTENTION = {"in_layout": _attend_in_layout, "dots": _attend_dots}
+
+# Keys per chunk of the 'dots' path's self-attention over the filled prefix
+# (`_attend_dots_prefix`); caches of at most this many positions attend whole.
+PREFIX_CHUNK = 256
 
 
 def default_attention() -> str:
@@ -310,7 +380,8 @@ def _set_block_cpu(cache: Array, block: Array, positions: Array) -> Array:
 
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
                  cache: Cache, attention: Optional[str] = None,
-                 tree: Optional[TreeAttention] = None, taps: Optional[Tuple[int, ...]] = None):
+                 tree: Optional[TreeAttention] = None, taps: Optional[Tuple[int, ...]] = None,
+                 prefix_chunk: Optional[int] = None):
   """Scores a block of tokens per row from the cache; same contract as `T5.decode_block`.
 
   Args:
@@ -332,6 +403,12 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       (`families.feature_head.feature_taps`: i < num_decoder_layers is layer
       i's input, num_decoder_layers the output after the final norm, which
       feeds the logits). None traces exactly the program without features.
+    prefix_chunk: self-attention reads only the cache positions written so
+      far (up to the batch's max(positions) + k), this many keys at a time
+      (`_attend_dots_prefix`), when the cache holds more than this many;
+      0: every position, masked. Default: `PREFIX_CHUNK` on the 'dots' path
+      (CPU), 0 on 'in_layout' (accelerators, where a loop per layer would
+      add launches to a launch-bound step).
   Returns:
     logits [batch, k, vocab] float32 (row b, index j predicts the token
     after token j: at position positions[b] + j + 1 without a tree), and the
@@ -343,10 +420,19 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   if attention not in ATTENTION:
     raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
   attend = ATTENTION[attention]
-  set_block = _set_block_cpu if attention == "dots" else _set_block
   batch, k = tokens.shape
   dtype = jnp.dtype(config.dtype)
   max_len = cache["layers"][0]["self_key"].shape[2]
+  if prefix_chunk is None:
+    prefix_chunk = PREFIX_CHUNK if attention == "dots" else 0
+  if int(prefix_chunk) != prefix_chunk or prefix_chunk < 0:
+    raise ValueError(f"prefix_chunk must be an int >= 0 (0: attend to the whole cache), "
+                     f"got {prefix_chunk!r}")
+  prefix_chunk = prefix_chunk if max_len > prefix_chunk else 0
+  # The select pass is for a one-token write that a whole-cache dot reads; the
+  # prefix loop's sliced reads let the in-place write stay in place.
+  set_block = _set_block_cpu if attention == "dots" and not prefix_chunk else _set_block
+  filled = jnp.max(positions) + k  # the block's writes end here (past it: never written)
   if tree is None:
     query_positions = positions[:, None] + jnp.arange(k)[None, :]
     self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len)
@@ -375,7 +461,10 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     self_key = set_block(layer_cache["self_key"], key, positions)
     self_value = set_block(layer_cache["self_value"], value, positions)
     new_layers.append(dict(layer_cache, self_key=self_key, self_value=self_value))
-    heads = attend(query, self_key, self_value, self_bias)
+    if prefix_chunk:
+      heads = _attend_dots_prefix(query, self_key, self_value, self_bias, filled, prefix_chunk)
+    else:
+      heads = attend(query, self_key, self_value, self_bias)
     x = x + jnp.dot(heads.reshape(batch * k, -1), p["self_out"])
 
     # Cross-attention over the cached encoder keys/values; 1/rms scales the
@@ -416,16 +505,18 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   return logits, features, dict(cache, layers=new_layers)
 
 
-def block_fn(params, config: T5Config, attention: Optional[str] = None):
+def block_fn(params, config: T5Config, attention: Optional[str] = None,
+             prefix_chunk: Optional[int] = None):
   """A block callback `(tokens, positions, cache, tree=None) -> (logits, cache)` on the
   fused path.
 
   Prepares the fused kernels when called (once per trace of a decode loop),
-  so `Model.block_fn` needs no prepared state. `attention`: see `decode_block`.
+  so `Model.block_fn` needs no prepared state. `attention`, `prefix_chunk`:
+  see `decode_block`.
   """
   prepared = prepare_decode_params(params, config)
   return lambda tokens, positions, cache, tree=None: decode_block(
-      prepared, config, tokens, positions, cache, attention, tree)
+      prepared, config, tokens, positions, cache, attention, tree, prefix_chunk=prefix_chunk)
 
 
 def feature_block_fn(params, config: T5Config, taps: Tuple[int, ...],
