@@ -41,8 +41,11 @@ def read_json(path: str, default=None) -> Any:
 
 
 def check_stages(known: Iterable[str], selected: Sequence[str]) -> None:
-  """Raises ValueError naming every selected stage that is not a known one."""
+  """Raises ValueError naming every selected stage that is not a known one, and when
+  none is selected (`--stages=` would otherwise run nothing without a word)."""
   known = tuple(known)
+  if not selected:
+    raise ValueError(f"no stages selected (--stages is empty); known: {known}")
   unknown = [name for name in selected if name not in known]
   if unknown:
     raise ValueError(f"unknown stages {unknown}; known: {known}")

@@ -64,3 +64,12 @@ def test_entry_points_imported_together_define_distinct_flags():
       capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
   assert result.returncode == 0, result.stderr[-3000:]
   assert "defined" in result.stdout
+
+
+def test_staged_trainers_refuse_unknown_and_empty_stage_lists():
+  from experiments import train_stages
+  train_stages.check_stages(("data", "train"), ["train"])
+  with pytest.raises(ValueError, match=r"unknown stages \['evaluate'\]; known: \('data', 'train'\)"):
+    train_stages.check_stages(("data", "train"), ["train", "evaluate"])
+  with pytest.raises(ValueError, match="no stages selected"):
+    train_stages.check_stages(("data", "train"), [])
