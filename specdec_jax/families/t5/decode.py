@@ -241,7 +241,8 @@ def _attend_dots_prefix(query: Array, key: Array, value: Array, bias: Array, fil
   Args:
     query: [batch, q, heads, head_dim]; key, value: [batch, heads, len,
       head_dim].
-    bias: float32 [batch, q, heads, len] (mask folded in).
+    bias: float32 [batch, heads, len, q] (mask folded in; keys-major, as the
+      scores lie, transposed once per call by `decode_block`, not per layer).
     filled: int32 scalar, how many leading cache positions any row may attend
       (the batch's last written position + 1); later keys are never read.
     chunk: keys per step of the loop.
@@ -265,7 +266,6 @@ def _attend_dots_prefix(query: Array, key: Array, value: Array, bias: Array, fil
   f32 = jnp.float32
   batch, q, heads, _ = query.shape
   length = key.shape[2]
-  bias = jnp.moveaxis(bias, 1, 3)  # [batch, heads, len, q]
   lowest = jnp.finfo(f32).min.astype(f32)
   count = jnp.clip((filled + chunk - 1) // chunk, 1, -(-length // chunk))
 
@@ -440,6 +440,8 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     query_positions, key_positions, allowed = tree_positions(tree, positions, max_len)
     self_bias = position_bias(prepared["rel_embedding"], config, query_positions, max_len,
                               key_positions, allowed)
+  if prefix_chunk:
+    prefix_bias = jnp.moveaxis(self_bias, 1, 3)  # [batch, heads, len, q]: once, not per layer
   cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, None, :]  # [b,1,1,len]
   activations = [_ACTIVATIONS[a] for a in config.mlp_activations]
 
@@ -462,7 +464,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     self_value = set_block(layer_cache["self_value"], value, positions)
     new_layers.append(dict(layer_cache, self_key=self_key, self_value=self_value))
     if prefix_chunk:
-      heads = _attend_dots_prefix(query, self_key, self_value, self_bias, filled, prefix_chunk)
+      heads = _attend_dots_prefix(query, self_key, self_value, prefix_bias, filled, prefix_chunk)
     else:
       heads = attend(query, self_key, self_value, self_bias)
     x = x + jnp.dot(heads.reshape(batch * k, -1), p["self_out"])
@@ -520,10 +522,11 @@ def block_fn(params, config: T5Config, attention: Optional[str] = None,
 
 
 def feature_block_fn(params, config: T5Config, taps: Tuple[int, ...],
-                     attention: Optional[str] = None):
+                     attention: Optional[str] = None, prefix_chunk: Optional[int] = None):
   """`block_fn` that also returns the features `taps` names: `(tokens, positions,
   cache, tree=None) -> (logits, features [batch, k, len(taps) * emb] float32,
-  cache)` (`decode_block`'s taps; a tree block's features are its nodes')."""
+  cache)` (`decode_block`'s taps; a tree block's features are its nodes').
+  `attention`, `prefix_chunk`: see `decode_block`."""
   prepared = prepare_decode_params(params, config)
   return lambda tokens, positions, cache, tree=None: decode_block(
-      prepared, config, tokens, positions, cache, attention, tree, taps)
+      prepared, config, tokens, positions, cache, attention, tree, taps, prefix_chunk)
