@@ -573,14 +573,31 @@ def test_bad_eagle_directories_get_clear_errors(tmp_path):
     load(d, sj.load_model("gpt2_tiny", vocab_size=VOCAB))
   with pytest.raises(err, match="decoder-only Llama-layout targets; the target is a T5Config"):
     load(d, sj.load_model("tiny", vocab_size=VOCAB))
-  # EAGLE-1: its layer is the target's, and so are its embeddings.
+  # EAGLE-1: its layer is its config.json's (EAGLE builds it so): weights of another
+  # width are a shape mismatch naming the file; biases must agree with the config.
   small = _target(layers=2)
   write_eagle1_dir(tmp_path / "e1mlp", small, config={"intermediate_size": 96})
-  with pytest.raises(err, match="intermediate_size gives the head's layer mlp_dim=96, the "
-                                "target's is 128"):
+  with pytest.raises(err, match=r"mlp 96\):\n  shape mismatch \(3\):\n    pytorch_model.bin: "
+                                r"layers.0.mlp.down_proj.weight: \(64, 128\) vs expected "
+                                r"\(64, 96\)"):
     load(tmp_path / "e1mlp", small)
-  write_eagle1_dir(tmp_path / "e1emb", small, extra={"embed_tokens.weight": torch.ones(64, 64)})
-  with pytest.raises(err, match="embed_tokens.weight: differs from the target's embedding table"):
+  write_eagle1_dir(tmp_path / "e1bias", small, fc_bias=False, config={"bias": True})
+  with pytest.raises(err, match="bias=True but the weights lack fc.bias"):
+    load(tmp_path / "e1bias", small)
+  write_eagle1_dir(tmp_path / "e1qkv", small, config={"qkv_bias": True})
+  with pytest.raises(err, match=r"lack q/k/v biases .* qkv_bias=True.* \(set it to false\)"):
+    load(tmp_path / "e1qkv", small)
+  write_eagle1_dir(tmp_path / "e1hd", small, config={"head_dim": 8})
+  with pytest.raises(err, match="head_dim 8, but EAGLE's head code computes head_dim = "
+                                "hidden_size // num_attention_heads = 16"):
+    load(tmp_path / "e1hd", small)
+  write_eagle1_dir(tmp_path / "e1rope", small,
+                   config={"rope_scaling": {"type": "dynamic", "factor": 2.0}})
+  with pytest.raises(err, match="only 'linear' is supported here"):
+    load(tmp_path / "e1rope", small)
+  write_eagle1_dir(tmp_path / "e1emb", small, extra={"embed_tokens.weight": torch.ones(3, 64)})
+  with pytest.raises(err, match=r"embed_tokens.weight: shape \(3, 64\), but the target's "
+                                r"embedding table is \(64, 64\)"):
     load(tmp_path / "e1emb", small)
   write_eagle1_dir(tmp_path / "e1miss", small, drop=("layers.0.mlp.down_proj.weight",))
   with pytest.raises(err, match=r"missing \(1\):\n.*layers\.0\.mlp\.down_proj\.weight"):

@@ -48,11 +48,11 @@ def _uncached_features(model, tokens, layers=None):
 def test_feature_block_matches_block_and_uncached_forward(layers):
   model = _target()
   if layers == "eagle3":
-    model = sj.load_model("llama_tiny", vocab_size=64, seed=0, dtype="float32", num_layers=6)
+    model = sj.load_model("llama_tiny", vocab_size=64, seed=0, dtype="float32", num_layers=7)
   family = family_of(model)
   cfg = model.config
   taps = feature_layers(cfg, layers)
-  assert taps == {None: (cfg.num_layers,), "eagle3": (2, 3, 3)}.get(layers, taps)
+  assert taps == {None: (cfg.num_layers,), "eagle3": (2, 3, 4)}.get(layers, taps)
   rng = np.random.default_rng(0)
   tokens = rng.integers(2, 64, (2, 9)).astype(np.int32)
   lengths = jnp.array([6, 6], jnp.int32)

@@ -17,8 +17,9 @@ imports no family. EAGLE-1 heads of the built-in families:
 (`families/decoder_only/feature_head.py`, `families/t5/feature_head.py`.)
 
 Positions. Head position t holds the pair (feature_{t-1}, token_t) at the
-token's absolute position t (position 0's feature is zeros: there is none),
-and its output approximates feature_t. After a verification that kept n
+token's absolute position t (position 0's feature is zeros: there is none;
+decoder-only heads hide that pair from later queries, as EAGLE has none:
+`families.feature_head.pair_visible`), and its output approximates feature_t. After a verification that kept n
 drafts from a row at loop length l, the engine hands the draft the target's
 features at loop positions l..l+n and the tokens l+1..l+n+1 (the kept drafts
 and the correction/bonus token): the n + 1 pairs of token positions

@@ -9,7 +9,10 @@ subclassing it; the draft imports no family.
 The pairing (every head): head position t holds the pair (feature_{t-1},
 token_t) at the token's absolute position t and its output approximates
 feature_t (position 0 has no feature before it: zeros). Drafting feeds the
-head its own output as the next pair's feature.
+head its own output as the next pair's feature. Decoder-only heads, whose
+public checkpoints (EAGLE-1, EAGLE-3) were trained without that zero pair,
+hide it from later queries (`pair_visible`); T5's head, which has no public
+format and whose pair 0 is its start token, sees it.
 
 Widths: the target's features are f = `Family.feature_dim(config,
 feature_layers)` wide; `reduce_features` maps them to the head's own width
@@ -37,20 +40,42 @@ import jax
 Array = jax.Array
 
 
+def eagle3_taps(num_layers: int) -> Tuple[int, ...]:
+  """EAGLE-3's three feature taps for a stack of `num_layers` layers.
+
+  EAGLE's target code (`modeling_llama_kv.py` and its Qwen siblings) appends
+  the input of decoder layer idx, for idx = 0..L-1 in order, whenever idx is
+  2, L // 2 or L - 3: the distinct members of that set inside [0, L), in
+  ascending order (HF `hidden_states` indices). Its fc reads exactly three,
+  so the set is defined for L = 3 ((0, 1, 2)) and L >= 7 ((2, L // 2, L - 3));
+  for L = 4..6 two coincide and for L < 3 some fall outside, and EAGLE itself
+  cannot run: an error here, naming explicit taps as the way out.
+  """
+  num = int(num_layers)
+  taps = tuple(i for i in range(num) if i in (2, num // 2, num - 3))
+  if len(taps) != 3:
+    raise ValueError(f"EAGLE-3 taps the inputs of layers 2, L//2 and L-3, three distinct layers "
+                     f"only for targets of 3 or at least 7 layers; this target has {num} "
+                     f"(distinct taps {taps}). Pass explicit feature layers (a tuple of "
+                     f"hidden-state indices in [0, {num}]) to train a multi-layer head of your "
+                     f"own; no public EAGLE-3 head exists for such a target")
+  return taps
+
+
 def feature_taps(num_layers: int, layers=None) -> Tuple[int, ...]:
   """The hidden-state indices a feature set names, for a stack of `num_layers` layers.
 
   None or "last": (num_layers,), the output after the final norm (EAGLE-1).
-  "eagle3": (2, L // 2, L - 3), the inputs of an early, a middle and a late
-  layer (EAGLE-3's choice; HF `hidden_states` indices). A sequence of ints:
-  those indices, each in [0, num_layers] (i < L: layer i's input, 0 the
-  embedded tokens; L: after the final norm), in that order.
+  "eagle3": `eagle3_taps`, the inputs of an early, a middle and a late layer
+  in EAGLE-3's order (HF `hidden_states` indices). A sequence of ints: those
+  indices, each in [0, num_layers] (i < L: layer i's input, 0 the embedded
+  tokens; L: after the final norm), in that order.
   """
   num = int(num_layers)
   if layers is None or layers == "last":
     return (num,)
   if layers == "eagle3":
-    layers = (2, num // 2, num - 3)
+    return eagle3_taps(num)
   if isinstance(layers, str):
     raise ValueError(f"feature layers must be None, 'last', 'eagle3' or ints, got {layers!r}")
   layers = tuple(int(i) for i in layers)
@@ -58,6 +83,22 @@ def feature_taps(num_layers: int, layers=None) -> Tuple[int, ...]:
     raise ValueError(f"feature layers {layers} must be a non-empty sequence of hidden-state "
                      f"indices in [0, {num}] (this model has {num} layers)")
   return layers
+
+
+def pair_visible(key_at: Array, query_at: Array) -> Array:
+  """Which head keys a head query sees: causal, and the zero first pair hidden.
+
+  The engine feeds pair (feature_{t-1}, token_t) at absolute position t, so
+  position 0 holds (zeros, token_0): no feature precedes the first token.
+  EAGLE (EAGLE-1 `cnets1.py`, EAGLE-3 `cnets.py`) has no such pair: its pairs
+  are (h_t, token_{t+1}) from t = 0, in training and in drafting. So a query
+  past position 0 does not see key 0, and every other pair sits one position
+  later than in EAGLE's code, which rotary attention cannot tell apart
+  (scores depend on position differences only). Query 0 sees key 0 alone
+  (a one-token prompt's first proposal has nothing else). Broadcasting
+  int arrays of absolute positions -> bool.
+  """
+  return (key_at <= query_at) & ((key_at > 0) | (query_at == 0))
 
 
 class FeatureHead(abc.ABC):

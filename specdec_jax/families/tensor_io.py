@@ -123,32 +123,45 @@ def cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[floa
 # ----------------------------------------------------------------------------
 # Hugging Face weight files.
 
-def hf_weight_files(directory: str) -> Dict[str, Tensor]:
-  """HF tensor name -> stored tensor (read(None) gives the stored dtype, HF layout)."""
+def hf_weight_files(directory: str, prefer: str = "safetensors") -> Dict[str, Tensor]:
+  """HF tensor name -> stored tensor (read(None) gives the stored dtype, HF layout).
+
+  prefer: which files win where a directory holds several: 'safetensors'
+    (transformers' order: the safetensors index, the .bin index,
+    model.safetensors, pytorch_model.bin) or 'bin' (EAGLE's head loader:
+    pytorch_model.bin, then model.safetensors; the indexes, which EAGLE does
+    not read, last).
+  """
+  if prefer not in ("safetensors", "bin"):
+    raise ValueError(f"prefer must be 'safetensors' or 'bin', got {prefer!r}")
+
   def path(name):
     return os.path.join(directory, name)
 
-  for index_name, reader in (("model.safetensors.index.json", safetensors_tensors),
-                             ("pytorch_model.bin.index.json", torch_tensors)):
-    if os.path.exists(path(index_name)):
-      try:
-        with open(path(index_name)) as f:
-          weight_map = json.load(f)["weight_map"]
-      except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{path(index_name)}: not a weight index ({e})") from None
-      tensors = {}
-      for shard in sorted(set(weight_map.values())):
-        if not os.path.exists(path(shard)):
-          raise CheckpointError(f"{path(index_name)} names shard {shard}, which is missing")
-        tensors.update(reader(path(shard)))
-      absent = sorted(k for k, shard in weight_map.items() if k not in tensors)
-      if absent:
-        raise CheckpointError(f"{path(index_name)} lists tensors that its shards lack: {absent}")
-      return tensors
-  if os.path.exists(path("model.safetensors")):
-    return safetensors_tensors(path("model.safetensors"))
-  if os.path.exists(path("pytorch_model.bin")):
-    return torch_tensors(path("pytorch_model.bin"))
+  order = ["model.safetensors.index.json", "pytorch_model.bin.index.json", "model.safetensors",
+           "pytorch_model.bin"]
+  if prefer == "bin":
+    order = order[3:1:-1] + order[:2]
+  for name in order:
+    if not os.path.exists(path(name)):
+      continue
+    reader = safetensors_tensors if "safetensors" in name else torch_tensors
+    if not name.endswith(".index.json"):
+      return reader(path(name))
+    try:
+      with open(path(name)) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f"{path(name)}: not a weight index ({e})") from None
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+      if not os.path.exists(path(shard)):
+        raise CheckpointError(f"{path(name)} names shard {shard}, which is missing")
+      tensors.update(reader(path(shard)))
+    absent = sorted(k for k, shard in weight_map.items() if k not in tensors)
+    if absent:
+      raise CheckpointError(f"{path(name)} lists tensors that its shards lack: {absent}")
+    return tensors
   raise CheckpointError(
       f"{directory} has a config.json but no weights: expected model.safetensors, "
       f"model.safetensors.index.json (+ shards), pytorch_model.bin or pytorch_model.bin.index.json; "

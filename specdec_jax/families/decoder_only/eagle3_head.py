@@ -11,16 +11,14 @@ What it computes (the public EAGLE-3 code, SafeAILab/EAGLE `eagle/model/cnets.py
     out  = x + mlp(post_attention_layernorm(x))      SwiGLU, h -> mlp -> h
     p(token_{t+1}) over the draft vocabulary = softmax(lm_head(norm(out)))
 
-* The target's features are the inputs of its layers (2, L // 2, L - 3),
-  concatenated in that order: the EAGLE-3 code appends `hidden_states` before
-  decoder layer idx for idx in {2, L // 2, L - 3}, in ascending idx, i.e. HF
-  `hidden_states[idx]`; vLLM's aux hidden states (`hidden_states + residual` at
-  the same layer inputs) are the same vectors. That is
-  `families.decoder_only.model.feature_layers(config, "eagle3")`. They are
-  distinct and ascending, as the public code takes them, for L >= 7 only:
-  for L = 4..6 two coincide (L = 6: (2, 3, 3); the public code would append
-  one state fewer, its test being an `or`, ours repeats it) and for L = 3
-  they descend, (2, 1, 0). Only tiny test targets are that shallow.
+* The target's features are the inputs of its layers 2, L // 2 and L - 3,
+  concatenated in ascending layer order, as the EAGLE-3 code takes them (it
+  appends `hidden_states` before decoder layer idx when idx is one of them,
+  i.e. HF `hidden_states[idx]`); vLLM's aux hidden states (`hidden_states +
+  residual` at the same layer inputs) are the same vectors. That is
+  `families.feature_head.eagle3_taps`: (2, L // 2, L - 3) for L >= 7, (0, 1,
+  2) for L = 3, and an error for the depths where EAGLE defines no three
+  distinct taps (L = 4..6 and L < 3).
 * Multi-step drafting feeds back `out` itself, before the final norm (cnets.py
   `topK_genrate`: `input_hidden = out_hidden[...]`; it is h wide, so `forward`
   skips fc: `if hidden_states.shape[-1] != inputs_embeds.shape[-1]`). Here
@@ -35,13 +33,9 @@ What it computes (the public EAGLE-3 code, SafeAILab/EAGLE `eagle/model/cnets.py
   values at the drafted ids, drawn from q) stays exact and nothing outside the
   draft vocabulary is ever drafted.
 * Positions. The engine feeds pair (feature_{t-1}, token_t) at absolute
-  position t, with a zero feature at t = 0 (`drafts.feature`). EAGLE trains
-  and drafts without that first pair (its pairs are (h_t, token_{t+1}) at
-  positions 0, 1, ...): so queries past position 0 do not see the key at
-  position 0 here, and every other pair sits one position later than in
-  EAGLE's code, which rotary attention cannot tell apart (scores depend on
-  position differences only). A loaded public head therefore sees what it
-  was trained on.
+  position t, with a zero feature at t = 0 (`drafts.feature`); queries past
+  position 0 do not see it (`families.feature_head.pair_visible`), so a loaded
+  public head sees what it was trained on.
 * Embeddings: the target's table, looked up raw (EAGLE's `nn.Embedding`; no
   Gemma scale), or the head's own `embed_tokens` when its checkpoint carries
   one (some exporters save a frozen copy).
@@ -74,7 +68,7 @@ from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, Attention, Dense, Mlp, Norm,
                                                        rotary_tables)
-from specdec_jax.families.feature_head import FeatureHead
+from specdec_jax.families.feature_head import FeatureHead, pair_visible
 
 Array = jax.Array
 
@@ -167,10 +161,8 @@ class Eagle3Network(nn.Module):
     else:
       query_at, key_positions, allowed = tree_positions(tree, positions, max_len)
       key_at, allowed = key_positions[:, None, None, :], allowed[:, None]
-    query = query_at[:, None, :, None]
-    # Causal; the zero-feature pair at position 0 is seen by position 0 only
-    # (module docstring: EAGLE has no such pair).
-    visible = (key_at <= query) & allowed & ((key_at > 0) | (query == 0))
+    # Causal, the zero first pair hidden (`pair_visible`: EAGLE has no such pair).
+    visible = pair_visible(key_at, query_at[:, None, :, None]) & allowed
     bias = jnp.where(visible, 0.0, _MASK_VALUE).astype(jnp.float32)
     rotary = rotary_tables(query_at, cfg)
     return self.midlayer(embeddings, hidden, bias, rotary, cache, positions)

@@ -1,8 +1,14 @@
 """Public EAGLE-1 / EAGLE-3 head checkpoints for decoder-only targets: reading and writing.
 
-A head directory holds `config.json` and `model.safetensors` or
-`pytorch_model.bin` (sharded with an index too: `tensor_io.hf_weight_files`).
-The format is told by the tensor names (and config.json's `draft_vocab_size`):
+A loaded head computes what EAGLE's own code (SafeAILab/EAGLE `eagle/model/`
+`cnets1.py` for EAGLE-1, `cnets.py` for EAGLE-3, at cb7e084) computes from
+the same directory; `tests/test_eagle_conformance.py` checks it against
+those modules.
+
+A head directory holds `config.json` and `pytorch_model.bin` or
+`model.safetensors`, EAGLE's precedence: the .bin first (sharded with an
+index too, which EAGLE does not read: `tensor_io.hf_weight_files`). The
+format is told by the tensor names (and config.json's `draft_vocab_size`):
 
 EAGLE-3 (SafeAILab/EAGLE `Model`, vLLM / SGLang `LlamaForCausalLMEagle3`):
   fc.weight [h, 3H]                                  -> fc/kernel (transposed)
@@ -13,19 +19,30 @@ EAGLE-3 (SafeAILab/EAGLE `Model`, vLLM / SGLang `LlamaForCausalLMEagle3`):
   norm.weight                                        -> norm/scale
   lm_head.weight [draft_vocab, h]                    -> lm_head/kernel (T)
   d2t [draft_vocab] int64, t2d [vocab] bool          -> the head's draft_to_target = arange + d2t
-  embed_tokens.weight [vocab, h] (optional)          -> the target's table when equal to it,
-                                                        else the head's own embed_tokens
-EAGLE-1 (SafeAILab/EAGLE `cnets1.py`; the embeddings and LM head are the target's):
+                                                        (absent: the whole vocabulary)
+EAGLE-1 (SafeAILab/EAGLE `cnets1.py`; the LM head is the target's):
   fc.weight [h, 2h] (+ fc.bias [h])                  -> fc/kernel (T) (+ fc/bias)
-  layers.0.self_attn.{q,k,v,o}_proj.weight           -> layer/self_attn/{...}/kernel (T)
+  layers.0.self_attn.{q,k,v,o}_proj.weight (+ q/k/v biases with qkv_bias)
+                                                     -> layer/self_attn/{...}/kernel (T) (+ bias)
   layers.0.mlp.{gate,up,down}_proj.weight            -> layer/mlp/{...}/kernel (T)
   layers.0.post_attention_layernorm.weight           -> layer/post_attention_layernorm/scale
-  embed_tokens.weight (optional)                     must equal the target's table
+Both:
+  embed_tokens.weight [vocab, h] (optional)          -> EAGLE loads it over the target's
+                                                        table: the head's own embed_tokens,
+                                                        or the target's table (no copy) where
+                                                        bit-identical in the head's dtype
 
-The head's layer shapes (heads, head_dim, intermediate_size, rotary base and
-scaling, rms_norm_eps) come from its config.json, read as a one-layer Llama
-config; its hidden size must be the target's (`hidden_size`, and
-`target_hidden_size` where given), its `vocab_size` the target's.
+The head's layer (heads, head_dim = hidden // heads, intermediate_size,
+rotary base and scaling, rms_norm_eps, EAGLE-1's q/k/v biases) comes from
+its config.json, as EAGLE builds it (`head_config`); its hidden size must be
+the target's (`hidden_size`, and `target_hidden_size` where given), its
+`vocab_size` the target's.
+
+Targets: Llama, Qwen2 and Mistral layouts (`eagle3_head.check_rotary_target`):
+EAGLE's released Llama and Qwen2 heads (EAGLE-1/2: Vicuna, LLaMA2-Chat,
+LLaMA3-Instruct, Qwen2-Instruct; EAGLE-3: LLaMA3.1/3.3-Instruct, Vicuna,
+DeepSeek-R1-Distill-LLaMA). Not yet: Qwen3 targets (no Qwen3 family here)
+and Mixtral (no mixture-of-experts family).
 """
 
 import json
@@ -74,6 +91,9 @@ def eagle1_names(paths) -> Dict[str, Tuple[str, bool]]:
   layers.0.A.B.{weight,bias,weight} (so a Qwen2 target's q/k/v biases map too)."""
   names = {}
   for path in paths:
+    if path == "embed_tokens":  # the head's own table (a checkpoint that stores one)
+      names[path] = ("embed_tokens.weight", False)
+      continue
     *module, leaf = path.split("/")
     suffix = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
     if module[0] == "layer":
@@ -101,9 +121,38 @@ def check_target(target_config, what: str = "an EAGLE head") -> None:
   check_rotary_target(target_config, what, CheckpointError)
 
 
+def _eagle_rope(hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
+  """config.json rotary keys as EAGLE's head code reads them, for `hf_config_to_decoder_config`.
+
+  EAGLE (`cnets.py` / `cnets1.py` `_init_rope`) builds its rotary from the head's own
+  config: base `rope_theta` (10000 when absent) without scaling; with
+  `rope_scaling['type']` 'linear', positions / factor on base 10000 (it passes no
+  base to the scaled rotary). A `rope_scaling` without 'type' (transformers'
+  newer `rope_type`, as `save_head` writes) fails in EAGLE's code; it is read
+  here as transformers reads it.
+  """
+  scaling = hf.get("rope_scaling")
+  if not scaling or "type" not in scaling:
+    return {}
+  if scaling["type"] == "linear":
+    return dict(rope_theta=10000.0, rope_scaling=dict(rope_type="linear",
+                                                      factor=float(scaling["factor"])))
+  raise CheckpointError(f"{origin}: rope_scaling {dict(scaling)}: EAGLE's head code knows "
+                        f"'linear' and 'dynamic' (NTK scaling recomputed from the sequence "
+                        f"length); only 'linear' is supported here")
+
+
 def head_config(hf: Mapping[str, Any], target_config: DecoderOnlyConfig, origin: str,
-                dtype: str) -> DecoderOnlyConfig:
-  """The head's one-layer Llama config from its config.json, checked against the target."""
+                dtype: str, kind: str = "eagle3") -> DecoderOnlyConfig:
+  """The head's one-layer Llama config from its config.json, as EAGLE's code builds it.
+
+  EAGLE reads the layer's settings from the head's config, not the target's:
+  heads and kv heads, head_dim = hidden_size // num_attention_heads (a
+  `head_dim` key is not read), intermediate size, `rms_norm_eps` (1e-6 when
+  absent), `hidden_act`, the rotary (`_eagle_rope`) and, for EAGLE-1, q/k/v
+  biases iff the config has `qkv_bias` true (`cnets1.py`'s `hasattr` test).
+  The hidden size and vocabulary are checked against the target's.
+  """
   hidden = hf.get("hidden_size")
   if hidden != target_config.emb_dim:
     raise CheckpointError(f"{origin}: the head's hidden_size {hidden} differs from the target's "
@@ -120,14 +169,32 @@ def head_config(hf: Mapping[str, Any], target_config: DecoderOnlyConfig, origin:
                           f"vocab_size): the head's token ids are another tokenizer's")
   for key in ("attention_bias", "mlp_bias", "norm_before_residual"):
     if hf.get(key):
-      raise CheckpointError(f"{origin}: {key}=true is not supported in an EAGLE head")
+      raise CheckpointError(f"{origin}: {key}=true is not supported in an EAGLE head (EAGLE's "
+                            f"head code reads no such key)")
+  if kind == "eagle3" and hf.get("qkv_bias"):
+    raise CheckpointError(f"{origin}: qkv_bias=true in an EAGLE-3 head: EAGLE-3's attention "
+                          f"(cnets.py) has no q/k/v biases")
+  heads = hf.get("num_attention_heads")
+  if not isinstance(heads, int) or heads < 1 or hidden % heads:
+    raise CheckpointError(f"{origin}: num_attention_heads {heads!r} must divide hidden_size "
+                          f"{hidden} (EAGLE's head_dim is hidden_size // num_attention_heads)")
+  head_dim = hidden // heads
+  if hf.get("head_dim") not in (None, head_dim):
+    raise CheckpointError(f"{origin}: head_dim {hf['head_dim']}, but EAGLE's head code computes "
+                          f"head_dim = hidden_size // num_attention_heads = {head_dim} and "
+                          f"reads no head_dim key: this config describes a layer EAGLE would "
+                          f"not build")
   llama = dict(hf, architectures=["LlamaForCausalLM"], model_type="llama",
-               num_hidden_layers=1, vocab_size=target_config.vocab_size)
-  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-    llama.pop(key, None)  # The target's token conventions apply.
+               num_hidden_layers=1, vocab_size=target_config.vocab_size, head_dim=head_dim)
+  llama.setdefault("rms_norm_eps", 1e-6)  # EAGLE's config default
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters",
+              "attention_bias", "mlp_bias"):
+    llama.pop(key, None)  # the target's token conventions; rotary and biases: below
+  llama.update(_eagle_rope(hf, origin))
   config = hf_checkpoints.hf_config_to_decoder_config(llama, origin, dtype)
   return config.replace(bos_id=target_config.bos_id, eos_id=target_config.eos_id,
-                        pad_id=target_config.pad_id)
+                        pad_id=target_config.pad_id,
+                        qkv_bias=kind == "eagle1" and bool(hf.get("qkv_bias", False)))
 
 
 def _read_json(directory: str) -> Dict[str, Any]:
@@ -181,33 +248,45 @@ def _vocabulary_map(files, hf, target_config: DecoderOnlyConfig, origin: str) ->
   return ids
 
 
-def _embeddings_match(files, target_params, origin: str) -> bool:
-  """Whether the checkpoint's embed_tokens.weight equals the target's table (shape checked)."""
+def _embeddings_shared(files, target_params, dtype, origin: str) -> bool:
+  """Whether a stored embed_tokens.weight is the target's table as the head computes it.
+
+  EAGLE's code loads the checkpoint's own table over the target's when it is
+  stored. The head reads the target's table instead (no copy) only where
+  the two are bit-identical once cast to the head's dtype, so the head
+  computes what EAGLE computes either way; any other stored table (an fp16
+  copy of an fp32 target, another target's table) becomes the head's own.
+  """
   stored = files["embed_tokens.weight"]
   table = target_params["embed_tokens"]["embedding"]
   if tuple(stored.shape) != tuple(table.shape):
     raise CheckpointError(f"{stored.source}: shape {tuple(stored.shape)}, but the target's "
                           f"embedding table is {tuple(table.shape)} (vocab x hidden)")
-  theirs = stored.read(np.float32)
-  return bool(np.allclose(theirs, np.asarray(table, np.float32), rtol=1e-2, atol=1e-3))
+  theirs = cast(stored.read(None), jnp.dtype(dtype), False)
+  return bool(np.array_equal(np.asarray(theirs), np.asarray(jnp.asarray(table).astype(dtype))))
 
 
-def _eagle1_head(target_config: DecoderOnlyConfig, fc_bias: bool):
+def _eagle1_head(target_config: DecoderOnlyConfig, layer: DecoderOnlyConfig, fc_bias: bool,
+                 own_embeddings: bool):
   from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
-  return DecoderOnlyFeatureHead(target_config, fc_bias=fc_bias)
+  return DecoderOnlyFeatureHead(target_config, fc_bias=fc_bias, layer_config=layer,
+                                own_embeddings=own_embeddings)
 
 
-def _check_eagle1_layer(layer: DecoderOnlyConfig, target_config: DecoderOnlyConfig,
-                        origin: str) -> None:
-  """An EAGLE-1 head's layer is one of the target's: its config.json must say so."""
-  for ours, key in (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
-                    ("head_dim", "head_dim"), ("mlp_dim", "intermediate_size"),
-                    ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling")):
-    if getattr(layer, ours) != getattr(target_config, ours):
-      raise CheckpointError(f"{origin}: {key} gives the head's layer {ours}="
-                            f"{getattr(layer, ours)!r}, the target's is "
-                            f"{getattr(target_config, ours)!r}; an EAGLE-1 head's layer is the "
-                            f"target's (DecoderOnlyConfig.{ours})")
+def _check_eagle1_biases(files, hf, origin: str) -> bool:
+  """fc's bias: the fc.bias tensor; config.json's `bias` (EAGLE's default true) and
+  `qkv_bias` must agree with the tensors stored (EAGLE would drop or invent them)."""
+  fc_bias = "fc.bias" in files
+  if "bias" in hf and bool(hf["bias"]) != fc_bias:
+    raise CheckpointError(f"{origin}: bias={hf['bias']} but the weights "
+                          f"{'hold' if fc_bias else 'lack'} fc.bias")
+  q_bias = "layers.0.self_attn.q_proj.bias" in files
+  if q_bias != bool(hf.get("qkv_bias", False)):
+    raise CheckpointError(f"{origin}: the weights {'hold' if q_bias else 'lack'} q/k/v biases "
+                          f"(layers.0.self_attn.q_proj.bias) but config.json has "
+                          f"qkv_bias={hf.get('qkv_bias')!r}: EAGLE-1 builds them from qkv_bias "
+                          f"(set it to {str(q_bias).lower()})")
+  return fc_bias
 
 
 def flat_shapes(head) -> Dict[str, Tuple[int, ...]]:
@@ -218,16 +297,17 @@ def flat_shapes(head) -> Dict[str, Tuple[int, ...]]:
 
 def load_head(directory, target_config: DecoderOnlyConfig, target_params,
               dtype: Optional[str] = None):
-  """Reads a public EAGLE head directory for a target.
+  """Reads a public EAGLE head directory for a target, to compute what EAGLE's code computes.
 
   Args:
-    directory: config.json + model.safetensors / pytorch_model.bin (or sharded).
-    target_config, target_params: the target's config and params (its embedding
-      table is compared with a stored `embed_tokens.weight`).
-    dtype: the head's params (and EAGLE-3 compute) dtype; default the target's.
-      An EAGLE-1 head computes in the target's dtype (its layer is the target's).
+    directory: config.json + pytorch_model.bin or model.safetensors (EAGLE's
+      precedence: the .bin first), or a sharded index.
+    target_config, target_params: the target's config and params (a stored
+      `embed_tokens.weight` is compared with its table: `_embeddings_shared`).
+    dtype: the head's params and compute dtype; default the target's.
   Returns:
     (head: an `Eagle3Head` or the family's EAGLE-1 `DecoderOnlyFeatureHead`,
+     each with the layer its config.json describes (`head_config`),
      params: its param tree).
   Raises:
     CheckpointError: naming the file, tensor or config key at fault.
@@ -236,27 +316,22 @@ def load_head(directory, target_config: DecoderOnlyConfig, target_params,
   check_target(target_config)
   hf = _read_json(directory)
   origin = os.path.join(directory, "config.json")
-  files = hf_weight_files(directory)
+  files = hf_weight_files(directory, prefer="bin")
   kind = detect_format(files, hf, directory)
   dtype = dtype or target_config.dtype
-  layer = head_config(hf, target_config, origin, dtype)
+  layer = head_config(hf, target_config, origin, dtype, kind)
   used = set()
   own = False
   if "embed_tokens.weight" in files:
     used.add("embed_tokens.weight")
-    own = not _embeddings_match(files, target_params, directory)
-    if own and kind == "eagle1":
-      raise CheckpointError(f"{files['embed_tokens.weight'].source}: differs from the target's "
-                            f"embedding table; an EAGLE-1 head reads the target's embeddings, so "
-                            f"this head belongs to another target")
+    own = not _embeddings_shared(files, target_params, dtype, directory)
   if kind == "eagle3":
     head = Eagle3Head(target_config, layer, _vocabulary_map(files, hf, target_config, directory),
                       own_embeddings=own)
     used |= {"d2t", "t2d"}
     names = eagle3_names(own)
   else:
-    _check_eagle1_layer(layer, target_config, origin)
-    head = _eagle1_head(target_config, "fc.bias" in files)
+    head = _eagle1_head(target_config, layer, _check_eagle1_biases(files, hf, origin), own)
   shapes = flat_shapes(head)
   if kind == "eagle1":
     names = eagle1_names(shapes)
@@ -333,8 +408,16 @@ def save_head(head, params, directory, format: Optional[str] = None) -> None:
               target_hidden_size=target_config.emb_dim)
   else:
     names = eagle1_names(shapes)
-    hf = hf_checkpoints.decoder_config_to_hf_config(target_config)
-    hf["bias"] = bool(head.fc_bias)
+    layer = head.layer_config
+    if layer.out_bias or layer.mlp_bias or layer.num_heads * layer.head_dim != layer.emb_dim:
+      raise ValueError(f"this EAGLE-1 head's layer (out_bias={layer.out_bias}, mlp_bias="
+                       f"{layer.mlp_bias}, {layer.num_heads} heads x {layer.head_dim} for "
+                       f"hidden {layer.emb_dim}) is not one EAGLE-1's code builds (a Llama "
+                       f"layer, q/k/v biases at most, head_dim = hidden // heads)")
+    hf = hf_checkpoints.decoder_config_to_hf_config(layer.replace(
+        family="llama", layer_types=None, sliding_window=None, qkv_bias=False, out_bias=False))
+    hf.update(architectures=["LlamaForCausalLM"], bias=bool(head.fc_bias),
+              qkv_bias=bool(layer.qkv_bias))
   hf.update(num_hidden_layers=1, vocab_size=target_config.vocab_size, torch_dtype=dtype)
   tensors = []
   for ours, (theirs, transpose) in sorted(names.items(), key=lambda item: item[1][0]):

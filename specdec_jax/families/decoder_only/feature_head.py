@@ -17,12 +17,26 @@ feature fed in carries the target's position information at t - 1 already;
 adding wpe[t] after fc rather than inside its input keeps fc's [emb; feature]
 layout the EAGLE-1 checkpoint layout.)
 
+Attention: causal over the head's own keys, with the engine's zero first
+pair hidden from later queries (`families.feature_head.pair_visible`), as
+EAGLE-1 trains and drafts; training (`train.feature`) runs this same
+`apply`, so the heads trained here follow the same rule.
+
+The layer: by default one of the target's own (its config); a head read
+from an EAGLE-1 checkpoint passes `layer_config`, the Llama layer its
+config.json describes (EAGLE's `cnets1.py` builds the layer from the head's
+config: heads, eps, rotary base and scaling, q/k/v biases), on the target's
+hidden size. Embeddings: the target's table, or the head's own
+`embed_tokens` (`own_embeddings`; a checkpoint that stores one, which
+EAGLE's code loads over the target's).
+
 Params (`init_params`): fc/kernel [2 emb, emb] (+ bias with fc_bias),
-layer/... (a `DecoderLayer` without input_layernorm). Refs (`target_refs`):
-embed_tokens/embedding, lm_head (untied targets), embed_positions (GPT-2).
+layer/... (a `DecoderLayer` without input_layernorm), embed_tokens [vocab,
+emb] with own_embeddings. Refs (`target_refs`): embed_tokens/embedding
+(unless own), lm_head (untied targets), embed_positions (GPT-2).
 """
 
-from typing import Hashable
+from typing import Hashable, Optional
 
 import flax.linen as nn
 import jax
@@ -32,7 +46,7 @@ from specdec_jax.core.tree import tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, DecoderLayer, DecoderOnly,
                                                        Dense, rotary_tables)
-from specdec_jax.families.feature_head import FeatureHead
+from specdec_jax.families.feature_head import FeatureHead, pair_visible
 
 Array = jax.Array
 
@@ -41,14 +55,19 @@ class HeadNetwork(nn.Module):
   """fc over [embedding; feature] then one decoder layer, from a cache of its own.
 
   Params: fc/kernel [2 emb, emb] (+ bias), layer/... (a `DecoderLayer` without
-  input_layernorm).
+  input_layernorm), embed_tokens [vocab, emb] with own_embeddings (read by the
+  head's `embed`, not here).
   """
-  config: DecoderOnlyConfig
+  config: DecoderOnlyConfig  # the head's layer
   fc_bias: bool = False
+  own_embeddings: bool = False
 
   def setup(self):
     self.fc = Dense(self.config.emb_dim, self.config, self.fc_bias)
     self.layer = DecoderLayer(self.config, input_norm=False)
+    if self.own_embeddings:
+      self.embed_tokens = self.param("embed_tokens", nn.initializers.normal(0.02),
+                                     (self.config.vocab_size, self.config.emb_dim), jnp.float32)
 
   def __call__(self, embeddings: Array, features: Array, positions: Array, cache,
                learned_positions=None, query_at=None, key_at=None, allowed=None):
@@ -67,12 +86,18 @@ class HeadNetwork(nn.Module):
     if query_at is None:
       query_at = positions[:, None] + jnp.arange(x.shape[1])[None, :]
       key_at = jnp.arange(cache["self_key"].shape[1])[None]
-    causal = key_at[:, None, None, :] <= query_at[:, None, :, None]
+    visible = pair_visible(key_at[:, None, None, :], query_at[:, None, :, None])
     if allowed is not None:
-      causal = causal & allowed[:, None]
-    bias = jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)
+      visible = visible & allowed[:, None]
+    bias = jnp.where(visible, 0.0, _MASK_VALUE).astype(jnp.float32)
     rotary = rotary_tables(query_at, cfg) if cfg.uses_rotary else None
     return self.layer(x, bias, rotary, cache, positions)
+
+  def init_all(self, embeddings, features, positions, cache):
+    """Touches every param (for `init`): the own table too."""
+    if self.own_embeddings:
+      embeddings = embeddings + 0 * self.embed_tokens[0].astype(embeddings.dtype)
+    return self(embeddings, features, positions, cache)
 
 
 class DecoderOnlyFeatureHead(FeatureHead):
@@ -81,36 +106,54 @@ class DecoderOnlyFeatureHead(FeatureHead):
   Args:
     config: the target's `DecoderOnlyConfig`.
     fc_bias: whether fc has a bias (EAGLE-1 config `bias`).
+    layer_config: the head's layer; None: the target's own (its layer
+      settings and dtype). Its emb_dim and vocabulary must be the target's.
+    own_embeddings: the head holds its own `embed_tokens` [vocab, emb]
+      instead of reading the target's table.
   """
 
   feature_layers = None  # the last layer, after the final norm (EAGLE-1)
 
-  def __init__(self, config: DecoderOnlyConfig, fc_bias: bool = False):
+  def __init__(self, config: DecoderOnlyConfig, fc_bias: bool = False,
+               layer_config: Optional[DecoderOnlyConfig] = None, own_embeddings: bool = False):
     if not isinstance(config, DecoderOnlyConfig):
       raise TypeError(f"DecoderOnlyFeatureHead takes a DecoderOnlyConfig, got "
                       f"{type(config).__name__}")
+    if layer_config is not None and (layer_config.emb_dim, layer_config.vocab_size) != (
+        config.emb_dim, config.vocab_size):
+      raise ValueError(f"the head's layer config has emb_dim {layer_config.emb_dim} and "
+                       f"vocab_size {layer_config.vocab_size}; the target's are "
+                       f"{config.emb_dim} and {config.vocab_size} (an EAGLE-1 head reads the "
+                       f"target's features and feeds its LM head)")
     self.config = config
+    self.layer_config = config if layer_config is None else layer_config
     self.fc_bias = bool(fc_bias)
+    self.own_embeddings = bool(own_embeddings)
 
   @property
   def network(self) -> HeadNetwork:
-    return HeadNetwork(self.config, self.fc_bias)
+    return HeadNetwork(self.layer_config, self.fc_bias, self.own_embeddings)
 
   def static_key(self) -> Hashable:
-    return ("decoder_only_eagle1", self.config, self.fc_bias)
+    return ("decoder_only_eagle1", self.config, self.fc_bias, self.layer_config,
+            self.own_embeddings)
 
   def init_params(self, seed: int = 0):
-    """Random head params (normal(0.02) kernels, unit norms), in config.dtype."""
+    """Random head params (normal(0.02) kernels, unit norms), in the layer's dtype."""
     h = self.config.emb_dim
     params = self.network.init(
         jax.random.PRNGKey(seed), jnp.zeros((1, 1, h)), jnp.zeros((1, 1, h)),
-        jnp.zeros((1,), jnp.int32), self.init_cache(None, 1, 1))["params"]
-    return jax.tree_util.tree_map(lambda x: x.astype(self.config.dtype), params)
+        jnp.zeros((1,), jnp.int32), self.init_cache(None, 1, 1),
+        method=HeadNetwork.init_all)["params"]
+    return jax.tree_util.tree_map(lambda x: x.astype(self.layer_config.dtype), params)
 
   def target_refs(self, target_params):
-    """The target's embedding table, (untied) lm_head and (GPT-2) position table."""
+    """The target's LM head (its lm_head, or its tied embedding table), its embedding
+    table (unless the head has its own) and (GPT-2) its position table."""
     config = self.config
-    refs = {"embed_tokens": target_params["embed_tokens"]}
+    refs = {}
+    if not self.own_embeddings or config.tie_word_embeddings:
+      refs["embed_tokens"] = target_params["embed_tokens"]
     if not config.tie_word_embeddings:
       refs["lm_head"] = target_params["lm_head"]
     if not config.uses_rotary:
@@ -121,16 +164,16 @@ class DecoderOnlyFeatureHead(FeatureHead):
     """dict(self_key, self_value) [batch, max_len, kv_heads, head_dim]; no memory."""
     if memory is not None:
       raise ValueError("a decoder-only feature head reads no memory")
-    config = self.config
-    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-    return dict(self_key=jnp.zeros(shape, config.dtype),
-                self_value=jnp.zeros(shape, config.dtype))
+    layer = self.layer_config
+    shape = (batch, max_len, layer.num_kv_heads, layer.head_dim)
+    return dict(self_key=jnp.zeros(shape, layer.dtype), self_value=jnp.zeros(shape, layer.dtype))
 
-  def embed(self, refs, ids: Array) -> Array:
-    """The target's input token embedding of ids (Gemma's sqrt(emb) scale included)."""
+  def embed(self, params, refs, ids: Array) -> Array:
+    """The input token embedding of ids (Gemma's sqrt(emb) scale included): the target's
+    table, or the head's own."""
     config = self.config
-    x = jnp.take(refs["embed_tokens"]["embedding"], ids, axis=0, mode="clip").astype(
-        config.dtype)
+    table = params["embed_tokens"] if self.own_embeddings else refs["embed_tokens"]["embedding"]
+    x = jnp.take(table, ids, axis=0, mode="clip").astype(self.layer_config.dtype)
     if config.scale_embeddings:
       x = x * jnp.asarray(config.emb_dim ** 0.5, x.dtype)
     return x
@@ -146,7 +189,7 @@ class DecoderOnlyFeatureHead(FeatureHead):
       # Clipped as the target clips: positions past the table belong to
       # drafts beyond the decode, never emitted.
       learned = jnp.take(refs["embed_positions"]["embedding"], at, axis=0, mode="clip")
-    return self.network.apply({"params": params}, self.embed(refs, tokens), features,
+    return self.network.apply({"params": params}, self.embed(params, refs, tokens), features,
                               positions, cache, learned, query_at, key_at, allowed)
 
   def logits(self, params, refs, hidden):
