@@ -1,4 +1,5 @@
-r"""Trains a feature head (EAGLE-style, `sj.FeatureDraft`) for a shipped demo pair.
+r"""Trains a draft head for a shipped demo pair: a feature head (EAGLE-style,
+`sj.FeatureDraft`) or Medusa heads (`sj.MedusaDraft`, HeadSettings.kind = 'medusa').
 
 The head reads the pair's frozen target (the shipped bf16 weights, computed
 in float32) and is trained with `specdec_jax.train.feature`'s loss (EAGLE-1
@@ -28,6 +29,10 @@ Usage:
       --workdir=/tmp/head_do --gin_file=configs/train/feature_head.gin
   (--stages=train to resume training only; --gin.HeadSettings.steps=N to train longer
   in a fresh --workdir; --out_dir defaults to the pair's directory)
+  python -m experiments.train_feature_heads --target_pair=decoder_only \
+      --workdir=/tmp/medusa_do --gin_file=configs/train/medusa_heads.gin
+  (Medusa heads: `train.medusa.medusa_loss_fn`, exported as medusa_heads.npz / .json,
+  listed as drafts['medusa'], with a model-card section of their own)
 """
 
 import dataclasses
@@ -49,6 +54,7 @@ from experiments.train_stages import (check_stages, read_json, run_stages, selec
 from specdec_jax import data
 from specdec_jax import demo_pair as demo_pair_lib
 from specdec_jax.train import feature as feature_train
+from specdec_jax.train import medusa as medusa_train
 from specdec_jax.train import trainer as train
 
 FLAGS = flags.FLAGS
@@ -59,7 +65,7 @@ flags.DEFINE_enum("target_pair", "decoder_only", ["decoder_only", "t5"],
 # experiments/train_stages.py.
 
 STAGES = ("data", "train", "evaluate", "export")
-HEAD_NPZ, HEAD_JSON = demo_pair_lib.FEATURE_HEAD_FILES
+KINDS = ("eagle1", "medusa")
 
 
 @gin.configurable
@@ -75,6 +81,11 @@ class HeadSettings:
   clip_norm: float = 1.0
   weight_decay: float = 0.0
   fc_bias: bool = False
+  # What is trained: 'eagle1' (a FeatureDraft head) or 'medusa' (MedusaDraft heads).
+  kind: str = "eagle1"
+  medusa_heads: int = 4
+  medusa_layers: int = 1
+  medusa_decay: float = 0.8   # head k's loss weight decay**(k-1) (`medusa_loss_fn`)
   # The loss (`feature_loss_fn`).
   ce_weight: float = 0.1
   regression_weight: float = 1.0
@@ -153,7 +164,7 @@ def _num_rows(pair, d, which: str) -> int:
 def _loss_batch(s: HeadSettings, pair, rows, anchor_seed: int):
   """The loss's batch: the target's features (and memory), TTT anchors."""
   batch = feature_train.feature_batch(pair.target, rows)
-  if s.ttt_steps > 1:
+  if s.kind == "eagle1" and s.ttt_steps > 1:
     batch["anchors"] = feature_train.ttt_anchors(batch["weights"], s.num_anchors, anchor_seed)
   return batch
 
@@ -167,14 +178,38 @@ def _optimizer(s: HeadSettings):
                               weight_decay=s.weight_decay, clip_norm=s.clip_norm)
 
 
+def _check_kind(s: HeadSettings):
+  if s.kind not in KINDS:
+    raise ValueError(f"HeadSettings.kind must be one of {KINDS}, got {s.kind!r}")
+
+
 def _draft(s: HeadSettings, pair, head_params=None):
   import specdec_jax as sj
+  if s.kind == "medusa":
+    return sj.MedusaDraft(pair.target, num_heads=s.medusa_heads, num_layers=s.medusa_layers,
+                          seed=s.seed, params=head_params)
   return sj.FeatureDraft(pair.target, head_params=head_params, seed=s.seed, fc_bias=s.fc_bias)
 
 
 def _loss_fn(s: HeadSettings, draft):
+  if s.kind == "medusa":
+    return medusa_train.medusa_loss_fn(draft, s.medusa_decay)
   return feature_train.feature_loss_fn(draft, s.ce_weight, regression_weight=s.regression_weight,
                                        ttt_steps=s.ttt_steps, ttt_decay=s.ttt_decay)
+
+
+def _accuracy_by_step(s: HeadSettings, metrics):
+  """Held-out argmax agreement: per unrolled step (feature heads) or per head (Medusa)."""
+  if s.kind == "medusa":
+    return {str(k): v for k, v in medusa_train.per_head_accuracy(metrics).items()}
+  return {str(k): v for k, v in feature_train.per_step_accuracy(metrics).items()}
+
+
+def _files(s: HeadSettings):
+  """(npz, json) names of the exported head, and its draft's name in `pair.drafts`."""
+  if s.kind == "medusa":
+    return demo_pair_lib.MEDUSA_HEAD_FILES + (demo_pair_lib.MEDUSA_DRAFT_NAME,)
+  return demo_pair_lib.FEATURE_HEAD_FILES + (demo_pair_lib.FEATURE_DRAFT_NAME,)
 
 
 def _eval_batches(s: HeadSettings, pair, d):
@@ -200,7 +235,7 @@ def stage_train(s: HeadSettings, pair, workdir: str):
   optimizer = _optimizer(s)
   state = train.create_train_state(draft.head_params, optimizer)
   num_params = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(draft.head_params))
-  logging.info("feature head: %.3fM params", num_params / 1e6)
+  logging.info("%s head: %.3fM params", s.kind, num_params / 1e6)
   n = _num_rows(pair, d, "train")
 
   def batch_at(step):  # A pure function of the step: resumed runs see the same batches.
@@ -218,15 +253,14 @@ def stage_train(s: HeadSettings, pair, workdir: str):
   state, eval_metrics = train.fit(
       state, batch_at, loss_fn=_loss_fn(s, draft), optimizer=optimizer, cfg=cfg,
       workdir=os.path.join(workdir, "train"), eval_batches=_eval_batches(s, pair, d),
-      description=f"feature head ({pair.family})")
+      description=f"{s.kind} head ({pair.family})")
   seconds = stats.get("seconds", 0.0) + time.time() - t0
   first = _first_train_loss(workdir)
   _update_stats(workdir, "train", dict(
       steps=s.steps, batch=s.batch, rows_seen=s.steps * s.batch, seconds=seconds,
       sessions=stats.get("sessions", 0) + 1, head_params=num_params, first_loss=first,
       heldout={k: float(v) for k, v in eval_metrics.items()},
-      heldout_accuracy_by_step={str(k): v for k, v in
-                                feature_train.per_step_accuracy(eval_metrics).items()}))
+      heldout_accuracy_by_step=_accuracy_by_step(s, eval_metrics)))
   logging.info("train done: %s", eval_metrics)
 
 
@@ -269,53 +303,139 @@ def stage_evaluate(s: HeadSettings, pair, workdir: str):
   from specdec_jax.train import distill
   t0 = time.time()
   head = _trained_draft(s, pair, workdir)
+  _, _, name = _files(s)
   d = _load_data(workdir)
   eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, loss_fn=_loss_fn(s, head)))
   heldout = train.evaluate(head.head_params, _eval_batches(s, pair, d)(), eval_fn)
-  drafts = {name: ModelDraft(m) for name, m in pair.drafts.items() if not _is_feature(name)}
-  drafts["feature"] = head
+  drafts = {n: ModelDraft(m) for n, m in pair.drafts.items() if not _is_head(n)}
+  drafts[name] = head
+  gamma = min(s.gamma, s.medusa_heads) if s.kind == "medusa" else s.gamma
   inputs, lengths = pair.inputs(s.num_alpha_prompts)
-  alpha = {}
-  for name, draft in drafts.items():
-    alpha[name] = {str(t): distill.measure_alpha(
+  alpha, per_position = {}, {}
+  for n, draft in drafts.items():
+    alpha[n] = {str(t): distill.measure_alpha(
         pair.target, draft, inputs, lengths, max_decode_steps=pair.max_decode_steps,
-        temperature=t, gamma=s.gamma, seed=s.seed) for t in (0.0, 1.0)}
-    logging.info("alpha %s: %s", name, alpha[name])
+        temperature=t, gamma=gamma, seed=s.seed) for t in (0.0, 1.0)}
+    logging.info("alpha %s: %s", n, alpha[n])
+  if s.kind == "medusa":
+    per_position = {str(t): _per_position(pair, head, inputs, lengths, gamma, t, s.seed)
+                    for t in (0.0, 1.0)}
+    logging.info("medusa per head: %s", per_position)
   first = None if lengths is None else lengths[:1]
   target_ms = profiling.time_block_calls({"target": pair.target}, inputs[:1],
                                          pair.max_decode_steps, [1], s.cost_repeats,
                                          lengths=first)["target"][1]
   proposal_ms = profiling.time_proposals(pair.target, drafts, inputs[:1], pair.max_decode_steps,
-                                         s.gamma, s.cost_repeats, lengths=first)
-  c = {name: ms / s.gamma / target_ms for name, ms in proposal_ms.items()}
+                                         gamma, s.cost_repeats, lengths=first)
+  c = {n: ms / gamma / target_ms for n, ms in proposal_ms.items()}
   _update_stats(workdir, "evaluate", dict(
-      heldout=heldout, heldout_accuracy_by_step={
-          str(k): v for k, v in feature_train.per_step_accuracy(heldout).items()},
-      alpha=alpha, alpha_prompts=len(inputs), gamma=s.gamma,
+      heldout=heldout, heldout_accuracy_by_step=_accuracy_by_step(s, heldout),
+      alpha=alpha, per_position=per_position, alpha_prompts=len(inputs), gamma=gamma,
       max_decode_steps=pair.max_decode_steps, target_step_ms=target_ms,
       proposal_ms=proposal_ms, c=c, load_average=list(os.getloadavg()),
       seconds=time.time() - t0))
   logging.info("evaluate: alpha %s, c %s", alpha, c)
 
 
-def _is_feature(name: str) -> bool:
-  return "feature" in name
+def _per_position(pair, draft, inputs, lengths, gamma: int, temperature: float, seed: int):
+  """Per drafted position i (Medusa: head i): the rate at which its token was accepted
+  when reached, and the tokens per iteration, pooled over the prompts."""
+  import specdec_jax as sj
+  accepted = drafted = np.zeros(gamma)
+  emitted = iterations = 0.0
+  for start in range(0, len(inputs), 32):
+    stop = min(start + 32, len(inputs))
+    out = sj.generate(pair.target, inputs[start:stop],
+                      None if lengths is None else lengths[start:stop],
+                      max_decode_steps=pair.max_decode_steps, temperature=temperature,
+                      draft=draft, gamma=gamma,
+                      rng=jax.random.fold_in(jax.random.PRNGKey(seed), start))
+    st = out.stats
+    accepted = accepted + np.asarray(st.position_accepted).sum(0)
+    drafted = drafted + np.asarray(st.position_drafted).sum(0)
+    emitted += float(np.asarray(st.emitted).sum())
+    iterations += float(np.asarray(st.iterations).sum())
+  # Position i is reached when positions < i were all accepted (position 0: drafted).
+  reached = np.concatenate([drafted[:1], accepted[:-1]])
+  return dict(acceptance=(accepted / np.maximum(reached, 1)).tolist(),
+              tokens_per_iteration=emitted / max(iterations, 1.0))
+
+
+def _is_head(name: str) -> bool:
+  """A shipped trained head (not a model draft) in `pair.drafts`."""
+  return name in (demo_pair_lib.FEATURE_DRAFT_NAME, demo_pair_lib.MEDUSA_DRAFT_NAME)
 
 
 def stage_export(s: HeadSettings, pair, workdir: str, out_dir: str, command: str):
   head = _trained_draft(s, pair, workdir)
+  npz, meta, _ = _files(s)
   os.makedirs(out_dir, exist_ok=True)
-  size = demo_pair_lib.save_weights_bf16(os.path.join(out_dir, HEAD_NPZ), head.head_params)
+  size = demo_pair_lib.save_weights_bf16(os.path.join(out_dir, npz), head.head_params)
   stats = read_json(os.path.join(workdir, "stats.json"), {})
-  info = dict(kind="eagle1", fc_bias=s.fc_bias, feature_layers=None,
-              settings=dataclasses.asdict(s), stats=stats, command=command,
+  info = dict(kind=s.kind, settings=dataclasses.asdict(s), stats=stats, command=command,
               params=stats.get("train", {}).get("head_params"), bytes=size)
-  write_json(os.path.join(out_dir, HEAD_JSON), info)
+  if s.kind == "medusa":
+    info.update(num_heads=s.medusa_heads, num_layers=s.medusa_layers, share_lm_head=False)
+    section, mark = medusa_card_section(pair, info), demo_pair_lib.MEDUSA_CARD_MARK
+  else:
+    info.update(fc_bias=s.fc_bias, feature_layers=None)
+    section, mark = model_card_section(pair, info), demo_pair_lib.FEATURE_CARD_MARK
+  write_json(os.path.join(out_dir, meta), info)
   card_path = os.path.join(out_dir, "MODEL_CARD.md")
   card = open(card_path).read() if os.path.exists(card_path) else ""
-  data.write_bytes_atomic(card_path, demo_pair_lib.with_feature_head_section(
-      card, model_card_section(pair, info)).encode())
-  logging.info("export: %s (%d bytes)", os.path.join(out_dir, HEAD_NPZ), size)
+  data.write_bytes_atomic(card_path, demo_pair_lib.with_card_section(card, mark,
+                                                                     section).encode())
+  logging.info("export: %s (%d bytes)", os.path.join(out_dir, npz), size)
+
+
+def medusa_card_section(pair, info: Dict[str, Any]) -> str:
+  """The model card's "Medusa heads" section from medusa_heads.json's contents."""
+  st, stats = info["settings"], info["stats"]
+  tr, ev, prov = stats.get("train", {}), stats.get("evaluate", {}), stats.get("data", {})
+  cfg = pair.target.config
+  k, layers = info["num_heads"], info["num_layers"]
+  lines = [
+      "## Medusa heads (issue 29)", "",
+      "`medusa_heads.npz` (bf16 bit patterns, `medusa_heads.json`: settings and stats): "
+      f"{k} Medusa-1 heads on the target's last hidden state, listed by "
+      "`specdec_jax.load_demo_pair()` as `drafts['medusa']` (an `sj.MedusaDraft`); every "
+      "token of a proposal comes from one call, verified exactly.", "",
+      f"- Architecture: per head, {layers} residual block(s) x + SiLU(W x + b) "
+      f"({cfg.emb_dim} wide), then its own LM head ({cfg.emb_dim} -> {cfg.vocab_size}). "
+      f"{info.get('params', 0) / 1e6:.2f}M params ({info.get('bytes', 0) / 1e3:.0f} kB on disk).",
+      f"- Data: the pair's corpus and split, training files only ({prov.get('train_files')} "
+      f"files); the target frozen, its features computed on the fly.",
+      "- Loss (`specdec_jax.train.medusa.medusa_loss_fn`): head k at position t, cross-entropy "
+      "against the target's own law of token t+1+k (self-distillation), weighted "
+      f"{st['medusa_decay']:g}^(k-1).",
+      f"- Training: `{info.get('command')}`; AdamW lr {st['learning_rate']:g} ({st['schedule']}, "
+      f"warmup {st['warmup_steps']}, clip {st['clip_norm']:g}), {tr.get('steps')} steps x "
+      f"{tr.get('batch')} rows, {tr.get('seconds', 0) / 60:.1f} min wall-clock on a 2-core CPU.",
+  ]
+  acc = tr.get("heldout_accuracy_by_step", {})
+  if acc:
+    lines.append("- Held-out agreement of head k's argmax with the target's argmax at its "
+                 "position: " + " / ".join(f"head {i} {acc[i]:.2f}"
+                                           for i in sorted(acc, key=int)) + ".")
+  if ev:
+    lines += ["", f"Acceptance against the pair's model drafts ({ev['alpha_prompts']} held-out "
+              f"prompts, {ev['max_decode_steps']} new tokens, gamma {ev['gamma']}, pooled "
+              "alpha; c = one whole gamma-token proposal / gamma / one target step, float32, "
+              "batch 1, CPU):", "",
+              "| draft | alpha temp 0 | alpha temp 1 | c |", "|---|---|---|---|"]
+    for name, a in ev["alpha"].items():
+      lines.append(f"| {name} | {a['0.0']:.2f} | {a['1.0']:.2f} | {ev['c'][name]:.3f} |")
+    per = ev.get("per_position", {})
+    if per:
+      lines += ["", "Per head (the rate at which head k's token is accepted when the "
+                "verification reaches it) and tokens per iteration:", "",
+                "| temp | " + " | ".join(f"head {i + 1}" for i in range(ev["gamma"]))
+                + " | tokens/iter |", "|---" * (ev["gamma"] + 2) + "|"]
+      for t, row in per.items():
+        lines.append(f"| {t} | " + " | ".join(f"{a:.2f}" for a in row["acceptance"])
+                     + f" | {row['tokens_per_iteration']:.2f} |")
+  lines += ["", "Speedups: BENCHMARKS.md, \"Issue 29: Medusa heads\"."]
+  return "\n".join(lines) + "\n"
 
 
 def model_card_section(pair, info: Dict[str, Any]) -> str:
@@ -326,7 +446,9 @@ def model_card_section(pair, info: Dict[str, Any]) -> str:
   if pair.family == "decoder_only":
     layer = (f"one GPT-2 block of the target's shape (emb {cfg.emb_dim}, {cfg.num_heads} heads x "
              f"{cfg.head_dim}, MLP {cfg.mlp_dim}) without its input LayerNorm; the target's "
-             "learned positions added after fc")
+             "learned positions added after fc; its attention hides the zero first pair from "
+             "later queries, as EAGLE's pairing has none (trained and drafting alike, "
+             "`families.feature_head.pair_visible`)")
     rows = f"{prov.get('train_rows')} windows of {pair.info['settings']['seq_len']} tokens"
   else:
     layer = (f"one T5 decoder layer of the target's shape (emb {cfg.emb_dim}, {cfg.num_heads} "
@@ -383,6 +505,7 @@ def main(argv):
   del argv
   gin_flags.parse_flags()
   s = HeadSettings()
+  _check_kind(s)
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
   selected = selected_stages(STAGES)

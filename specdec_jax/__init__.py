@@ -6,7 +6,7 @@ Layers (each a folder or module; nothing imports upward from `core/`):
   families/  the family contract (base.py), the registry, and one folder per family
              (t5/, decoder_only/): network, fused decode, configs, checkpoints, axes
   drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft,
-             FeatureDraft
+             FeatureDraft, MedusaDraft
   generation.py, loading.py, sharding.py   the entry points
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
@@ -22,9 +22,9 @@ from specdec_jax.core.sampling import adjust_probs
 from specdec_jax.core.speculative import batched_speculative_step, speculative_step
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
 from specdec_jax.core.tree import TreeShape
-from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, FeatureDraft, ModelDraft,
-                                NgramDraft, PromptLookupDraft, TreeDraft, DynamicTreeDraft,
-                                as_draft)
+from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, FeatureDraft, MedusaDraft,
+                                ModelDraft, NgramDraft, PromptLookupDraft, TreeDraft,
+                                DynamicTreeDraft, as_draft)
 from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.feature_head import FeatureHead
@@ -41,8 +41,9 @@ from specdec_jax.families.t5.embed import EmbeddingError, embed_model
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.generation import generate
-from specdec_jax.loading import (export_hf, load_feature_draft, load_model, load_sharded_model,
-                                 save_feature_draft, shard_model)
+from specdec_jax.loading import (export_hf, load_feature_draft, load_medusa_draft, load_model,
+                                 load_sharded_model, save_feature_draft, save_medusa_draft,
+                                 shard_model)
 from specdec_jax.sharding import (Partitioner, make_partitioners, plan_memory,
                                   plan_speculative_memory)
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel

@@ -52,6 +52,10 @@ NGRAM_NAMES = ("unigram", "bigram")
 FEATURE_HEAD_FILES = ("feature_head.npz", "feature_head.json")
 FEATURE_DRAFT_NAME = "feature"
 FEATURE_CARD_MARK = "<!-- feature head: written by experiments/train_feature_heads.py -->"
+# Trained Medusa heads (the same trainer, HeadSettings.kind = 'medusa').
+MEDUSA_HEAD_FILES = ("medusa_heads.npz", "medusa_heads.json")
+MEDUSA_DRAFT_NAME = "medusa"
+MEDUSA_CARD_MARK = "<!-- medusa heads: written by experiments/train_feature_heads.py -->"
 
 
 def save_npz_atomic(path: str, **arrays) -> None:
@@ -115,11 +119,40 @@ def load_feature_head(path: str, target):
   return FeatureDraft(target, head_params=params, fc_bias=fc_bias)
 
 
+def load_medusa_heads(path: str, target):
+  """The trained Medusa heads in pair directory `path` as an `sj.MedusaDraft` for `target`
+  (params cast to the target's dtype), or None when the pair ships none."""
+  from specdec_jax.drafts.medusa import MedusaDraft
+  npz, meta = (os.path.join(path, name) for name in MEDUSA_HEAD_FILES)
+  if not os.path.exists(npz):
+    return None
+  with open(meta) as f:
+    info = json.load(f)
+  if info.get("kind") != "medusa":
+    raise ValueError(f"{meta}: kind {info.get('kind')!r}, expected 'medusa'")
+  shape = MedusaDraft(target, num_heads=info["num_heads"], num_layers=info["num_layers"],
+                      share_lm_head=bool(info.get("share_lm_head", False)))
+  params = _read_bf16_like(npz, jax.eval_shape(lambda: shape.init_params(0)))
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, target.config.dtype), params)
+  return MedusaDraft(target, num_heads=shape.num_heads, num_layers=shape.num_layers,
+                     share_lm_head=shape.share_lm_head, params=params)
+
+
+def with_card_section(card: str, mark: str, section: str) -> str:
+  """`card` (a MODEL_CARD.md's text) with the section under `mark` replaced by `section`
+  (appended when there is none): from `mark` to the next section mark (a line starting
+  '<!-- ' that names its writer) or the end."""
+  if mark not in card:
+    return f"{card.rstrip(chr(10))}\n\n{mark}\n{section}"
+  before, after = card.split(mark, 1)
+  rest = after.split("\n<!-- ", 1)
+  tail = f"\n<!-- {rest[1]}" if len(rest) > 1 else ""
+  return f"{before}{mark}\n{section}{tail}"
+
+
 def with_feature_head_section(card: str, section: str) -> str:
-  """`card` (a MODEL_CARD.md's text) with its feature-head section replaced by `section`
-  (appended when there is none): everything from FEATURE_CARD_MARK to the end."""
-  head = card.split(FEATURE_CARD_MARK)[0].rstrip("\n")
-  return f"{head}\n\n{FEATURE_CARD_MARK}\n{section}"
+  """`with_card_section` for the feature head's section."""
+  return with_card_section(card, FEATURE_CARD_MARK, section)
 
 
 def config_to_json(config: T5Config) -> Dict[str, Any]:
@@ -238,9 +271,10 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
       name needs a path spelling, './t5'). Default: the shipped T5 pair.
     dtype: compute dtype of the models ('float32' default; 'bfloat16' keeps
       the shipped weights as they are).
-    with_feature_head: list the pair's trained feature head, when it ships
-      one (feature_head.npz), as drafts['feature'] (an `sj.FeatureDraft`
-      for this target, after the model drafts).
+    with_feature_head: list the pair's trained heads, when it ships them,
+      after the model drafts: its feature head (feature_head.npz) as
+      drafts['feature'] (an `sj.FeatureDraft`) and its Medusa heads
+      (medusa_heads.npz) as drafts['medusa'] (an `sj.MedusaDraft`).
   Raises:
     FileNotFoundError: no pair at `path`, naming the command that trains one.
   """
@@ -259,9 +293,12 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
     info = json.load(f)
   load = _load_t5 if family == "t5" else _load_decoder_only
   target, drafts, heldout, input_len, max_decode_steps = load(path, info, dtype)
-  head = load_feature_head(path, target) if with_feature_head else None
-  if head is not None:
-    drafts[FEATURE_DRAFT_NAME] = head
+  if with_feature_head:
+    for name, load_head in ((FEATURE_DRAFT_NAME, load_feature_head),
+                            (MEDUSA_DRAFT_NAME, load_medusa_heads)):
+      head = load_head(path, target)
+      if head is not None:
+        drafts[name] = head
   ngrams = {name: NgramDraft.load(os.path.join(path, f"{name}.npz")) for name in NGRAM_NAMES
             if os.path.exists(os.path.join(path, f"{name}.npz"))}
   tokenizer = data.Tokenizer.load(os.path.join(path, "tokenizer.model"))

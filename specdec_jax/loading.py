@@ -13,6 +13,7 @@ import os
 from typing import Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from specdec_jax import sharding
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
@@ -207,3 +208,36 @@ def save_feature_draft(draft, path, format=None) -> None:
   if not isinstance(draft, FeatureDraft):
     raise TypeError(f"save_feature_draft takes a FeatureDraft, got {type(draft).__name__}")
   eagle_checkpoints.save_head(draft.head, draft.head_params, path, format)
+
+
+def load_medusa_draft(path, target, dtype=None):
+  """Reads a public Medusa-1 head directory (config.json with `medusa_num_heads` /
+  `medusa_num_layers`, and medusa_lm_head.safetensors or medusa_lm_head.pt) as a
+  `MedusaDraft` for `target` (any family with features: the heads read its last
+  hidden state).
+
+  Args:
+    path: the directory (`drafts/medusa_checkpoints.py` lists the tensor names).
+    target: the model the heads were trained on (its hidden size and vocabulary
+      are checked against every tensor).
+    dtype: the heads' params dtype; default the target's.
+  Raises:
+    CheckpointError: naming the file and tensor at fault.
+  """
+  from specdec_jax.drafts import medusa_checkpoints
+  from specdec_jax.drafts.medusa import MedusaDraft
+  if not is_model(target):
+    raise TypeError(f"load_medusa_draft takes the target model, got {type(target).__name__}")
+  heads, layers, params = medusa_checkpoints.load_heads(path, target, optional_dtype(dtype))
+  params = jax.tree_util.tree_map(jnp.asarray, params)
+  return MedusaDraft(target, num_heads=heads, num_layers=layers, params=params)
+
+
+def save_medusa_draft(draft, path) -> None:
+  """Writes a `MedusaDraft` (own LM heads) as a Medusa-1 directory (config.json +
+  medusa_lm_head.safetensors) that `load_medusa_draft` and Medusa's code read."""
+  from specdec_jax.drafts import medusa_checkpoints
+  from specdec_jax.drafts.medusa import MedusaDraft
+  if not isinstance(draft, MedusaDraft):
+    raise TypeError(f"save_medusa_draft takes a MedusaDraft, got {type(draft).__name__}")
+  medusa_checkpoints.save_heads(draft, path)

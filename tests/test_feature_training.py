@@ -170,7 +170,7 @@ def test_ttt_anchors_are_learned_positions_and_reproducible():
 @pytest.mark.slow
 def test_ttt_training_lowers_the_loss_and_raises_acceptance():
   target = _target(vocab=64, seed=0)
-  batch = _sampled_batch(target, rows=32, steps=24, seed=0)
+  batch = _sampled_batch(target, rows=96, steps=24, seed=0)
   batch["anchors"] = feature_train.ttt_anchors(batch["weights"], 8, seed=0)
   draft = sj.FeatureDraft(target, seed=3)
   optimizer = trainer.make_optimizer("adamw", 3e-3, schedule="constant", warmup_steps=1)

@@ -9,6 +9,8 @@
   cumulative draft probability) from a model or n-gram draft, verified in one call.
 * `FeatureDraft`: a feature head (EAGLE-style) over the target's own hidden states,
   driving any family's `families.feature_head.FeatureHead`.
+* `MedusaDraft`: K Medusa heads on the target's last hidden state, every token of a
+  proposal (chain or tree level) from one call.
 """
 
 from specdec_jax.drafts.base import Draft
@@ -30,3 +32,4 @@ from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402,F401
 from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402,F401
 from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft  # noqa: E402,F401
 from specdec_jax.drafts.feature import FeatureDraft  # noqa: E402,F401
+from specdec_jax.drafts.medusa import MedusaDraft  # noqa: E402,F401

@@ -41,6 +41,9 @@ class Draft(abc.ABC):
   # see after each verification through `observe_fn`.
   wants_features: bool = False
   feature_layers = None
+  # The deepest token tree whose levels this draft can score (None: any depth);
+  # `TreeDraft` / `DynamicTreeDraft` refuse deeper ones (Medusa: one head a level).
+  max_tree_depth = None
 
   def observe_fn(self, params: Any, gamma: int):
     """Feature drafts: `observe(state, features [batch, gamma + 1, f], tokens

@@ -130,6 +130,15 @@ def _place(sub: _SubTree, last_token: Array, pending: Array, num_pending: Array,
   return tree, offsets
 
 
+def _check_depth(inner: Draft, depth: int) -> None:
+  """A draft whose laws run out past some depth (`max_tree_depth`: Medusa's one head per
+  level) cannot grow a deeper tree: an error naming both numbers."""
+  limit = inner.max_tree_depth
+  if limit is not None and depth > limit:
+    raise ValueError(f"a tree of depth {depth} needs a head per level; this "
+                     f"{type(inner).__name__} has {limit} (a shallower tree, or more heads)")
+
+
 class TreeDraft(Draft):
   """A token tree around a draft that gives distributions.
 
@@ -152,6 +161,7 @@ class TreeDraft(Draft):
     self.shape = TreeShape(branching)
     self.children = children
     self.layout = _layout(self.shape)
+    _check_depth(self.inner, self.shape.max_depth)
 
   def _set_inner(self, draft):
     from specdec_jax.drafts import as_draft  # the package imports this module
@@ -358,6 +368,7 @@ class DynamicTreeDraft(TreeDraft):
     self._set_inner(draft)
     self.children = "topk"
     self.topk, self._depth, self.node_budget = int(topk), int(depth), int(node_budget)
+    _check_depth(self.inner, self._depth)
 
   @property
   def num_nodes(self) -> int:

@@ -155,7 +155,7 @@ def smooth_l1(x: Array, y: Array) -> Array:
   return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5)
 
 
-def _soft_cross_entropy(target_logits: Array, head_logits: Array) -> Array:
+def soft_cross_entropy(target_logits: Array, head_logits: Array) -> Array:
   """-sum softmax(target) * log_softmax(head) over the last axis (target: a constant)."""
   target_probs = jax.nn.softmax(jax.lax.stop_gradient(target_logits), axis=-1)
   return -jnp.sum(target_probs * jax.nn.log_softmax(head_logits, axis=-1), axis=-1)
@@ -220,7 +220,7 @@ def feature_loss_fn(draft, ce_weight: float = 0.1, *, regression_weight: float =
     # target's features they are the target's distribution.
     target_logits = jax.lax.stop_gradient(logits_of(head_params, features))
     head_logits = logits_of(head_params, predicted)
-    cross_entropy = _soft_cross_entropy(target_logits, head_logits)
+    cross_entropy = soft_cross_entropy(target_logits, head_logits)
     loss = jnp.sum(weights * (regression_weight * regression + ce_weight * cross_entropy))
     target_argmax = jnp.argmax(target_logits, -1)
     correct = jnp.sum(weights * (jnp.argmax(head_logits, -1) == target_argmax))
@@ -247,7 +247,7 @@ def feature_loss_fn(draft, ce_weight: float = 0.1, *, regression_weight: float =
                                      previous, at.reshape(b * a), chain_cache)
       step_logits = logits_of(head_params, hidden[:, 0]).reshape(b, a, -1)
       valid = inside * weights[rows, at_clipped] * (weights[rows, anchors] > 0)
-      step_ce = _soft_cross_entropy(target_logits[rows, at_clipped], step_logits)
+      step_ce = soft_cross_entropy(target_logits[rows, at_clipped], step_logits)
       count = jnp.sum(valid)
       # Mean over valid anchors, on the per-token scale of step 0's sum.
       scale = tokens_total / jnp.maximum(count, 1.0)

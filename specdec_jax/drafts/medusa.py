@@ -1,0 +1,252 @@
+"""Medusa heads (Cai et al., arXiv 2401.10774): K heads on the target's last hidden state.
+
+Head k (1-based) reads h_t, the target's hidden state after its final norm at
+position t (the state that produced token t+1's distribution), and predicts
+token t+1+k:
+
+    x_k   = x_{k,j-1} + SiLU(W_{k,j} x_{k,j-1} + b_{k,j})    j = 1..num_layers, x_{k,0} = h_t
+    q_k   = softmax(lm_head_k(x_k))    lm_head_k: the head's own Linear(h -> vocab),
+                                       or the target's own output projection
+                                       (share_lm_head: one table, no copy)
+
+So after a verification whose new token sits at position t + 1, the heads
+on h_t draft positions t+2..t+1+gamma, all in **one call** (the K heads are
+one batched matmul per layer): no draft-side recurrence, no draft cache.
+
+Exact: the engine verifies with each head's own adjusted law q_k (the same
+temperature / top-k / top-p as the target), never Medusa's lossy "typical
+acceptance"; a drafted token depends only on h_t and fresh randomness, and
+h_t is the target's feature at an accepted position (the loop hands the
+draft nothing from a rejected draft), so outputs are the target's exactly.
+
+Positions. The state holds h at the position before the row's last token
+(the engine's `observe_fn` hands over the target's features at the kept
+block positions; feature j produced token j + 1's law, so the last one kept
+is h before the new token). Before the first verification: a continued
+context (decoder-only) has the prompt's features, so h is the feature of
+the second-to-last prompt token; a one-token prompt, or a family whose
+decoder starts from its start token alone (T5), has none, and the first
+proposal drafts nothing (a plain target step).
+
+Trees: `TreeDraft(medusa, branching=...)`. Depth d's children are drawn from
+head d's law (Medusa's own tree construction), whatever their parent: the
+law a child was drawn from is head d's, so recursive rejection sampling
+stays exact. Greedy pending tokens (`core.tree_decoding`) shift the heads:
+the root at chain position c draws its children from head c + 1. Nodes
+deeper than num_heads reuse the last head (still its own exact law).
+
+Params: dict(kernel [num_layers, K, h, h], bias [num_layers, K, h],
+lm_head [K, h, vocab] (own heads only)) in the target's dtype, plus
+dict(target=...) references to the target's output projection when shared.
+"""
+
+from typing import Any, Hashable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.core import sampling
+from specdec_jax.drafts.base import Draft
+from specdec_jax.families.registry import family_of
+
+Array = jax.Array
+
+
+class MedusaDraft(Draft):
+  """Medusa-1 heads drafting for their target, chain or tree, in one call per proposal.
+
+  Args:
+    target: the target model (any family with `supports_features`: T5's
+      decoder hidden state, a decoder-only model's).
+    num_heads: K, heads (the longest chain, the deepest tree level drafted
+      from a head of its own).
+    num_layers: residual SiLU blocks per head.
+    seed: for random params (normal(0.02) kernels and LM heads, zero biases).
+    share_lm_head: every head ends in the target's own output projection
+      (referenced) instead of an LM head of its own.
+    params: the heads' arrays (`init_params`' tree); None: random.
+  """
+
+  wants_features = True
+  feature_layers = None  # the last hidden state, after the final norm
+
+  def __init__(self, target, num_heads: int = 4, num_layers: int = 1, seed: int = 0,
+               share_lm_head: bool = False, params: Optional[Any] = None):
+    for name, value in (("num_heads", num_heads), ("num_layers", num_layers)):
+      if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    family = family_of(target)
+    self.config = target.config
+    self.num_heads = int(num_heads)
+    self.num_layers = int(num_layers)
+    self.share_lm_head = bool(share_lm_head)
+    self.hidden_dim = family.feature_dim(target.config, None)
+    self.vocab_size = target.config.vocab_size
+    self.eos_id = target.config.eos_id
+    self.pad_id = target.config.pad_id
+    self.dtype = jnp.dtype(target.config.dtype)
+    # The target's output projection, through the family's feature-head contract
+    # (`FeatureHead.logits` reads only the target's arrays): no family import here.
+    self._projection = family.feature_head(target.config)
+    self.projection_refs = self._projection.target_refs(target.params)
+    self.target_refs = self.projection_refs if share_lm_head else {}
+    self.head_params = self.init_params(seed) if params is None else params
+    self._check_params(self.head_params)
+
+  # -- arrays ----------------------------------------------------------------
+
+  def param_shapes(self):
+    """{name: shape} of the heads' own arrays."""
+    k, h, layers = self.num_heads, self.hidden_dim, self.num_layers
+    shapes = dict(kernel=(layers, k, h, h), bias=(layers, k, h))
+    if not self.share_lm_head:
+      shapes["lm_head"] = (k, h, self.vocab_size)
+    return shapes
+
+  def init_params(self, seed: int = 0):
+    """Random heads: normal(0.02) kernels and LM heads, zero biases, in the target's dtype."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+    shapes = self.param_shapes()
+    params = dict(kernel=0.02 * jax.random.normal(keys[0], shapes["kernel"]),
+                  bias=jnp.zeros(shapes["bias"]))
+    if "lm_head" in shapes:
+      params["lm_head"] = 0.02 * jax.random.normal(keys[1], shapes["lm_head"])
+    return jax.tree_util.tree_map(lambda x: x.astype(self.dtype), params)
+
+  def _check_params(self, params):
+    want = self.param_shapes()
+    got = {k: tuple(getattr(v, "shape", ())) for k, v in dict(params).items()}
+    if got != want:
+      raise ValueError(f"Medusa params {got} do not match {self.num_heads} heads x "
+                       f"{self.num_layers} layers for hidden {self.hidden_dim} and vocabulary "
+                       f"{self.vocab_size} (expected {want})")
+
+  @property
+  def params(self) -> Any:
+    return dict(heads=self.head_params, target=self.target_refs)
+
+  def static_key(self) -> Hashable:
+    return ("medusa", self.config, self.num_heads, self.num_layers, self.share_lm_head)
+
+  def check_compatible(self, target_config) -> None:
+    if target_config != self.config:
+      raise ValueError("this MedusaDraft was built for another target config: Medusa heads read "
+                       "one target's hidden states (and, shared, its output projection)")
+
+  @property
+  def max_tree_depth(self) -> int:
+    """The deepest static tree whose every level has a head of its own."""
+    return self.num_heads
+
+  # -- the heads --------------------------------------------------------------
+
+  def head_logits(self, params, hidden: Array, heads: int) -> Array:
+    """hidden [batch, h] -> logits [batch, heads, vocab] float32 of heads 1..heads (one call)."""
+    own = params["heads"]
+    x = jnp.broadcast_to(hidden.astype(self.dtype)[:, None, :],
+                         (hidden.shape[0], heads, hidden.shape[-1]))
+    for j in range(self.num_layers):
+      y = jnp.einsum("bkh,khg->bkg", x, own["kernel"][j, :heads].astype(self.dtype),
+                     preferred_element_type=jnp.float32)
+      x = x + jax.nn.silu(y + own["bias"][j, :heads].astype(jnp.float32)).astype(self.dtype)
+    if self.share_lm_head:
+      return self.target_logits(params["target"], x)
+    return jnp.einsum("bkh,khv->bkv", x, own["lm_head"][:heads].astype(self.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def target_logits(self, refs, hidden: Array) -> Array:
+    """The target's own output projection: hidden [..., h] -> logits [..., vocab] float32
+    (refs: `projection_refs`)."""
+    return self._projection.logits(None, refs, hidden.astype(self.dtype)).astype(jnp.float32)
+
+  def _check_gamma(self, gamma: int) -> None:
+    if gamma > self.num_heads:
+      raise ValueError(f"gamma={gamma} drafts {gamma} tokens from one hidden state, one head "
+                       f"each; this MedusaDraft has {self.num_heads} heads (gamma <= "
+                       f"{self.num_heads}, or build it with num_heads={gamma})")
+
+  # -- the decode loop --------------------------------------------------------
+
+  def init_state(self, params, context, max_decode_len, features=None, memory=None, gamma=None,
+                 start=None):
+    """dict(hidden [batch, h] float32: h before the row's last token, ready [batch] bool)."""
+    del params, max_decode_len, memory, gamma, start
+    batch = context.tokens.shape[0]
+    hidden = jnp.zeros((batch, self.hidden_dim), jnp.float32)
+    ready = jnp.zeros((batch,), jnp.bool_)
+    if context.continued and features is not None and features.shape[1] > 0:
+      # The loop's first block starts at the last prompt token: h is the feature
+      # of the token before it (feature t produced token t + 1's law).
+      before_last = context.lengths.astype(jnp.int32) - 2
+      rows = jnp.arange(batch)
+      hidden = features[rows, jnp.maximum(before_last, 0)].astype(jnp.float32)
+      ready = before_last >= 0
+    return dict(hidden=hidden, ready=ready)
+
+  def observe_fn(self, params, gamma):
+    def observe(state, features, tokens, count):
+      del tokens
+      last = jnp.clip(count - 1, 0, features.shape[1] - 1)
+      hidden = features[jnp.arange(features.shape[0]), last].astype(jnp.float32)
+      return dict(state, hidden=hidden, ready=jnp.ones_like(state["ready"]))
+    return observe
+
+  def propose_fn(self, params, gamma, temperature, topk, topp):
+    self._check_gamma(gamma)
+    greedy = temperature < sampling.MIN_TEMPERATURE
+
+    def propose(rng, state, sequences, lengths, max_drafted=None):
+      del sequences, lengths
+      batch = state["hidden"].shape[0]
+      probs = sampling.adjust_probs(self.head_logits(params, state["hidden"], gamma),
+                                    temperature, topk, topp)  # [batch, gamma, vocab]
+      keys = jax.random.split(rng, gamma)
+      tokens = jnp.stack([sampling.sample(keys[i], probs[:, i], greedy=greedy)
+                          for i in range(gamma)], axis=1).astype(jnp.int32)
+      limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
+               jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
+      num_drafted = jnp.where(state["ready"], limit, 0)
+      keep = jnp.arange(gamma)[None] < num_drafted[:, None]
+      return (jnp.where(keep, tokens, 0), jnp.where(keep[..., None], probs, 0.0), num_drafted,
+              state)
+
+    return propose
+
+  def tree_expander(self, params, temperature, topk, topp):
+    """Medusa's trees (`drafts.tree.TreeExpander`): a node at depth d below a root at chain
+    position c draws its children from head c + d + 1 (clipped to the last head), whatever
+    its parent. `start` computes every head's law once per proposal and keeps them in the
+    state (`init`: laws [batch, K, vocab]); before any feature (`ready` false) the laws are
+    uniform, which is still the law the children are drawn from."""
+    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    k, vocab = self.num_heads, self.vocab_size
+
+    def init(state, batch, slots):
+      del slots
+      return dict(state, tree_scores=jnp.zeros((batch, k, vocab), jnp.float32),
+                  tree_probs=jnp.zeros((batch, k, vocab), jnp.float32))
+
+    def head_at(table, head):  # table [batch, K, vocab], head [batch, n] 0-based
+      return jnp.take_along_axis(table, jnp.clip(head, 0, k - 1)[:, :, None], axis=1)
+
+    def start(state, sequences, lengths, chain, chain_len):
+      del sequences, lengths, chain
+      logits = self.head_logits(params, state["hidden"], k)
+      ready = state["ready"][:, None, None]
+      scores = jnp.where(ready, jax.nn.log_softmax(logits, axis=-1), -jnp.log(vocab))
+      probs = jnp.where(ready, sampling.adjust_probs(logits, temperature, topk, topp),
+                        1.0 / vocab)
+      state = dict(state, tree_scores=scores, tree_probs=probs)
+      head = chain_len[:, None].astype(jnp.int32)
+      return head_at(scores, head)[:, 0], head_at(probs, head)[:, 0], state
+
+    def expand(state, lengths, chain_len, tokens, attention, block_offset):
+      del lengths, tokens, block_offset
+      head = chain_len[:, None].astype(jnp.int32) + attention.depths
+      return head_at(state["tree_scores"], head), head_at(state["tree_probs"], head), state
+
+    def move(state, lengths, sources):
+      return state
+
+    return TreeExpander(start, expand, move, init)
+
