@@ -15,6 +15,17 @@ VENV_T5X := .venv-t5x
 
 .PHONY: demo demo-methods test test-slow test-multihost test-t5x venv venv-test clean
 
+# JAX's persistent compilation cache for the test targets: a program compiled once, by
+# any test process (an xdist worker, a subprocess test, make test-slow after make test,
+# a rerun), is read back instead of compiled again. Bounded (LRU, 4 GB, file-locked
+# between processes). SPECDEC_JAX_CACHE= (empty) turns it off.
+SPECDEC_JAX_CACHE ?= $(HOME)/.cache/specdec_jax/jax
+ifneq ($(strip $(SPECDEC_JAX_CACHE)),)
+JAX_CACHE_ENV := JAX_COMPILATION_CACHE_DIR=$(SPECDEC_JAX_CACHE) \
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+  JAX_COMPILATION_CACHE_MAX_SIZE=4000000000
+endif
+
 $(VENV)/.core: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -38,7 +49,7 @@ demo-methods: $(VENV)/.core
 	$(PY) -m experiments.demo --pair=$(PAIR) --methods=chain,block,tree,dynamic
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m "not slow" \
+	$(JAX_CACHE_ENV) $(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m "not slow" \
 	  --ignore=tests/test_multihost.py tests
 
 # The long statistical and method suites (token trees, tree and block
@@ -46,7 +57,7 @@ test: $(VENV)/.test
 # the GPU benchmark dry run): marked `slow`, run by CI beside `make test` so
 # that `make test` stays near 15 minutes on 2 cores.
 test-slow: $(VENV)/.test
-	$(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m slow \
+	$(JAX_CACHE_ENV) $(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m slow \
 	  --ignore=tests/test_multihost.py tests
 
 # Two jax.distributed processes x 4 CPU devices on localhost against one
@@ -55,7 +66,7 @@ test-slow: $(VENV)/.test
 # shared 2-core machine at load ~2 before per-host rows and the launcher run
 # were added; back to back at load ~4-5, 143 s against 122 s for the version before).
 test-multihost: $(VENV)/.test
-	$(PY) -m pytest -q --timeout=900 tests/test_multihost.py
+	$(JAX_CACHE_ENV) $(PY) -m pytest -q --timeout=900 tests/test_multihost.py
 
 $(VENV_T5X)/.t5x: setup.py
 	$(PYTHON) -m venv $(VENV_T5X)

@@ -388,6 +388,18 @@ def stage_export(s: HeadSettings, pair, workdir: str, out_dir: str, command: str
   logging.info("export: %s (%d bytes)", os.path.join(out_dir, npz), size)
 
 
+def _alpha_table(ev: Dict[str, Any]):
+  """A model card's lines: the evaluate stage's alpha and c of each draft, as a table."""
+  lines = ["", f"Acceptance and cost against the pair's model drafts ({ev['alpha_prompts']} "
+           f"held-out prompts, {ev['max_decode_steps']} new tokens, gamma {ev['gamma']}, "
+           "pooled alpha; c = one whole gamma-token proposal / gamma / one target step, "
+           "`profiling.time_proposals`, float32, batch 1, on a shared, loaded CPU):", "",
+           "| draft | alpha temp 0 | alpha temp 1 | c |", "|---|---|---|---|"]
+  for name, a in ev["alpha"].items():
+    lines.append(f"| {name} | {a['0.0']:.2f} | {a['1.0']:.2f} | {ev['c'][name]:.3f} |")
+  return lines
+
+
 def medusa_card_section(pair, info: Dict[str, Any]) -> str:
   """The model card's "Medusa heads" section from medusa_heads.json's contents."""
   st, stats = info["settings"], info["stats"]
@@ -418,13 +430,7 @@ def medusa_card_section(pair, info: Dict[str, Any]) -> str:
                  "position: " + " / ".join(f"head {i} {acc[i]:.2f}"
                                            for i in sorted(acc, key=int)) + ".")
   if ev:
-    lines += ["", f"Acceptance against the pair's model drafts ({ev['alpha_prompts']} held-out "
-              f"prompts, {ev['max_decode_steps']} new tokens, gamma {ev['gamma']}, pooled "
-              "alpha; c = one whole gamma-token proposal / gamma / one target step, float32, "
-              "batch 1, CPU):", "",
-              "| draft | alpha temp 0 | alpha temp 1 | c |", "|---|---|---|---|"]
-    for name, a in ev["alpha"].items():
-      lines.append(f"| {name} | {a['0.0']:.2f} | {a['1.0']:.2f} | {ev['c'][name]:.3f} |")
+    lines += _alpha_table(ev)
     per = ev.get("per_position", {})
     if per:
       lines += ["", "Per head (the rate at which head k's token is accepted when the "
@@ -490,13 +496,7 @@ def model_card_section(pair, info: Dict[str, Any]) -> str:
         "features): "
         + " / ".join(f"{acc[k]:.2f}" for k in sorted(acc, key=int)) + ".")
   if ev:
-    lines += ["", f"Acceptance and cost against the pair's model drafts ({ev['alpha_prompts']} "
-              f"held-out prompts, {ev['max_decode_steps']} new tokens, gamma {ev['gamma']}, "
-              "pooled alpha; c = one whole gamma-token proposal / gamma / one target step, "
-              "`profiling.time_proposals`, float32, batch 1, on a shared, loaded CPU):", "",
-              "| draft | alpha temp 0 | alpha temp 1 | c |", "|---|---|---|---|"]
-    for name, a in ev["alpha"].items():
-      lines.append(f"| {name} | {a['0.0']:.2f} | {a['1.0']:.2f} | {ev['c'][name]:.3f} |")
+    lines += _alpha_table(ev)
   lines += ["", "Speedups: BENCHMARKS.md, \"Issue 23: feature heads\"."]
   return "\n".join(lines) + "\n"
 

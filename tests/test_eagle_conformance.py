@@ -306,32 +306,10 @@ def test_loaded_head_logits_equal_eagles_forward(name, tmp_path_factory):
 # ---------------------------------------------------------------------------
 # The first proposals and whole decodes.
 
-class _RecordingDraft(sj.FeatureDraft):
-  """A FeatureDraft that logs each proposal's tokens and lengths."""
-
-  def __init__(self, draft, target, log):
-    super().__init__(target, head_params=draft.head_params, head=draft.head)
-    self.log = log
-
-  def static_key(self):
-    return super().static_key() + (id(self.log),)
-
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    inner = super().propose_fn(params, gamma, temperature, topk, topp)
-
-    def propose(rng, state, sequences, lengths, max_drafted=None):
-      tokens, probs, limit, state = inner(rng, state, sequences, lengths, max_drafted)
-      jax.debug.callback(lambda *a: self.log.append(tuple(np.asarray(x) for x in a)),
-                         tokens, limit, ordered=True)
-      return tokens, probs, limit, state
-
-    return propose
-
-
 def _eagle_chain(case, module, hf, prompt):
   """EAGLE's own `topK_genrate` with top_k = 1 after a prompt: its pairs (h_t, token_{t+1})
   for t < n - 1 and the last prompt token as `sample_token`; returns the GAMMA tokens it
-  drafts after it, with the first-step top-2 margins of every drafted position."""
+  drafts after it."""
   features = _features(hf, prompt[None], case["kind"], case["layers"])
   module.reset_kv()
   with torch.no_grad():
@@ -354,8 +332,9 @@ _GREEDY = dict(max_decode_steps=16, eos_id=-1)
 
 
 def _decode(target, draft, tokens, lengths):
+  from test_eagle_checkpoints import _RecordingDraft  # logs (tokens, laws, limit)
   log = []
-  got = sj.generate(target, tokens, lengths, draft=_RecordingDraft(draft, target, log),
+  got = sj.generate(target, tokens, lengths, draft=_RecordingDraft(target, draft, log),
                     gamma=GAMMA, **_GREEDY)
   jax.effects_barrier()
   want = sj.generate(target, tokens, lengths, **_GREEDY)
@@ -370,7 +349,7 @@ def test_first_chain_equals_eagles_topk_genrate_and_greedy_is_exact(name, tmp_pa
   got, want, result, log = _decode(target, draft, tokens, lengths)
   np.testing.assert_array_equal(got, want)
   assert result.stats.iterations.sum() > 0
-  first, _ = log[0]
+  first = log[0][0]
   for b in range(len(lengths)):
     if lengths[b] >= 2:
       chain = _eagle_chain(case, module, hf, tokens[b, :lengths[b]])

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.families.tensor_io import (CheckpointError, cast, raise_on_mismatch,
-                                            safetensors_tensors, torch_tensors,
-                                            write_safetensors)
+                                            read_config_json, safetensors_tensors,
+                                            torch_tensors, write_safetensors)
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -39,18 +39,9 @@ def tensor_names(num_heads: int, num_layers: int):
 
 
 def _read_config(directory: str):
+  hf = read_config_json(directory, "a Medusa head directory",
+                        f"config.json and {' or '.join(WEIGHT_FILES)}")
   path = os.path.join(directory, "config.json")
-  if not os.path.isdir(directory):
-    raise CheckpointError(f"{directory}: no such directory (a Medusa head directory holds "
-                          f"config.json and {' or '.join(WEIGHT_FILES)})")
-  if not os.path.exists(path):
-    raise CheckpointError(f"{directory}: not a Medusa head directory (no config.json; found "
-                          f"{sorted(os.listdir(directory))})")
-  try:
-    with open(path) as f:
-      hf = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: cannot read: {e}") from None
   for key in ("medusa_num_heads", "medusa_num_layers"):
     value = hf.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -123,6 +123,23 @@ def cast(array: np.ndarray, dtype, transpose: bool = False, scale: Optional[floa
 # ----------------------------------------------------------------------------
 # Hugging Face weight files.
 
+def read_config_json(directory: str, what: str, holds: str) -> Dict[str, Any]:
+  """A checkpoint directory's config.json as a dict; a CheckpointError names what is wrong
+  (no directory, no config.json, unreadable JSON). what: 'an EAGLE head directory';
+  holds: the files such a directory holds, for the message."""
+  path = os.path.join(directory, "config.json")
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"{directory}: no such directory ({what} holds {holds})")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{directory}: not {what} (no config.json; found "
+                          f"{sorted(os.listdir(directory))})")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: cannot read: {e}") from None
+
+
 def hf_weight_files(directory: str, prefer: str = "safetensors") -> Dict[str, Tensor]:
   """HF tensor name -> stored tensor (read(None) gives the stored dtype, HF layout).
 

@@ -59,7 +59,8 @@ from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.eagle3_head import (Eagle3Head, check_draft_to_target,
                                                            check_rotary_target)
 from specdec_jax.families.tensor_io import (CheckpointError, cast, hf_weight_files,
-                                            raise_on_mismatch, write_safetensors)
+                                            raise_on_mismatch, read_config_json,
+                                            write_safetensors)
 
 FORMATS = ("eagle1", "eagle3")
 
@@ -198,18 +199,8 @@ def head_config(hf: Mapping[str, Any], target_config: DecoderOnlyConfig, origin:
 
 
 def _read_json(directory: str) -> Dict[str, Any]:
-  path = os.path.join(directory, "config.json")
-  if not os.path.isdir(directory):
-    raise CheckpointError(f"{directory}: no such directory (an EAGLE head directory holds "
-                          f"config.json and model.safetensors or pytorch_model.bin)")
-  if not os.path.exists(path):
-    raise CheckpointError(f"{directory}: not an EAGLE head directory (no config.json; found "
-                          f"{sorted(os.listdir(directory))})")
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: cannot read: {e}") from None
+  return read_config_json(directory, "an EAGLE head directory",
+                          "config.json and pytorch_model.bin or model.safetensors")
 
 
 def _vocabulary_map(files, hf, target_config: DecoderOnlyConfig, origin: str) -> np.ndarray:
