@@ -76,7 +76,7 @@ def measure_costs(target, draft, inputs, lengths, max_len: int, repeats: int = 5
   if is_model(draft):
     draft_ms = profiling.time_block_calls({"draft": draft}, inputs[:1], max_len, [1],
                                           repeats, lengths=first)["draft"][1]
-  else:  # A feature head: one whole 4-token proposal, per token (its own calls and sampling).
+  else:  # A trained head: one whole 4-token proposal, per token (its own calls and sampling).
     draft_ms = profiling.time_proposals(target, {"draft": draft}, inputs[:1],
                                         max_len, 4, repeats, lengths=first)["draft"] / 4
   return [target_ms[k] / target_ms[1] for k in ks], draft_ms / target_ms[1], target_ms[1]
@@ -116,7 +116,7 @@ def main(argv):
   print(f"gamma = {gamma}" + (" (given)" if GAMMA.value else
                               " (--methods: chains at one shared width)" if compare else
                               " (the theory's optimum for this cost curve)"))
-  draft_params = (draft.config.num_params if is_model(draft) else  # else a feature head
+  draft_params = (draft.config.num_params if is_model(draft) else  # else a trained head
                   sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(draft.head_params)))
   print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{draft_name}' "
         f"{draft_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "

@@ -41,9 +41,9 @@ def greedy_runs(pair):
 
 @needs_pair
 def test_pair_loads(pair):
-  # The distilled draft, then the feature head where one ships (test_feature_training.py).
+  # The distilled draft, then the trained heads where they ship (test_feature_training.py).
   assert pair.family == "decoder_only" and list(pair.drafts)[0] == "draft"
-  assert set(pair.drafts) <= {"draft", "feature"}
+  assert set(pair.drafts) <= {"draft", "feature", "medusa"}
   target, draft = pair.target.config, pair.drafts["draft"].config
   assert (target.family, draft.family) == ("gpt2", "gpt2")
   assert target.vocab_size == draft.vocab_size == pair.tokenizer.vocab_size == 2048

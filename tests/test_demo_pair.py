@@ -53,7 +53,7 @@ def test_missing_pair_is_a_clear_error(tmp_path):
 def test_pair_exposes_the_uniform_fields(pair):
   # The model drafts, then the feature head where one ships (test_feature_training.py).
   assert pair.family == "t5" and list(pair.drafts)[:2] == ["small", "tiny"]
-  assert set(pair.drafts) <= {"small", "tiny", "feature"}
+  assert set(pair.drafts) <= {"small", "tiny", "feature", "medusa"}
   tokens, lengths = pair.inputs(3)
   assert tokens.shape == (3, pair.input_len) and tokens.dtype == np.int32 and lengths is None
   np.testing.assert_array_equal(pair.heldout_inputs(3), tokens)

@@ -231,6 +231,36 @@ def test_model_card_section_is_replaced_not_repeated():
   assert "v2" in twice and "v1" not in twice
 
 
+def test_card_sections_are_replaced_in_place_not_repeated():
+  """Two writers' sections (feature head, Medusa heads) each replace only their own."""
+  from specdec_jax import demo_pair
+  card = "# A pair\n\ntext\n"
+  card = demo_pair.with_feature_head_section(card, "## Feature head\nf1\n")
+  card = demo_pair.with_card_section(card, demo_pair.MEDUSA_CARD_MARK, "## Medusa\nm1\n")
+  card = demo_pair.with_feature_head_section(card, "## Feature head\nf2\n")
+  card = demo_pair.with_card_section(card, demo_pair.MEDUSA_CARD_MARK, "## Medusa\nm2\n")
+  assert card.count(demo_pair.FEATURE_CARD_MARK) == 1 == card.count(demo_pair.MEDUSA_CARD_MARK)
+  assert "f2" in card and "m2" in card and "f1" not in card and "m1" not in card
+  assert card.index("f2") < card.index(demo_pair.MEDUSA_CARD_MARK) < card.index("m2")
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+def test_shipped_medusa_heads_decode_exactly(family):
+  from specdec_jax.demo_pair import DIRS, MEDUSA_HEAD_FILES
+  import os
+  if not os.path.exists(os.path.join(DIRS[family], MEDUSA_HEAD_FILES[0])):
+    pytest.skip(f"the {family} pair ships no Medusa heads")
+  pair = sj.load_demo_pair(family)
+  heads = pair.drafts["medusa"]
+  assert isinstance(heads, sj.MedusaDraft) and heads.num_heads == 4
+  tokens, lengths = pair.inputs(4)
+  kwargs = dict(max_decode_steps=pair.max_decode_steps, block_width=5)
+  want = sj.generate(pair.target, tokens, lengths, **kwargs)
+  got = sj.generate(pair.target, tokens, lengths, draft=heads, gamma=4, **kwargs)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  assert got.stats.alpha > 0.3, got.stats.summary()  # trained: far above random heads
+
+
 @pytest.mark.parametrize("family", ["decoder_only", "t5"])
 def test_shipped_feature_heads_decode_exactly(family):
   from specdec_jax.demo_pair import DIRS, FEATURE_HEAD_FILES
@@ -239,7 +269,9 @@ def test_shipped_feature_heads_decode_exactly(family):
     pytest.skip(f"the {family} pair ships no feature head")
   pair = sj.load_demo_pair(family)
   head = pair.drafts["feature"]
-  assert isinstance(head, sj.FeatureDraft) and list(pair.drafts)[-1] == "feature"
+  names = list(pair.drafts)  # the model drafts, then the trained heads
+  heads = [n for n in names if not isinstance(pair.drafts[n], type(pair.target))]
+  assert isinstance(head, sj.FeatureDraft) and heads[0] == "feature" == names[-len(heads)]
   tokens, lengths = pair.inputs(4)
   kwargs = dict(max_decode_steps=pair.max_decode_steps, block_width=5)
   want = sj.generate(pair.target, tokens, lengths, **kwargs)
