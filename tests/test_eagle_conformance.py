@@ -127,9 +127,10 @@ def _features(hf, tokens, kind, layers):
 # ---------------------------------------------------------------------------
 # Heads built by EAGLE's own modules, written in the public layout.
 
-def _eagle_config(target_config, kind, draft_vocab, qkv_bias):
+def _eagle_config(target_config, kind, draft_vocab, qkv_bias, rope=None):
   """The head's config: its own layer settings, unlike the target's (2 heads x 32, not
-  4 x 16; intermediate 96, not 128; eps 1e-5; rotary base 10000 by EAGLE's default)."""
+  4 x 16; intermediate 96, not 128; eps 1e-5; rotary base 10000 by EAGLE's default).
+  rope: extra rotary keys (rope_scaling with 'type', rope_theta), as EAGLE reads them."""
   cfg = dict(hidden_size=target_config.emb_dim, num_attention_heads=2, num_key_value_heads=1,
              intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=2048,
              vocab_size=VOCAB, hidden_act="silu", pad_token_id=0, num_hidden_layers=1,
@@ -138,6 +139,7 @@ def _eagle_config(target_config, kind, draft_vocab, qkv_bias):
     cfg["draft_vocab_size"] = draft_vocab
   if qkv_bias:
     cfg["qkv_bias"] = True  # cnets1 builds q/k/v biases iff the config has the attribute
+  cfg.update(rope or {})
   return cfg
 
 
@@ -147,7 +149,8 @@ def _build_eagle_head(case, target, hf):
   kind = case["kind"]
   draft_ids = case.get("draft_ids")
   draft_vocab = VOCAB if draft_ids is None else len(draft_ids)
-  cfg = _eagle_config(target.config, kind, draft_vocab, case.get("qkv_bias", False))
+  cfg = _eagle_config(target.config, kind, draft_vocab, case.get("qkv_bias", False),
+                      case.get("rope"))
   namespace = types.SimpleNamespace(**cfg)
   torch.manual_seed(case["seed"])
   if kind == "eagle1":
@@ -185,8 +188,9 @@ def _build_eagle_head(case, target, hf):
                 torch_dtype="float32")
   if kind == "eagle1":
     config["bias"] = case["fc_bias"]
-  for key in ("pretraining_tp", "rope_scaling"):
-    config.pop(key)
+  config.pop("pretraining_tp")
+  if config["rope_scaling"] is None:
+    config.pop("rope_scaling")
   module.eval()
   module.init_tree()
   return module, state, config
@@ -223,6 +227,11 @@ CASES = {
                                           embed="own", seed=5),
     "eagle3-qwen2-8-bin-d2t": dict(kind="eagle3", layout="qwen2", layers=8, file="bin",
                                    embed="same", draft_ids=_draft_ids(40, 6), seed=6),
+    # EAGLE's linear rope scaling: positions / factor on base 10000 (its scaled rotary
+    # takes no base, so rope_theta is not read).
+    "eagle1-llama3-bin-linear-rope": dict(
+        kind="eagle1", layout="llama", layers=3, file="bin", embed="none", fc_bias=True,
+        seed=7, rope=dict(rope_scaling={"type": "linear", "factor": 4.0}, rope_theta=5e5)),
 }
 # make test: one case of each kind on each depth; the rest in make test-slow.
 FAST = ("eagle1-llama3-bin-bias", "eagle3-llama8-bin-full-ownemb")
@@ -289,6 +298,8 @@ def test_loaded_head_logits_equal_eagles_forward(name, tmp_path_factory):
   layer = draft.head.layer_config
   assert (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.mlp_dim,
           layer.norm_epsilon, layer.rope_theta) == (2, 1, 32, 96, 1e-5, 10000.0)
+  assert (layer.rope_scaling, layer.rope_factor) == (("linear", 4.0) if "rope" in case else
+                                                      (None, layer.rope_factor))
   assert ("embed_tokens" in draft.head_params) == (case["embed"] == "own")
   if case["embed"] != "own":
     assert draft.target_params["embed_tokens"]["embedding"] is (

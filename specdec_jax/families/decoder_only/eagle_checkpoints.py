@@ -188,10 +188,12 @@ def head_config(hf: Mapping[str, Any], target_config: DecoderOnlyConfig, origin:
   llama = dict(hf, architectures=["LlamaForCausalLM"], model_type="llama",
                num_hidden_layers=1, vocab_size=target_config.vocab_size, head_dim=head_dim)
   llama.setdefault("rms_norm_eps", 1e-6)  # EAGLE's config default
-  for key in ("bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters",
-              "attention_bias", "mlp_bias"):
-    llama.pop(key, None)  # the target's token conventions; rotary and biases: below
-  llama.update(_eagle_rope(hf, origin))
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias"):
+    llama.pop(key, None)  # the target's token conventions; the biases: below
+  eagle_rope = _eagle_rope(hf, origin)
+  if eagle_rope:  # EAGLE's reading of rope_scaling['type'] overrides any other rotary key
+    llama.pop("rope_parameters", None)
+    llama.update(eagle_rope)
   config = hf_checkpoints.hf_config_to_decoder_config(llama, origin, dtype)
   return config.replace(bos_id=target_config.bos_id, eos_id=target_config.eos_id,
                         pad_id=target_config.pad_id,

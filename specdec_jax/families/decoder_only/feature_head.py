@@ -93,12 +93,6 @@ class HeadNetwork(nn.Module):
     rotary = rotary_tables(query_at, cfg) if cfg.uses_rotary else None
     return self.layer(x, bias, rotary, cache, positions)
 
-  def init_all(self, embeddings, features, positions, cache):
-    """Touches every param (for `init`): the own table too."""
-    if self.own_embeddings:
-      embeddings = embeddings + 0 * self.embed_tokens[0].astype(embeddings.dtype)
-    return self(embeddings, features, positions, cache)
-
 
 class DecoderOnlyFeatureHead(FeatureHead):
   """EAGLE-1 head for a decoder-only target (any layout; see the module docstring).
@@ -143,8 +137,7 @@ class DecoderOnlyFeatureHead(FeatureHead):
     h = self.config.emb_dim
     params = self.network.init(
         jax.random.PRNGKey(seed), jnp.zeros((1, 1, h)), jnp.zeros((1, 1, h)),
-        jnp.zeros((1,), jnp.int32), self.init_cache(None, 1, 1),
-        method=HeadNetwork.init_all)["params"]
+        jnp.zeros((1,), jnp.int32), self.init_cache(None, 1, 1))["params"]
     return jax.tree_util.tree_map(lambda x: x.astype(self.layer_config.dtype), params)
 
   def target_refs(self, target_params):
