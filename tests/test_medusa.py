@@ -53,7 +53,7 @@ def _equal(a, b):
   np.testing.assert_array_equal(np.asarray(a.sequences), np.asarray(b.sequences))
 
 
-@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_greedy_medusa_chain_and_tree_equal_target_only(family, dtype):
   target = _target(family, dtype=dtype)
@@ -175,7 +175,7 @@ def _write_public(directory, draft, file_format):
   return state
 
 
-@pytest.mark.parametrize("file_format", ["safetensors", "pt"])
+@pytest.mark.parametrize("file_format", ["safetensors", pytest.param("pt", marks=pytest.mark.slow)])
 def test_public_medusa_directory_loads_and_decodes_as_the_same_arrays(tmp_path, file_format):
   target = _target("decoder_only", vocab=32)
   built = sj.MedusaDraft(target, num_heads=3, num_layers=2, seed=7)
@@ -237,3 +237,68 @@ def test_bad_medusa_input_gets_clear_errors(tmp_path):
     sj.save_medusa_draft(sj.MedusaDraft(target, num_heads=2, share_lm_head=True), tmp_path / "s")
   with pytest.raises(ValueError, match="built for another target config"):
     sj.generate(other, tokens, lengths, draft=medusa, gamma=2, max_decode_steps=4)
+  # A family that keeps its hidden states to itself cannot serve the heads.
+  import test_families  # registers its toy family
+  toy = sj.load_model("toy_small", seed=1)
+  with pytest.raises(ValueError, match=r"the toy family does not expose its hidden states .* "
+                                       r"\(FeatureDraft, MedusaDraft\) cannot serve it"):
+    sj.MedusaDraft(toy)
+  assert test_families.TOY is family_of(toy)
+
+
+def test_tree_levels_come_from_head_depth_plus_one_whatever_the_pending_chain():
+  """The tree's root is the chain's end and h the state before it (`observe` hands over the
+  whole accepted path, pending tokens included): the root's children come from head 1 and a
+  node at depth d's from head d + 1, for every chain length."""
+  from specdec_jax.core import sampling
+  from specdec_jax.core.tree import TreeAttention
+  target = _target("decoder_only", vocab=32)
+  medusa = sj.MedusaDraft(target, num_heads=3, seed=6)
+  expander = medusa.tree_expander(medusa.params, 1.0, 0, 0.0)
+  hidden = jax.random.normal(jax.random.PRNGKey(0), (2, medusa.hidden_dim))
+  state = expander.init(dict(hidden=hidden, ready=jnp.array([True, True])), 2, 8)
+  laws = np.asarray(sampling.adjust_probs(medusa.head_logits(medusa.params, hidden, 3)))
+  chain_len = jnp.array([2, 0], jnp.int32)  # a row with two pending tokens, a row with none
+  _, root_probs, state = expander.start(state, None, None, None, chain_len)
+  np.testing.assert_allclose(np.asarray(root_probs), laws[:, 0], rtol=1e-6, atol=1e-7)
+  depths = jnp.array([[1, 2, 2], [2, 1, 1]], jnp.int32)
+  attention = TreeAttention(jnp.zeros((2,), jnp.int32), depths, jnp.ones((2, 3, 3), bool),
+                            jnp.zeros((2, 3), jnp.int32))
+  _, probs, _ = expander.expand(state, None, chain_len, None, attention, 1)
+  for b in range(2):
+    for i, d in enumerate(np.asarray(depths[b])):
+      np.testing.assert_allclose(np.asarray(probs[b, i]), laws[b, d], rtol=1e-6, atol=1e-7)
+  assert not np.allclose(laws[:, 0], laws[:, 1])  # the heads differ: a real check
+
+
+def test_medusa_loss_pairs_head_k_at_t_with_the_targets_law_at_t_plus_k():
+  """The Medusa-1 loss against a reference written out position by position: head k at
+  position t, the target's law of token t + 1 + k (its logits at t + k), weights w_t w_{t+k},
+  head k weighted decay**(k-1)."""
+  from specdec_jax.train.feature import feature_batch
+  from specdec_jax.train.medusa import medusa_loss_fn
+  target = _target("decoder_only", vocab=32)
+  medusa = sj.MedusaDraft(target, num_heads=3, seed=2)
+  tokens = np.random.default_rng(1).integers(2, 32, (2, 7)).astype(np.int32)
+  weights = np.ones_like(tokens, np.float32)
+  weights[1, 5:] = 0
+  batch = feature_batch(target, dict(tokens=tokens, weights=weights))
+  loss, aux = medusa_loss_fn(medusa, decay=0.5)(medusa.head_params, batch)
+  features = np.asarray(batch["features"])
+  heads = np.asarray(medusa.head_logits(medusa.params, jnp.asarray(features.reshape(14, -1)),
+                                        3)).reshape(2, 7, 3, -1)
+  teacher = np.asarray(medusa.target_logits(medusa.projection_refs, jnp.asarray(features)))
+
+  def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+  want = 0.0
+  for k in (1, 2, 3):
+    for b in range(2):
+      for t in range(7 - k):
+        p = np.exp(log_softmax(teacher[b, t + k]))
+        ce = -np.sum(p * log_softmax(heads[b, t, k - 1]))
+        want += 0.5 ** (k - 1) * weights[b, t] * weights[b, t + k] * ce
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert float(aux["positions_2"]) == 5 + 3  # row 0: t = 0..4; row 1: t = 0..2

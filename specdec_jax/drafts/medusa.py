@@ -31,9 +31,10 @@ proposal drafts nothing (a plain target step).
 Trees: `TreeDraft(medusa, branching=...)`. Depth d's children are drawn from
 head d's law (Medusa's own tree construction), whatever their parent: the
 law a child was drawn from is head d's, so recursive rejection sampling
-stays exact. Greedy pending tokens (`core.tree_decoding`) shift the heads:
-the root at chain position c draws its children from head c + 1. Nodes
-deeper than num_heads reuse the last head (still its own exact law).
+stays exact. The tree's root is the chain's end: greedy pending tokens
+(`core.tree_decoding`) are handed over by `observe` with their features
+(the whole accepted path), so h is always the state before the root, and
+the root's children come from head 1 whatever the chain's length.
 
 Params: dict(kernel [num_layers, K, h, h], bias [num_layers, K, h],
 lm_head [K, h, vocab] (own heads only)) in the target's dtype, plus
@@ -213,11 +214,13 @@ class MedusaDraft(Draft):
     return propose
 
   def tree_expander(self, params, temperature, topk, topp):
-    """Medusa's trees (`drafts.tree.TreeExpander`): a node at depth d below a root at chain
-    position c draws its children from head c + d + 1 (clipped to the last head), whatever
-    its parent. `start` computes every head's law once per proposal and keeps them in the
-    state (`init`: laws [batch, K, vocab]); before any feature (`ready` false) the laws are
-    uniform, which is still the law the children are drawn from."""
+    """Medusa's trees (`drafts.tree.TreeExpander`): a node at depth d below the root draws
+    its children from head d + 1, whatever its parent. The root is the chain's end and h
+    the state before it (`observe` hands over the whole accepted path, greedy pending
+    tokens included), so `chain_len` shifts nothing. `start` computes every head's law once
+    per proposal and keeps them in the state (`init`: laws [batch, K, vocab]); before any
+    feature (`ready` false) the laws are uniform, which is still the law the children are
+    drawn from. `TreeDraft` refuses trees deeper than K (`max_tree_depth`)."""
     from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
     k, vocab = self.num_heads, self.vocab_size
 
@@ -226,24 +229,22 @@ class MedusaDraft(Draft):
       return dict(state, tree_scores=jnp.zeros((batch, k, vocab), jnp.float32),
                   tree_probs=jnp.zeros((batch, k, vocab), jnp.float32))
 
-    def head_at(table, head):  # table [batch, K, vocab], head [batch, n] 0-based
-      return jnp.take_along_axis(table, jnp.clip(head, 0, k - 1)[:, :, None], axis=1)
+    def head_at(table, depth):  # table [batch, K, vocab], depth [batch, n]: head depth + 1
+      return jnp.take_along_axis(table, jnp.clip(depth, 0, k - 1)[:, :, None], axis=1)
 
     def start(state, sequences, lengths, chain, chain_len):
-      del sequences, lengths, chain
+      del sequences, lengths, chain, chain_len
       logits = self.head_logits(params, state["hidden"], k)
       ready = state["ready"][:, None, None]
       scores = jnp.where(ready, jax.nn.log_softmax(logits, axis=-1), -jnp.log(vocab))
       probs = jnp.where(ready, sampling.adjust_probs(logits, temperature, topk, topp),
                         1.0 / vocab)
-      state = dict(state, tree_scores=scores, tree_probs=probs)
-      head = chain_len[:, None].astype(jnp.int32)
-      return head_at(scores, head)[:, 0], head_at(probs, head)[:, 0], state
+      return scores[:, 0], probs[:, 0], dict(state, tree_scores=scores, tree_probs=probs)
 
     def expand(state, lengths, chain_len, tokens, attention, block_offset):
-      del lengths, tokens, block_offset
-      head = chain_len[:, None].astype(jnp.int32) + attention.depths
-      return head_at(state["tree_scores"], head), head_at(state["tree_probs"], head), state
+      del lengths, chain_len, tokens, block_offset
+      return (head_at(state["tree_scores"], attention.depths),
+              head_at(state["tree_probs"], attention.depths), state)
 
     def move(state, lengths, sources):
       return state

@@ -293,8 +293,8 @@ class Family(abc.ABC):
 
   def _no_features(self) -> ValueError:
     return ValueError(f"the {self.name} family does not expose its hidden states to drafts "
-                      f"({type(self).__name__}.supports_features is False): a feature draft "
-                      "cannot serve it")
+                      f"({type(self).__name__}.supports_features is False): a draft that "
+                      "reads them (FeatureDraft, MedusaDraft) cannot serve it")
 
   def feature_dim(self, config, layers=None) -> int:
     """The width f of the features `layers` selects (None: the last layer's, after
