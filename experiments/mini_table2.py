@@ -36,7 +36,7 @@ from experiments.paper_tables import TABLE2
 from experiments.run import OUTPUT_DIR
 from specdec_jax.families.registry import is_model
 from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs, time_proposals
-from specdec_jax.core import results as results_lib
+from specdec_jax import results as results_lib
 from specdec_jax.core import theory
 from specdec_jax.demo_pair import load_demo_pair
 

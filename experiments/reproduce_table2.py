@@ -32,7 +32,7 @@ import gin
 
 from experiments import run as run_lib
 from experiments.paper_tables import TABLE2, Table2Row
-from specdec_jax.core import results as results_lib
+from specdec_jax import results as results_lib
 
 # Stand-in drafts: noisy copies of the tiny target, noisier for smaller drafts
 # (a larger draft agrees more with the target).

@@ -40,11 +40,14 @@ Writes `results.json` (the Table 2 fields and every decoded completion) and
 succeeded: a failed run leaves no results.
 """
 
+import abc
+import contextlib
 import dataclasses
 import functools
 import glob
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -61,9 +64,10 @@ import tqdm
 from experiments.gin_flags import (GIN_BINDINGS, GIN_FILES, GIN_SEARCH_PATHS, parse_gin,
                                    rewrite_gin_args)
 from specdec_jax.core import decoding
-from specdec_jax.core import results as results_lib
+from specdec_jax import results as results_lib
 from specdec_jax.core import sampling
-from specdec_jax import sharding
+from specdec_jax import multihost, sharding
+from specdec_jax import settings as settings_lib
 from specdec_jax import tasks
 from specdec_jax import text
 from specdec_jax.core import theory
@@ -78,7 +82,7 @@ from specdec_jax.families.t5.config import T5Config
 from specdec_jax.generation import generate
 from specdec_jax import demo_pair
 from specdec_jax.loading import load_feature_draft, load_model, load_sharded_model, shard_model
-from specdec_jax.tools.testing import perturbed_model
+from specdec_jax.perturbation import perturbed_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIRS_DIR = os.path.join(REPO_ROOT, "configs", "pairs")
@@ -101,9 +105,65 @@ def named_config(name: str):
                                for f in families()))
 
 
+class DraftSpec(abc.ABC):
+  """What `Experiment.draft` holds: a draft described by settings, which builds itself
+  for the loaded target (`ModelSpec`, `DraftKind`, `TreeSpec`; `ReadyDraft` wraps a
+  `Draft` given as is). `run_experiment`'s stages ask it, in order:
+
+  - `check()`: fails fast, before anything loads (paths, kinds, shapes).
+  - `build(target, rows, tokenizer, partitioner)`: the `Draft` for the loaded target
+    (rows: the tokenized inputs; a checkpoint is read onto `partitioner`'s mesh).
+  - `theory_gamma` / `verify_block`: the gamma results.json and the theory use, and
+    the timed verification call.
+  - `place(draft, target, partitioner)`: the draft once the target is on the mesh.
+  - `cost_model(draft)`: the model whose one-token step is c's numerator (None: c is
+    taken as 0).
+  - `report` / `report_markdown`: results.json's and results.md's fields of its own.
+
+  The defaults are a chain's.
+  """
+
+  def check(self) -> None:
+    """Fails fast, before anything loads."""
+
+  @abc.abstractmethod
+  def build(self, target, rows, tokenizer, partitioner=None) -> Draft:
+    """The `Draft` for the loaded `target`, on the host (rows: the tokenized inputs;
+    tokenizer: the target's, which a draft model must read too)."""
+
+  def place(self, draft: Draft, target, partitioner: sharding.Partitioner) -> Draft:
+    """A model draft's weights go onto the mesh leaf by leaf (as the target's); other
+    drafts stay as they are (`generate` replicates their arrays)."""
+    if not isinstance(draft, ModelDraft):
+      return draft
+    return ModelDraft(shard_model(draft.model, partitioner), draft.confidence_threshold,
+                      draft.vocab_size if draft.padding else None)
+
+  def cost_model(self, draft: Draft):
+    return draft.model if isinstance(draft, ModelDraft) else None
+
+  def theory_gamma(self, draft: Draft, gamma: int) -> int:
+    """The gamma of results.json and of the theory's formulas."""
+    return gamma
+
+  def verify_block(self, gamma: int, block_width: int) -> Tuple[int, str]:
+    """(tokens of the timed verification call, which the decode must reach; how an error
+    names them)."""
+    return gamma + 1, f"gamma + 1 ({gamma + 1})"
+
+  def report(self, draft: Draft, stats: SpeculativeStats, block_width: int, temperature: float,
+             c: Optional[float], verify_cost: float) -> Dict[str, Any]:
+    """results.json's fields of this kind of draft."""
+    return {}
+
+  def report_markdown(self, result: Dict[str, Any]) -> str:
+    """results.md's lines under the Table 2 row for this kind of draft."""
+    return ""
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(DraftSpec):
   """How to obtain a target or draft model, of any family.
 
   Attributes:
@@ -139,10 +199,29 @@ class ModelSpec:
     """The config object (a named config looked up), or None."""
     return named_config(self.config) if isinstance(self.config, str) else self.config
 
+  def check(self) -> None:
+    self.validate("draft")
+
+  def build(self, target, rows, tokenizer, partitioner=None) -> Draft:
+    """The draft model (or the target's noisy copy), checked against the tokenizer."""
+    if self.perturb_target is not None:
+      logging.info("draft: the target with %.0f%% weight noise", 100 * self.perturb_target)
+      model = perturbed_model(target, self.perturb_target, seed=self.seed + 1)
+    else:
+      model = load_spec(self, "draft", partitioner)
+    text.check_vocab_size(tokenizer, model.config, _model_source(self, "draft"))
+    if model.config.vocab_size < target.config.vocab_size:
+      # One tokenizer, embedding tables padded to different sizes (Qwen2.5):
+      # q = 0 on the ids the draft lacks keeps the outputs exact.
+      logging.info("draft: %d logits padded to the target's %d", model.config.vocab_size,
+                   target.config.vocab_size)
+      return ModelDraft(model, target_vocab_size=target.config.vocab_size)
+    return ModelDraft(model)
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class DraftKind:
+class DraftKind(DraftSpec):
   """A draft that is not a model, built for the target once it is loaded.
 
   Attributes:
@@ -170,7 +249,7 @@ class DraftKind:
   def name(self) -> str:
     return self.kind
 
-  def validate(self) -> None:
+  def check(self) -> None:
     if self.kind not in self.KINDS:
       raise ValueError(f"unknown DraftKind.kind {self.kind!r}; known: {list(self.KINDS)}")
     if self.kind == "feature":
@@ -179,12 +258,7 @@ class DraftKind:
     elif self.path is not None and not os.path.isfile(self.path):
       raise FileNotFoundError(f"n-gram draft file not found: {self.path!r}")
 
-  @property
-  def reads_target(self) -> bool:
-    """Whether the draft is built from the target's params (after they are placed)."""
-    return self.kind == "feature"
-
-  def build(self, target, rows: Sequence[Sequence[int]]) -> Draft:
+  def build(self, target, rows, tokenizer=None, partitioner=None) -> Draft:
     """The draft for `target` (a model; n-gram kinds read only its config); rows: the
     tokenized inputs."""
     target_config = target.config
@@ -199,6 +273,10 @@ class DraftKind:
                           order=2, eos_id=family.eos_id(target_config),
                           pad_id=target_config.pad_id)
 
+  def place(self, draft: Draft, target, partitioner: sharding.Partitioner) -> Draft:
+    # A feature head reads the target's arrays: built again from the placed target.
+    return self._feature_draft(target) if self.kind == "feature" else draft
+
   def _feature_draft(self, target) -> Draft:
     if self.path is None:
       logging.warning("draft: a RANDOM feature head (DraftKind.path unset): it drafts noise; "
@@ -211,7 +289,7 @@ class DraftKind:
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class TreeSpec:
+class TreeSpec(DraftSpec):
   """A token-tree draft (`TreeDraft` / `DynamicTreeDraft`) around a model, n-gram or feature
   draft.
 
@@ -219,7 +297,8 @@ class TreeSpec:
   width (BLOCK_WIDTH, `Experiment.block_width`) must hold the tree's
   `num_nodes` slots, root included; by default it is num_nodes where
   `decoding.narrow_by_default` (float32 on CPU), else
-  `decoding.DEFAULT_BLOCK_WIDTH`.
+  `decoding.DEFAULT_BLOCK_WIDTH` (`settings.plan_settings` decides, and
+  names the width to pass).
 
   Attributes:
     inner: the draft that scores every node: the pair's `ModelSpec` (default
@@ -245,36 +324,118 @@ class TreeSpec:
       return f"tree{'x'.join(map(str, self.branching))}({self.inner.name})"
     return f"dynamic_tree_k{self.topk}d{self.depth}n{self.node_budget}({self.inner.name})"
 
-  def validate(self) -> None:
+  def check(self) -> None:
     """Fails fast, before anything loads, on a bad shape, law or inner draft."""
     if self.kind not in self.KINDS:
       raise ValueError(f"unknown TreeSpec.kind {self.kind!r}; known: {list(self.KINDS)}")
-    if isinstance(self.inner, ModelSpec):
-      self.inner.validate("draft")
-    elif isinstance(self.inner, DraftKind):
-      self.inner.validate()
-      if self.inner.kind == "prompt_lookup":
-        raise ValueError("TreeSpec.inner is a prompt-lookup draft, which gives no distribution "
-                         "at every tree node: use the pair's @draft/ModelSpec() or an n-gram "
-                         "DraftKind")
-    else:
+    if not isinstance(self.inner, (ModelSpec, DraftKind)):
       raise TypeError(f"TreeSpec.inner must be a ModelSpec or a DraftKind, got "
                       f"{type(self.inner).__name__}")
+    self.inner.check()
+    if getattr(self.inner, "kind", None) == "prompt_lookup":
+      raise ValueError("TreeSpec.inner is a prompt-lookup draft, which gives no distribution "
+                       "at every tree node: use the pair's @draft/ModelSpec() or an n-gram "
+                       "DraftKind")
     if self.kind == "tree":
       TreeShape(self.branching)
       if self.children not in TREE_LAWS:
         raise ValueError(f"TreeSpec.children must be one of {TREE_LAWS}, got {self.children!r}")
 
-  @property
-  def num_nodes(self) -> int:
-    """The tree's slots, root included: the narrowest block width that holds it."""
-    return TreeShape(self.branching).num_nodes if self.kind == "tree" else int(self.node_budget)
+  def build(self, target, rows, tokenizer, partitioner=None) -> TreeDraft:
+    return self._grow(self.inner.build(target, rows, tokenizer, partitioner))
 
-  def build(self, inner: Draft) -> TreeDraft:
+  def place(self, draft: TreeDraft, target, partitioner: sharding.Partitioner) -> TreeDraft:
+    return self._grow(self.inner.place(draft.inner, target, partitioner))
+
+  def _grow(self, inner: Draft) -> TreeDraft:
     if self.kind == "tree":
       return TreeDraft(inner, self.branching, children=self.children)
     return DynamicTreeDraft(inner, topk=self.topk, depth=self.depth,
                             node_budget=self.node_budget)
+
+  def cost_model(self, draft: TreeDraft):
+    return self.inner.cost_model(draft.inner)
+
+  def theory_gamma(self, draft: TreeDraft, gamma: int) -> int:
+    # A tree's gamma is its depth (draft calls per iteration); the loop's own
+    # deepest node (greedy pending tokens included) is results["tree"]["max_depth"].
+    return draft.depth
+
+  def verify_block(self, gamma: int, block_width: int) -> Tuple[int, str]:
+    # The target scores the tree's W slots in one call.
+    return block_width, (f"the block width ({block_width}): raise MAX_DECODE_STEPS or lower "
+                         "BLOCK_WIDTH")
+
+  def report(self, draft: TreeDraft, stats: SpeculativeStats, block_width: int,
+             temperature: float, c: Optional[float], verify_cost: float) -> Dict[str, Any]:
+    """The tree, its measured statistics, and the theory's predictions from the measured
+    per-rank acceptance (`theory.tree_expected_tokens`)."""
+    per_rank = stats.per_rank_acceptance.tolist()
+    description = dict(kind=self.kind, inner=self.inner.name, num_nodes=draft.num_nodes,
+                       block_width=block_width, depth=draft.depth, max_depth=stats.gamma,
+                       law=draft.law(temperature < sampling.MIN_TEMPERATURE),
+                       verification="recursive rejection sampling over the tree")
+    if self.kind == "tree":
+      description.update(branching=list(self.branching), children=self.children)
+      expected = theory.tree_expected_tokens(self.branching, per_rank)
+      note = None
+    else:
+      description.update(topk=self.topk, node_budget=self.node_budget)
+      # No static shape to score: the predictions use the measured tokens per iteration.
+      expected = None
+      note = "dynamic tree: predicted speedups use the measured tokens per iteration"
+    tokens = max(expected if expected is not None else stats.mean_tokens_per_iteration, 1.0)
+    calls = draft.depth  # one draft call per depth (the first feeds the pending chain)
+    return dict(
+        tree=description, depth_histogram=stats.depth_histogram.sum(0).tolist(),
+        per_rank_acceptance=per_rank, rank_tried=stats.rank_tried.sum(0).tolist(),
+        expected_tokens_per_iteration=expected,
+        best_tree_shape=list(theory.best_tree_shape(per_rank, block_width, draft.depth)),
+        predicted_speedup=theory.predicted_tree_speedup(tokens, c or 0.0, calls, 1.0),
+        predicted_speedup_measured_verify_cost=theory.predicted_tree_speedup(
+            tokens, c or 0.0, calls, verify_cost),
+        predicted_speedup_note=note)
+
+  def report_markdown(self, result: Dict[str, Any]) -> str:
+    tree = result["tree"]
+    shape = (f"branching {tuple(tree['branching'])}, children {tree['children']}"
+             if tree["kind"] == "tree" else
+             f"topk {tree['topk']}, depth {tree['depth']}, node_budget {tree['node_budget']}")
+    return (f"\nTree: {tree['kind']} ({shape}) around {tree['inner']}; {tree['num_nodes']} "
+            f"nodes, block width {tree['block_width']}, verified by {tree['verification']} "
+            f"(law {tree['law']}).\n\n"
+            f"- tokens per iteration: {result['mean_tokens_per_iteration']:.2f} measured, "
+            f"{_fmt_or_na(result['expected_tokens_per_iteration'])} predicted\n"
+            f"- accepted-depth histogram (depth 0..{len(result['depth_histogram']) - 1}): "
+            f"{result['depth_histogram']}\n"
+            f"- per-rank acceptance: "
+            f"{', '.join(f'{a:.2f}' for a in result['per_rank_acceptance'])}"
+            f"\n- best static shape for these rates within {tree['block_width']} nodes and "
+            f"depth {tree['depth']} (theory.best_tree_shape): "
+            f"{tuple(result['best_tree_shape'])}\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyDraft(DraftSpec):
+  """A `Draft` given as is (`Experiment(draft=NgramDraft(...))`, from Python)."""
+  draft: Draft
+
+  @property
+  def name(self) -> str:
+    return type(self.draft).__name__
+
+  def build(self, target, rows, tokenizer, partitioner=None) -> Draft:
+    return self.draft
+
+
+def draft_spec(draft: Union[DraftSpec, Draft]) -> DraftSpec:
+  """`Experiment.draft` as a `DraftSpec` (a `Draft` wrapped in `ReadyDraft`)."""
+  if isinstance(draft, DraftSpec):
+    return draft
+  if not isinstance(draft, Draft):
+    raise TypeError(f"Experiment.draft must be a ModelSpec, a DraftKind, a TreeSpec or a Draft, "
+                    f"got {type(draft).__name__}")
+  return ReadyDraft(draft)
 
 
 @gin.configurable
@@ -282,8 +443,8 @@ class TreeSpec:
 class Experiment:
   """One measurement: a target, a draft, a task and the decoding settings.
 
-  `draft` is a `ModelSpec`, a `DraftKind`, a `TreeSpec` or any
-  `specdec_jax.drafts.Draft`.
+  `draft` is a `DraftSpec` (a `ModelSpec`, a `DraftKind`, a `TreeSpec`) or
+  any `specdec_jax.drafts.Draft`.
   tokenizer: None (default) reads the target checkpoint's own (or
   `vocabulary`'s: a tokenizer file or directory, the VOCABULARY macro);
   a `tasks.Tokenizer` (e.g. the byte fallback for random tiny models) wins
@@ -299,7 +460,7 @@ class Experiment:
   target-only decoding at W and at width 1 (the BLOCK_WIDTH macro). A tree
   draft needs W >= its num_nodes (default: num_nodes on CPU float32).
   verification: how the speculative decoder keeps drafts
-  (`decoding.VERIFIERS`: 'token', or 'block' for Sun et al.'s block
+  (`core.verification.VERIFIERS`: 'token', or 'block' for Sun et al.'s block
   verification; the VERIFICATION macro). results.json records it; its
   `expected_tokens_per_iteration` stays the token-wise formula, a lower bound
   for 'block'. Tree drafts are verified by recursive rejection sampling
@@ -384,25 +545,6 @@ def _model_source(spec: ModelSpec, role: str) -> str:
   return f"{role} checkpoint {config_json if os.path.isfile(config_json) else spec.checkpoint}"
 
 
-def load_draft(spec: Union[ModelSpec, DraftKind, Draft], target, rows,
-               partitioner: Optional[sharding.Partitioner] = None) -> Draft:
-  if isinstance(spec, Draft):
-    return spec
-  if isinstance(spec, DraftKind):
-    return spec.build(target, rows)
-  if spec.perturb_target is not None:
-    logging.info("draft: the target with %.0f%% weight noise", 100 * spec.perturb_target)
-    return ModelDraft(perturbed_model(target, spec.perturb_target, seed=spec.seed + 1))
-  model = load_spec(spec, "draft", partitioner)
-  if model.config.vocab_size < target.config.vocab_size:
-    # One tokenizer, embedding tables padded to different sizes (Qwen2.5):
-    # q = 0 on the ids the draft lacks keeps the outputs exact.
-    logging.info("draft: %d logits padded to the target's %d", model.config.vocab_size,
-                 target.config.vocab_size)
-    return ModelDraft(model, target_vocab_size=target.config.vocab_size)
-  return ModelDraft(model)
-
-
 def batch_rows(num_rows: int, batch_size: int):
   """Yields (row indices [batch_size], number of real rows); the last batch repeats
   its final row."""
@@ -418,7 +560,7 @@ class HostLayout:
 
   Global batch k holds examples `batch_rows(count, batch_size)` (the last
   one padded with repeats of the final example), exactly as on one process;
-  process p feeds its block `sharding.process_row_block(local_batch, p)` of
+  process p feeds its block `multihost.process_row_block(local_batch, p)` of
   each, so the decode (`generate(..., process_local=True)`) sees the same
   global batches, and the outputs equal the single-process run's.
   """
@@ -431,13 +573,13 @@ class HostLayout:
 
   def example_indices(self, count: int, process: Optional[int] = None) -> List[int]:
     """The example of each row `process` (default this one) feeds, batch by batch."""
-    block = sharding.process_row_block(self.local_batch, process)
+    block = multihost.process_row_block(self.local_batch, process)
     return [int(i) for index, _ in batch_rows(count, self.batch_size) for i in index[block]]
 
   def gather(self, count: int, local_examples, local_rows):
     """Every process's examples and token rows -> (examples, rows) in file order."""
-    texts = sharding.gather_texts([e.inputs for e in local_examples])
-    token_rows = sharding.gather_ragged(local_rows)
+    texts = multihost.gather_texts([e.inputs for e in local_examples])
+    token_rows = multihost.gather_ragged(local_rows)
     n = len(local_rows)
     examples, rows = [None] * count, [None] * count
     for process in range(self.processes):
@@ -450,7 +592,7 @@ class HostLayout:
 def host_layout(partitioners, batch_size: int) -> Optional[HostLayout]:
   """Per-host input when a mesh spans several processes, else None (every
   process reads every row)."""
-  if partitioners is None or jax.process_count() == 1 or not sharding.spans_processes(
+  if partitioners is None or jax.process_count() == 1 or not multihost.spans_processes(
       partitioners[0].replicated()):
     return None
   processes = jax.process_count()
@@ -554,70 +696,6 @@ def _take_stats(stats: SpeculativeStats, real: int) -> SpeculativeStats:
       if f.name != "gamma" and getattr(stats, f.name) is not None})
 
 
-def tree_width(block_width: Optional[int], tree: TreeSpec, dtype: Optional[str]) -> int:
-  """The target's block width for a tree draft: BLOCK_WIDTH, else num_nodes on CPU float32
-  (else `decoding.DEFAULT_BLOCK_WIDTH`); a width that cannot hold the tree is a ValueError."""
-  width = decoding.resolve_block_width(
-      block_width if block_width is not None else
-      tree.num_nodes if decoding.narrow_by_default(dtype) else None)
-  if width < tree.num_nodes:
-    raise ValueError(f"{tree.name} has {tree.num_nodes} slots (root included), more than the "
-                     f"target's block width {width}"
-                     f"{' (the default)' if block_width is None else ''}: pass "
-                     f"--gin.BLOCK_WIDTH={tree.num_nodes} (or more)")
-  return width
-
-
-def tree_results(tree: TreeSpec, draft: TreeDraft, stats: SpeculativeStats, width: int,
-                 temperature: float, c: Optional[float], verify_cost: float) -> Dict[str, Any]:
-  """results.json's tree fields: the tree, its measured statistics, and the theory's
-  predictions from the measured per-rank acceptance (`theory.tree_expected_tokens`)."""
-  greedy = temperature < sampling.MIN_TEMPERATURE
-  per_rank = stats.per_rank_acceptance.tolist()
-  description = dict(kind=tree.kind, inner=tree.inner.name, num_nodes=tree.num_nodes,
-                     block_width=width, depth=draft.depth, max_depth=stats.gamma,
-                     law=draft.law(greedy),
-                     verification="recursive rejection sampling over the tree")
-  if tree.kind == "tree":
-    description.update(branching=list(tree.branching), children=tree.children)
-    expected = theory.tree_expected_tokens(tree.branching, per_rank)
-    note = None
-  else:
-    description.update(topk=tree.topk, node_budget=tree.node_budget)
-    # No static shape to score: the predictions use the measured tokens per iteration.
-    expected = None
-    note = "dynamic tree: predicted speedups use the measured tokens per iteration"
-  tokens = expected if expected is not None else stats.mean_tokens_per_iteration
-  calls = draft.depth  # one draft call per depth (the first feeds the pending chain)
-  return dict(
-      tree=description, depth_histogram=stats.depth_histogram.sum(0).tolist(),
-      per_rank_acceptance=per_rank, rank_tried=stats.rank_tried.sum(0).tolist(),
-      expected_tokens_per_iteration=expected,
-      best_tree_shape=list(theory.best_tree_shape(per_rank, width, draft.depth)),
-      predicted_speedup=theory.predicted_tree_speedup(max(tokens, 1.0), c or 0.0, calls, 1.0),
-      predicted_speedup_measured_verify_cost=theory.predicted_tree_speedup(
-          max(tokens, 1.0), c or 0.0, calls, verify_cost),
-      predicted_speedup_note=note)
-
-
-def tree_markdown(result: Dict[str, Any]) -> str:
-  """results.md's lines under the Table 2 row for a tree draft."""
-  tree = result["tree"]
-  shape = (f"branching {tuple(tree['branching'])}, children {tree['children']}"
-           if tree["kind"] == "tree" else
-           f"topk {tree['topk']}, depth {tree['depth']}, node_budget {tree['node_budget']}")
-  return (f"\nTree: {tree['kind']} ({shape}) around {tree['inner']}; {tree['num_nodes']} "
-          f"nodes, block width {tree['block_width']}, verified by {tree['verification']} "
-          f"(law {tree['law']}).\n\n"
-          f"- tokens per iteration: {result['mean_tokens_per_iteration']:.2f} measured, "
-          f"{_fmt_or_na(result['expected_tokens_per_iteration'])} predicted\n"
-          f"- accepted-depth histogram (depth 0..{len(result['depth_histogram']) - 1}): "
-          f"{result['depth_histogram']}\n"
-          f"- per-rank acceptance: {', '.join(f'{a:.2f}' for a in result['per_rank_acceptance'])}"
-          f"\n- best static shape for these rates within {tree['block_width']} nodes and depth "
-          f"{tree['depth']} (theory.best_tree_shape): {tuple(result['best_tree_shape'])}\n")
-
-
 # results.md's line for a non-default verification rule (chains only).
 VERIFICATION_NOTES = {
     "block": "\nVerification: block (Sun et al., arXiv 2403.10444); "
@@ -628,143 +706,190 @@ def _fmt_or_na(value: Optional[float]) -> str:
   return "n/a" if value is None else f"{value:.2f}"
 
 
+# `specdec_jax.settings`' words for generate's arguments -> the launcher's gin macros.
+_LAUNCHER_WORDS = (
+    # The launcher runs both decoders at the one width: no "and the same ... to the
+    # target-only decoding" to say.
+    (re.compile(r"pass block_width=(\d+) \(or more\).*", re.S),
+     r"pass --gin.BLOCK_WIDTH=\1 (or more)"),
+    (re.compile(r"\bblock_width="), "BLOCK_WIDTH="),
+    (re.compile(r"\bgamma="), "GAMMA="),
+    (re.compile(r"\bverification="), "VERIFICATION="),
+    (re.compile(r"\bdrop verification\b"), "drop VERIFICATION"),
+)
+
+
+@contextlib.contextmanager
+def launcher_words():
+  """Re-raises a ValueError of `specdec_jax.settings` naming the gin macro to set
+  (--gin.BLOCK_WIDTH=11) where it names generate's argument (block_width=11)."""
+  try:
+    yield
+  except ValueError as e:
+    message = str(e)
+    for pattern, words in _LAUNCHER_WORDS:
+      message = pattern.sub(words, message)
+    raise ValueError(message) from None
+
+
+# ---------------------------------------------------------------------------
+# The experiment: plan, build, measure, report.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What `plan` fixed before any weights load."""
+  spec: DraftSpec
+  tokenizer: Any
+  examples: List[tasks.Example]
+  rows: List[List[int]]  # every example's token ids, in file order
+  local_rows: Optional[List[List[int]]]  # this process's own, under per-host input
+  partitioners: Optional[Tuple[sharding.Partitioner, sharding.Partitioner]]
+  hosts: Optional[HostLayout]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What `build` made: the models on their devices and the decode's validated settings."""
+  target: Any
+  draft: Draft
+  cost_model: Any  # the draft's model, whose step gives c (None: c is taken as 0)
+  inputs: np.ndarray  # every example's row [examples, C]
+  prompt_lengths: Optional[np.ndarray]
+  local_inputs: Optional[Tuple[np.ndarray, Optional[np.ndarray]]]  # this process's, per host
+  settings: settings_lib.DecodeSettings  # the block width W among them
+  gamma: int  # results.json's and the theory's (a tree: its depth)
+  verify_tokens: int  # tokens of the timed verification call
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """What `measure` decoded (padding rows dropped) and timed."""
+  sequences: Dict[str, np.ndarray]  # 'baseline', 'speculative'
+  lengths: Dict[str, np.ndarray]
+  stats: SpeculativeStats
+  walltime: Dict[str, float]  # 'baseline' (at W), 'baseline_width_1', 'speculative'
+  target_step: float  # seconds of one one-token target call
+  verify_cost: float  # the verification call / one one-token call
+  draft_step: Optional[float]  # seconds of one one-token call of the cost model
+
+
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
                    mesh_shape: Optional[str] = None) -> Dict[str, Any]:
-  """Runs `exp`, writes results.json and results.md into output_dir, returns the results."""
-  if exp.max_decode_steps < exp.gamma + 1 and not isinstance(exp.draft, TreeSpec):
-    raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= gamma + 1 "
-                     f"({exp.gamma + 1})")
+  """Runs `exp`, writes results.json and results.md into output_dir, returns the results.
+
+  Four stages: `plan` (every check that needs no weights; the inputs),
+  `build` (the models and the draft, the settings validated, then placed),
+  `measure` (both decoders, the step times) and `report` (the results). The
+  files are written once every measurement succeeded, by one process.
+  """
+  planned = plan(exp, num_examples, mesh_shape)
+  setup = build(exp, planned)
+  measured = measure(exp, planned, setup)
+  result = report(exp, planned, setup, measured)
+  if multihost.is_output_process():  # Multi-host: one writer.
+    results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
+    results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
+                                  results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n"
+                                  + planned.spec.report_markdown(result)
+                                  + VERIFICATION_NOTES.get(exp.verification, ""))
+  logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", result["speedup"],
+               result["alpha"], result["c"], result["identical_outputs"])
+  return result
+
+
+def plan(exp: Experiment, num_examples: Optional[int] = None,
+         mesh_shape: Optional[str] = None) -> Plan:
+  """Everything that can fail cheaply fails before any model is loaded; then the task's
+  inputs are read and tokenized (each process its own rows when the mesh spans several)."""
   if exp.batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {exp.batch_size}")
   decoding.check_verification(exp.verification)
-  # Everything that can fail cheaply fails before any model is loaded.
   exp.task.validate()
   exp.target.validate("target")
-  tree_spec = exp.draft if isinstance(exp.draft, TreeSpec) else None
-  if tree_spec is not None:
-    tree_spec.validate()
-    if exp.verification != "token":
-      raise ValueError(f"verification={exp.verification!r} verifies a chain; {tree_spec.name} "
-                       "is verified by recursive rejection sampling over its tree: drop "
-                       "VERIFICATION, or use a chain draft")
-  elif isinstance(exp.draft, ModelSpec):
-    exp.draft.validate("draft")
-  elif isinstance(exp.draft, DraftKind):
-    exp.draft.validate()
+  spec = draft_spec(exp.draft)
+  spec.check()
   tokenizer = exp.tokenizer or text.checkpoint_tokenizer(exp.target.checkpoint, exp.vocabulary)
-  target_source = _model_source(exp.target, "target")
-  spec_config = exp.target.resolved_config()
   partitioners = make_partitioners(mesh_shape)
   hosts = host_layout(partitioners, exp.batch_size)
-
-  def read_rows(indices=None):
-    # Each process's own rows under per-host input (its lines of the file).
-    examples = exp.task.load(num_examples, indices)
-    rows = text.encode_texts(tokenizer, [e.inputs for e in examples], exp.chat_template)
-    if spec_config is not None:  # Named shapes: bad text fails before the weights load.
-      text.check_vocab_size(tokenizer, spec_config, target_source)
-      model_inputs(family_of(spec_config), spec_config, rows, exp.max_input_length)
-    return examples, rows
-
+  read = functools.partial(_read_rows, exp, tokenizer, num_examples)
   if hosts is None:
-    examples, rows = read_rows()
-    local_rows = None
+    (examples, rows), local_rows = read(), None
   else:
     # Per-host input: every process parses and tokenizes only the rows it feeds
     # (its block of every global batch), then the rows and texts are gathered
     # for the drafts that fit on the inputs and for process 0's results.
     count = exp.task.count(num_examples)
     mine = hosts.example_indices(count)
-    local_examples, local_rows = sharding.on_every_process(
-        lambda: read_rows(mine), "reading this process's inputs")
+    local_examples, local_rows = multihost.on_every_process(
+        lambda: read(mine), "reading this process's inputs")
     examples, rows = hosts.gather(count, local_examples, local_rows)
   logging.info("%d examples from task %s", len(examples), exp.task.name)
+  return Plan(spec, tokenizer, examples, rows, local_rows, partitioners, hosts)
 
-  target = load_spec(exp.target, "target", partitioners and partitioners[0])
+
+def _read_rows(exp: Experiment, tokenizer, num_examples: Optional[int], indices=None):
+  """(examples, token rows) of the task (those at `indices`)."""
+  examples = exp.task.load(num_examples, indices)
+  rows = text.encode_texts(tokenizer, [e.inputs for e in examples], exp.chat_template)
+  config = exp.target.resolved_config()
+  if config is not None:  # Named shapes: bad text fails before the weights load.
+    text.check_vocab_size(tokenizer, config, _model_source(exp.target, "target"))
+    model_inputs(family_of(config), config, rows, exp.max_input_length)
+  return examples, rows
+
+
+def build(exp: Experiment, planned: Plan) -> Setup:
+  """Loads the target and builds the draft on the host, validates the decode's settings
+  through `specdec_jax.settings` (in the launcher's words), then places both on the mesh."""
+  target_part, draft_part = planned.partitioners or (None, None)
+  target = load_spec(exp.target, "target", target_part)
   family, config = family_of(target), target.config
-  text.check_vocab_size(tokenizer, config, target_source)
-  inputs, prompt_lengths = model_inputs(family, config, rows, exp.max_input_length)
+  text.check_vocab_size(planned.tokenizer, config, _model_source(exp.target, "target"))
+  inputs, prompt_lengths = model_inputs(family, config, planned.rows, exp.max_input_length)
   # The prompt and the generated tokens must fit the cache the family builds
   # (learned positions): a clear error now, not at the first compile.
   family.check_inputs(config, inputs, prompt_lengths, exp.max_decode_steps)
-  # A tree wraps the draft that scores its nodes (sharded below like any other).
-  draft_spec = tree_spec.inner if tree_spec is not None else exp.draft
-  # A feature head reads the target's arrays: built once they are placed (below).
-  reads_target = isinstance(draft_spec, DraftKind) and draft_spec.reads_target
-  draft = load_draft(draft_spec, target, rows, partitioners and partitioners[1])
-  draft.check_compatible(config)
-  if isinstance(draft, ModelDraft):
-    text.check_vocab_size(tokenizer, draft.model.config, _model_source(draft_spec, "draft"))
-  draft.check_inputs(inputs, prompt_lengths, exp.max_decode_steps)
-  target_part = draft_part = None
-  if partitioners is not None:
+  spec = planned.spec
+  draft = spec.build(target, planned.rows, planned.tokenizer, draft_part)
+  with launcher_words():
+    draft = settings_lib.check_draft(config, draft, inputs, prompt_lengths,
+                                     exp.max_decode_steps)
+    settings = settings_lib.plan_settings(
+        config, draft, max_decode_steps=exp.max_decode_steps, temperature=exp.temperature,
+        topk=exp.topk, topp=exp.topp, gamma=exp.gamma, verification=exp.verification,
+        block_width=exp.block_width)
+  verify_tokens, needed = spec.verify_block(exp.gamma, settings.block_width)
+  if exp.max_decode_steps < verify_tokens:  # The timed verification call must fit.
+    raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= {needed}")
+  if planned.partitioners is not None:
     # Params go onto the mesh leaf by leaf; the compiled decode follows their
     # shardings (GSPMD), the batch is split over `data`.
-    target_part, draft_part = partitioners
     target = shard_model(target, target_part)
-    if isinstance(draft, ModelDraft):
-      draft = ModelDraft(shard_model(draft.model, draft_part), draft.confidence_threshold,
-                         draft.vocab_size if draft.padding else None)
-    elif reads_target:
-      draft = load_draft(draft_spec, target, rows)
-  draft_model = draft.model if isinstance(draft, ModelDraft) else None
-  if tree_spec is not None:
-    draft = tree_spec.build(draft)
-  eos_id = family.eos_id(config)
+    draft = spec.place(draft, target, draft_part)
+  local_inputs = None if planned.hosts is None else model_inputs(
+      family, config, planned.local_rows, exp.max_input_length)
+  return Setup(target, draft, spec.cost_model(draft), inputs, prompt_lengths, local_inputs,
+               settings, spec.theory_gamma(draft, exp.gamma), verify_tokens)
 
-  # A tree's gamma is its depth (draft calls per iteration); the loop's own
-  # deepest node (greedy pending tokens included) is results["tree"]["max_depth"].
-  gamma = exp.gamma if tree_spec is None else draft.depth
-  settings = dict(gamma=gamma, temperature=exp.temperature, topk=exp.topk, topp=exp.topp,
-                  verification=exp.verification)
-  if tree_spec is not None:
-    width = tree_width(exp.block_width, tree_spec, config.dtype)
-  else:
-    width = decoding.resolve_block_width(exp.block_width, exp.gamma, dtype=config.dtype)
-  if tree_spec is not None and exp.max_decode_steps < width:
-    # The timing block below scores the tree's W slots.
-    raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= the block width "
-                     f"({width}): raise MAX_DECODE_STEPS or lower BLOCK_WIDTH")
+
+def measure(exp: Experiment, planned: Plan, setup: Setup) -> Measured:
+  """Both decoders on every batch, after one compile warm-up each, batches alternating
+  between them so that machine drift hits both alike; then the step times."""
+  width = setup.settings.block_width
+  batches = list(batch_rows(len(planned.examples), exp.batch_size))
+  decode = _decoder(exp, planned, setup, batches)
   rng = jax.random.PRNGKey(exp.seed)
-
-  if hosts is not None:
-    local_inputs, local_lengths = model_inputs(family, config, local_rows, exp.max_input_length)
-
-  def decode(use_draft: bool, block_width: int, batch_index: int, key):
-    # Two exact target-only decoders: at the speculative loop's width W (the
-    # reference its greedy outputs must equal bit for bit) and at width 1
-    # (often faster on CPU). The speedup is against the faster of the two.
-    start = time.perf_counter()
-    if hosts is None:
-      index = all_batches[batch_index][0]
-      feed = inputs[index], None if prompt_lengths is None else prompt_lengths[index]
-    else:  # This process's rows of the batch: its own tokenized lines.
-      index = slice(batch_index * hosts.local_batch, (batch_index + 1) * hosts.local_batch)
-      feed = local_inputs[index], None if local_lengths is None else local_lengths[index]
-    out = generate(target, *feed, max_decode_steps=exp.max_decode_steps,
-                   temperature=exp.temperature, topk=exp.topk, topp=exp.topp, rng=key,
-                   draft=draft if use_draft else None, gamma=exp.gamma, block_width=block_width,
-                   verification=exp.verification if use_draft else "token",
-                   partitioner=target_part, draft_partitioner=draft_part,
-                   process_local=hosts is not None, global_outputs=True)
-    # The whole batch's outputs on every process (process 0 writes them all).
-    sequences = np.asarray(jax.block_until_ready(out.sequences))
-    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start
-
-  all_batches = list(batch_rows(len(examples), exp.batch_size))
   logging.info("compiling (warm-up on the first batch)")
-  first = all_batches[0][0]
   decode(False, width, 0, rng)
   if width != 1:
     decode(False, 1, 0, rng)
   decode(True, width, 0, rng)
 
   walltime = {"baseline": 0.0, "baseline_width_1": 0.0, "speculative": 0.0}
-  outputs = {"baseline": [], "speculative": []}
-  out_lengths = {"baseline": [], "speculative": []}
+  outputs = {"baseline": [], "speculative": []}  # (sequences, lengths) of each batch
   stats_parts = []
-  for batch_index, (index, real) in enumerate(tqdm.tqdm(all_batches, desc="batches",
-                                                        unit="batch")):
+  for batch_index, (_, real) in enumerate(tqdm.tqdm(batches, desc="batches", unit="batch")):
     # Independent keys for the two decoders: the distribution check needs
     # independent samples (greedy ignores them).
     base_key = jax.random.fold_in(rng, 2 * batch_index)
@@ -775,109 +900,158 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
     spec_out, spec_len, stats, spec_time = decode(True, width, batch_index, spec_key)
     walltime["baseline"] += base_time
     walltime["speculative"] += spec_time
-    outputs["baseline"].append(base_out[:real])
-    outputs["speculative"].append(spec_out[:real])
-    out_lengths["baseline"].append(base_len[:real])
-    out_lengths["speculative"].append(spec_len[:real])
+    outputs["baseline"].append((base_out[:real], base_len[:real]))
+    outputs["speculative"].append((spec_out[:real], spec_len[:real]))
     stats_parts.append(_take_stats(stats, real))
-  sequences = {k: np.concatenate(v) for k, v in outputs.items()}
-  lengths = {k: np.concatenate(v) for k, v in out_lengths.items()}
-  stats = _stack_stats(stats_parts)
+  sequences = {k: np.concatenate([s for s, _ in v]) for k, v in outputs.items()}
+  lengths = {k: np.concatenate([n for _, n in v]) for k, v in outputs.items()}
+  return Measured(sequences, lengths, _stack_stats(stats_parts), walltime,
+                  *_step_times(exp, setup, batches[0][0]))
 
+
+def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
+  """decode(use_draft, block_width, batch_index, key) -> (sequences, lengths, stats,
+  seconds) of one batch, the whole batch's outputs on every process (process 0 writes
+  them all).
+
+  Two exact target-only decoders: at the speculative loop's width W (the
+  reference its greedy outputs must equal bit for bit) and at width 1 (often
+  faster on CPU). The speedup is against the faster of the two.
+  """
+  target_part, draft_part = planned.partitioners or (None, None)
+  hosts = planned.hosts
+
+  def decode(use_draft: bool, block_width: int, batch_index: int, key):
+    start = time.perf_counter()
+    if hosts is None:
+      index = batches[batch_index][0]
+      inputs, lengths = setup.inputs, setup.prompt_lengths
+    else:  # This process's rows of the batch: its own tokenized lines.
+      index = slice(batch_index * hosts.local_batch, (batch_index + 1) * hosts.local_batch)
+      inputs, lengths = setup.local_inputs
+    out = generate(setup.target, inputs[index], None if lengths is None else lengths[index],
+                   max_decode_steps=exp.max_decode_steps, temperature=exp.temperature,
+                   topk=exp.topk, topp=exp.topp, rng=key,
+                   draft=setup.draft if use_draft else None, gamma=exp.gamma,
+                   block_width=block_width,
+                   verification=exp.verification if use_draft else "token",
+                   partitioner=target_part, draft_partitioner=draft_part,
+                   process_local=hosts is not None, global_outputs=True)
+    sequences = np.asarray(jax.block_until_ready(out.sequences))
+    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start
+
+  return decode
+
+
+def _step_times(exp: Experiment, setup: Setup, rows) -> Tuple[float, float, Optional[float]]:
+  """(seconds of a one-token target call, the verification call relative to it, seconds
+  of a one-token call of the draft's model or None), on the inputs' `rows`."""
   logging.info("timing decode steps (c and the verification cost)")
-  probe = inputs[first]
-  probe_lengths = None if prompt_lengths is None else prompt_lengths[first]
-  time_step = lambda model, k: block_step_seconds(  # noqa: E731
-      model, probe, k, exp.max_decode_steps, exp.timing_repeats, lengths=probe_lengths)
-  target_step = time_step(target, 1)
+  probe = setup.inputs[rows]
+  probe_lengths = None if setup.prompt_lengths is None else setup.prompt_lengths[rows]
+
+  def step(model, k):
+    return block_step_seconds(model, probe, k, exp.max_decode_steps, exp.timing_repeats,
+                              lengths=probe_lengths)
+
+  target_step = step(setup.target, 1)
   # One target call on gamma + 1 tokens (a tree: its W slots), relative to
   # one token (1 if verification were free, as Theorem 3.8 assumes).
-  verify_cost = time_step(target, gamma + 1 if tree_spec is None else width) / target_step
-  c = None
-  draft_step = None
-  if draft_model is not None:
-    draft_step = time_step(draft_model, 1)
-    c = draft_step / target_step
+  verify_cost = step(setup.target, setup.verify_tokens) / target_step
+  draft_step = None if setup.cost_model is None else step(setup.cost_model, 1)
+  return target_step, verify_cost, draft_step
 
-  alpha = stats.alpha
-  baseline_width = width
-  baseline_time = walltime["baseline"]
+
+def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> Dict[str, Any]:
+  """results.json's fields: the Table 2 figures and the theory's predictions, the draft's
+  own fields, the exactness check, and every completion."""
+  config, settings, stats = setup.target.config, setup.settings, measured.stats
+  width, gamma, alpha, walltime = settings.block_width, setup.gamma, stats.alpha, measured.walltime
+  c = None if measured.draft_step is None else measured.draft_step / measured.target_step
+  baseline_width, baseline_time = width, walltime["baseline"]
   if width != 1 and walltime["baseline_width_1"] < baseline_time:
     baseline_width, baseline_time = 1, walltime["baseline_width_1"]
   speedup = baseline_time / walltime["speculative"]
-  identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1) & (
-      lengths["baseline"] == lengths["speculative"])
-  draft_name = (exp.draft.name if isinstance(exp.draft, (ModelSpec, DraftKind, TreeSpec))
-                else type(draft).__name__)
+  cost = setup.cost_model
   result = dict(
-      task=exp.task.name, target=exp.target.name, draft=draft_name, family=family.name,
-      target_params=config.num_params,
-      draft_params=None if draft_model is None else draft_model.config.num_params,
-      tokenizer=getattr(tokenizer, "source", type(tokenizer).__name__),
+      task=exp.task.name, target=exp.target.name, draft=planned.spec.name,
+      family=family_of(config).name, target_params=config.num_params,
+      draft_params=None if cost is None else cost.config.num_params,
+      tokenizer=getattr(planned.tokenizer, "source", type(planned.tokenizer).__name__),
       chat_template=exp.chat_template,
-      num_examples=len(examples), batch_size=exp.batch_size,
+      num_examples=len(planned.examples), batch_size=exp.batch_size,
       max_input_length=exp.max_input_length, max_decode_steps=exp.max_decode_steps,
       backend=jax.default_backend(), processes=jax.process_count(),
-      per_host_input=hosts is not None, **settings,
+      per_host_input=planned.hosts is not None, gamma=gamma, temperature=exp.temperature,
+      topk=exp.topk, topp=exp.topp, verification=exp.verification,
       walltime_baseline_s=baseline_time, walltime_speculative_s=walltime["speculative"],
       walltime_target_only_s={str(width): walltime["baseline"],
                               **({"1": walltime["baseline_width_1"]} if width != 1 else {})},
       speedup=speedup, speedup_baseline_block_width=baseline_width, block_width=width,
       identical_outputs_checked_against=f"target-only decoding at block width {width}",
-      tokens_baseline=int(lengths["baseline"].sum()),
-      tokens_speculative=int(lengths["speculative"].sum()),
+      tokens_baseline=int(measured.lengths["baseline"].sum()),
+      tokens_speculative=int(measured.lengths["speculative"].sum()),
       acceptance_rate=stats.acceptance_rate, alpha=alpha,
       mean_tokens_per_iteration=stats.mean_tokens_per_iteration,
       expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, gamma),
       per_position_acceptance=stats.per_position_acceptance.tolist(),
-      target_step_ms=1e3 * target_step,
-      draft_step_ms=None if draft_step is None else 1e3 * draft_step,
+      target_step_ms=1e3 * measured.target_step,
+      draft_step_ms=None if measured.draft_step is None else 1e3 * measured.draft_step,
       c=c, c_note=None if c is not None else "draft is not a model: its cost is taken as 0",
-      target_verify_cost=verify_cost,
+      target_verify_cost=measured.verify_cost,
       predicted_speedup=theory.walltime_improvement(alpha, gamma, c or 0.0),
       predicted_speedup_measured_verify_cost=theory.predicted_speedup_with_verify_cost(
-          alpha, gamma, c or 0.0, verify_cost),
-      identical_fraction=float(identical_rows.mean()),
+          alpha, gamma, c or 0.0, measured.verify_cost),
       operative_gin_config=gin.operative_config_str())
-  if tree_spec is not None:
-    result.update(tree_results(tree_spec, draft, stats, width, exp.temperature, c, verify_cost))
-  if exp.temperature < sampling.MIN_TEMPERATURE:
-    result["identical_outputs"] = bool(identical_rows.all())
-    if not result["identical_outputs"]:
-      logging.error("greedy outputs differ on %d of %d inputs", int((~identical_rows).sum()),
-                    len(identical_rows))
-  else:
-    result["identical_outputs"] = None  # Samples differ by design; see distribution_check.
-    per_row = {name: dict(length=lengths[name].astype(np.float64),
-                          mean_log_prob=mean_log_probs(target, inputs, prompt_lengths,
-                                                       sequences[name], lengths[name],
-                                                       exp.max_decode_steps, exp.temperature,
-                                                       exp.topk, exp.topp))
-               for name in sequences}
-    result["distribution_check"] = distribution_check(per_row["baseline"],
-                                                      per_row["speculative"])
-  texts = {name: text.decode_rows(tokenizer, sequences[name], lengths[name], eos_id)
-           for name in sequences}
-  result["completions"] = [
-      dict(input=e.inputs, input_tokens=len(r), baseline=b, speculative=s,
-           baseline_tokens=int(bl), speculative_tokens=int(sl))
-      for e, r, b, s, bl, sl in zip(examples, rows, texts["baseline"], texts["speculative"],
-                                    lengths["baseline"], lengths["speculative"])]
-  result["samples"] = [dict(input=c["input"], baseline=c["baseline"],
-                            speculative=c["speculative"]) for c in result["completions"][:3]]
+  result.update(planned.spec.report(setup.draft, stats, width, exp.temperature, c,
+                                    measured.verify_cost))
+  result.update(_exactness(exp, setup, measured))
+  result.update(_completions(planned, setup, measured))
   result["markdown_row"] = results_lib.table2_row(
       result["task"], result["draft"], exp.temperature, gamma, alpha, speedup,
       result["predicted_speedup"], c)
-
-  if sharding.is_output_process():  # Multi-host: one writer.
-    results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
-    results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
-                                  results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n"
-                                  + (tree_markdown(result) if tree_spec is not None else "")
-                                  + (VERIFICATION_NOTES.get(exp.verification, "")))
-  logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", speedup, alpha, c,
-               result["identical_outputs"])
   return result
+
+
+def _exactness(exp: Experiment, setup: Setup, measured: Measured) -> Dict[str, Any]:
+  """Greedy: whether every output equals target-only decoding's. Sampled: outputs differ
+  by design, and `distribution_check` compares the two decoders' samples."""
+  sequences, lengths = measured.sequences, measured.lengths
+  identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1) & (
+      lengths["baseline"] == lengths["speculative"])
+  out = dict(identical_fraction=float(identical_rows.mean()))
+  if setup.settings.sampling.greedy:
+    out["identical_outputs"] = bool(identical_rows.all())
+    if not out["identical_outputs"]:
+      logging.error("greedy outputs differ on %d of %d inputs", int((~identical_rows).sum()),
+                    len(identical_rows))
+    return out
+  out["identical_outputs"] = None  # Samples differ by design; see distribution_check.
+  per_row = {name: dict(length=lengths[name].astype(np.float64),
+                        mean_log_prob=mean_log_probs(setup.target, setup.inputs,
+                                                     setup.prompt_lengths, sequences[name],
+                                                     lengths[name], exp.max_decode_steps,
+                                                     exp.temperature, exp.topk, exp.topp))
+             for name in sequences}
+  out["distribution_check"] = distribution_check(per_row["baseline"], per_row["speculative"])
+  return out
+
+
+def _completions(planned: Plan, setup: Setup, measured: Measured) -> Dict[str, Any]:
+  """Every input with both decoders' texts, and the first three as samples."""
+  lengths = measured.lengths
+  texts = {name: text.decode_rows(planned.tokenizer, sequences, lengths[name],
+                                  setup.settings.eos_id)
+           for name, sequences in measured.sequences.items()}
+  completions = [
+      dict(input=e.inputs, input_tokens=len(r), baseline=b, speculative=s,
+           baseline_tokens=int(bl), speculative_tokens=int(sl))
+      for e, r, b, s, bl, sl in zip(planned.examples, planned.rows, texts["baseline"],
+                                    texts["speculative"], lengths["baseline"],
+                                    lengths["speculative"])]
+  samples = [dict(input=c["input"], baseline=c["baseline"], speculative=c["speculative"])
+             for c in completions[:3]]
+  return dict(completions=completions, samples=samples)
 
 
 # ---------------------------------------------------------------------------
@@ -954,7 +1128,7 @@ def main(argv):
   if not OUTPUT_DIR.value:
     raise app.UsageError("--output_dir is required")
   if MULTIHOST.value:  # Before any other JAX call.
-    sharding.initialize_distributed(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value,
+    multihost.initialize_distributed(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value,
                                     PROCESS_ID.value)
   try:
     parse_gin(pair_gin_files(PAIR.value, GIN_FILES.value), GIN_BINDINGS.value,
@@ -967,7 +1141,7 @@ def main(argv):
     logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
-  if PROMPT.value is not None and sharding.is_output_process():
+  if PROMPT.value is not None and multihost.is_output_process():
     # The completion itself, as the speculative decoder produced it (greedy: the
     # target's own; it equals result['completions'][0]['baseline']).
     print(result["completions"][0]["speculative"])

@@ -25,7 +25,7 @@ import numpy as np
 
 import specdec_jax as sj
 from specdec_jax.core import decoding
-from specdec_jax.core.results import write_json_atomic
+from specdec_jax.results import write_json_atomic
 
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 32, "Held-out inputs checked.")
 BATCH = flags.DEFINE_integer("batch_size", 16, "Batch each row is also decoded in.")

@@ -35,7 +35,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from absl import app
 from absl import flags
@@ -52,8 +52,11 @@ from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import CONFIGS
 from specdec_jax.families.registry import is_model
 from specdec_jax.tools.profiling import time_block_calls, time_proposals
-from specdec_jax.core.results import write_json_atomic
-from specdec_jax.tools.testing import perturbed_model, random_encoder_tokens
+from specdec_jax.tools import methods as methods_lib
+from specdec_jax.tools.methods import Method, accelerator_predictions, paired_ratios
+from specdec_jax.results import write_json_atomic
+from specdec_jax.perturbation import perturbed_model
+from specdec_jax.tools.testing import random_encoder_tokens
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "t5_1_1_small", "Target: a config name, a checkpoint path, or "
@@ -142,14 +145,6 @@ def outside_share(iteration_ms: float, model_ms: float) -> float:
   if iteration_ms <= 0:
     raise ValueError(f"iteration_ms must be > 0, got {iteration_ms}")
   return max(0.0, 1.0 - model_ms / iteration_ms)
-
-
-def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Dict[str, float]:
-  """Median, min and max of numerators[i] / denominators[i]."""
-  if len(numerators) != len(denominators) or not numerators:
-    raise ValueError("paired_ratios needs two non-empty sequences of equal length")
-  ratios = [n / d for n, d in zip(numerators, denominators)]
-  return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
 
 
 def machine_info() -> Dict[str, Any]:
@@ -380,39 +375,20 @@ def parse_dynamic_trees(spec: str) -> List[Tuple[int, int, int]]:
   return out
 
 
-class Method(NamedTuple):
-  """One speculative side of a method comparison."""
-  name: str
-  kind: str            # 'chain' / 'block' / 'tree' / 'dynamic_tree'
-  kwargs: Dict[str, Any]  # generate() keyword arguments (draft, gamma, verification)
-  draft_calls: int
-  nodes: int           # target slots the method needs (gamma + 1 for chains)
-  spec: Any            # gamma, branching, or (topk, depth, node_budget)
-
-
 def build_methods(draft, gamma: int, verifications: Sequence[str],
                   trees: Sequence[Tuple[int, ...]], dynamic_trees: Sequence[Tuple[int, int, int]],
                   children: str = "without_replacement") -> List[Method]:
-  from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft
-  methods = []
+  """The flags' methods around `draft`: chains by verification, then static, then dynamic trees."""
+  built = []
   for verification in verifications:
     if verification not in ("token", "block"):
       raise ValueError(f"--verifications takes token and/or block, got {verification!r}")
-    methods.append(Method(
-        f"chain g={gamma}" if verification == "token" else f"block g={gamma}",
-        "chain" if verification == "token" else "block",
-        dict(draft=draft, gamma=gamma, verification=verification), gamma, gamma + 1, gamma))
-  for branching in trees:
-    tree = TreeDraft(draft, branching, children=children)
-    methods.append(Method(f"tree {','.join(map(str, branching))}", "tree", dict(draft=tree),
-                          tree.depth, tree.num_nodes, tuple(branching)))
-  for topk, depth, budget in dynamic_trees:
-    tree = DynamicTreeDraft(draft, topk=topk, depth=depth, node_budget=budget)
-    methods.append(Method(f"dyn k={topk} d={depth} n={budget}", "dynamic_tree", dict(draft=tree),
-                          depth, budget, (topk, depth, budget)))
-  if not methods:
+    built.append(methods_lib.chain(draft, gamma, verification))
+  built += [methods_lib.tree(draft, branching, children) for branching in trees]
+  built += [methods_lib.dynamic_tree(draft, *spec) for spec in dynamic_trees]
+  if not built:
     raise ValueError("no method: give --verifications, --trees or --dynamic_trees")
-  return methods
+  return built
 
 
 def method_width(methods: Sequence[Method], block_width: Optional[int]) -> int:
@@ -425,64 +401,6 @@ def method_width(methods: Sequence[Method], block_width: Optional[int]) -> int:
     raise ValueError(f"--block_width={block_width} is narrower than {worst.name!r} needs "
                      f"({worst.nodes} slots): use --block_width >= {need}")
   return int(block_width)
-
-
-def _sum_stats(stats_list) -> Dict[str, Any]:
-  """Counters of several `SpeculativeStats` (one per input batch), pooled."""
-  total = lambda name: sum(np.asarray(getattr(s, name)).sum(0) for s in stats_list)  # noqa
-  iterations, emitted = float(total("iterations")), float(total("emitted"))
-  out = dict(iterations=int(iterations), emitted=int(emitted),
-             tokens_per_iteration=emitted / max(iterations, 1),
-             alpha=float(total("beta_sum")) / max(float(total("beta_count")), 1),
-             acceptance_rate=float(total("accepted_raw")) / max(float(total("drafted")), 1))
-  if stats_list[0].rank_tried is not None:
-    tried, accepted = total("rank_tried"), total("rank_accepted")
-    out["per_rank_acceptance"] = (accepted / np.maximum(tried, 1)).tolist()
-    out["rank_tried"] = np.asarray(tried).tolist()
-    depth = max(s.depth_histogram.shape[1] for s in stats_list)
-    hist = np.zeros(depth, np.int64)
-    for s in stats_list:
-      h = s.depth_histogram.sum(0)
-      hist[:len(h)] += h
-    out["depth_histogram"] = hist.tolist()
-  else:
-    position = [s.position_accepted.sum(0) for s in stats_list]
-    drafted = [s.position_drafted.sum(0) for s in stats_list]
-    out["per_position_acceptance"] = (sum(position) / np.maximum(sum(drafted), 1)).tolist()
-  return out
-
-
-def predicted_tokens(method: Method, pooled: Dict[str, Any]) -> Dict[str, Any]:
-  """The theory's tokens per iteration for a method, from its own run's acceptance."""
-  if method.kind == "chain":
-    return dict(predicted_tokens_per_iteration=theory.expected_tokens_per_iteration(
-        pooled["alpha"], method.spec), predicted_from="eq. 1 with the run's alpha")
-  if method.kind == "block":
-    return dict(predicted_tokens_per_iteration=None,
-                predicted_from="measured only (block verification has no closed form here); "
-                               "eq. 1 at the run's alpha would give "
-                               f"{theory.expected_tokens_per_iteration(pooled['alpha'], method.spec):.3f}"
-                               " for token-wise verification")
-  rates = pooled["per_rank_acceptance"]
-  out = {}
-  if method.kind == "tree":
-    out = dict(predicted_tokens_per_iteration=theory.tree_expected_tokens(method.spec, rates),
-               predicted_from="tree_expected_tokens(branching, the run's per-rank acceptance)")
-  else:
-    out = dict(predicted_tokens_per_iteration=None,
-               predicted_from="measured only (the dynamic tree's topology changes per iteration)")
-  depth = method.spec[1] if method.kind == "dynamic_tree" else len(method.spec)
-  best = theory.best_tree_shape(rates, method.nodes, max_depth=depth)
-  out.update(best_static_shape=list(best),
-             best_static_expected_tokens=theory.tree_expected_tokens(best, rates))
-  return out
-
-
-def accelerator_predictions(tokens: float, draft_calls: int, verify_costs: Sequence[float],
-                            draft_costs: Sequence[float]) -> Dict[str, float]:
-  """{'C=<C(W)>,c=<c>': tokens / (draft_calls c + C(W))} for every scenario pair."""
-  return {f"C={C:g},c={c:g}": theory.predicted_tree_speedup(tokens, c, draft_calls, C)
-          for C in verify_costs for c in draft_costs}
 
 
 def method_rows(target, draft, draft_name: str, inputs, lengths, batch: int, gamma: int,
@@ -561,12 +479,12 @@ def method_rows(target, draft, draft_name: str, inputs, lengths, batch: int, gam
   rows = []
   for m in methods:
     outs = outputs[m.name]
-    pooled = _sum_stats([o.stats for o in outs])
+    pooled = methods_lib.pooled_stats([o.stats for o in outs])
     tokens = pooled["tokens_per_iteration"]
     speed = paired_ratios(base_rounds, rounds[m.name])
     row = dict(method=m.name, kind=m.kind, spec=list(m.spec) if isinstance(m.spec, tuple)
                else m.spec, draft_calls=m.draft_calls, nodes=m.nodes,
-               tokens_per_iteration=tokens, **predicted_tokens(m, pooled),
+               tokens_per_iteration=tokens, **methods_lib.predicted_tokens(m, pooled),
                alpha=pooled["alpha"], acceptance_rate=pooled["acceptance_rate"],
                stats=pooled, ms=statistics.median(rounds[m.name]) * 1e3,
                ms_all=[s * 1e3 for s in rounds[m.name]],

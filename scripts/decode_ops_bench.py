@@ -36,7 +36,7 @@ from specdec_jax.tools import hlo_ops
 from specdec_jax.tools import testing
 from specdec_jax.families.t5 import decode as t5_decode
 from specdec_jax.families.t5.network import T5
-from specdec_jax.core.results import write_json_atomic
+from specdec_jax.results import write_json_atomic
 
 MODELS = flags.DEFINE_list("models", ["demo_target", "t5_1_1_small"],
                            "demo_target (the shipped 9.7M target's shape) or config names.")

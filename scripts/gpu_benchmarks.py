@@ -95,7 +95,7 @@ TARGET_NOTE = ("The target is the shipped 9.7M-parameter demo target EMBEDDED fu
 
 
 def _write(name: str, result: Dict[str, Any]):
-  from specdec_jax.core.results import write_json_atomic
+  from specdec_jax.results import write_json_atomic
   os.makedirs(OUTPUT_DIR.value, exist_ok=True)
   path = os.path.join(OUTPUT_DIR.value, f"{name}.json")
   write_json_atomic(path, result)
@@ -209,6 +209,7 @@ def run_ours() -> Dict[str, Any]:
   import specdec_jax as sj
   from specdec_jax.families.t5 import embed
   from specdec_jax.tools import hlo_ops
+  from specdec_jax.tools import methods as methods_lib
   from specdec_jax.tools import profiling
   from specdec_jax.tools import testing
   from specdec_jax.core import theory
@@ -304,23 +305,17 @@ def run_ours() -> Dict[str, Any]:
     timing = profiling.time_generate_pairs(
         target, inputs, REPEATS.value, dict(max_decode_steps=steps, block_width=width),
         dict(max_decode_steps=steps, draft=draft, gamma=gamma, block_width=width))
-    ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
-    stats = [o.stats for o in timing.spec_outputs]
-    alpha = (sum(float(s.beta_sum.sum()) for s in stats) /
-             max(sum(int(s.beta_count.sum()) for s in stats), 1))
-    identical = sum(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
-                    for r, s in zip(timing.reference_outputs, timing.spec_outputs))
+    alpha = methods_lib.pooled_stats([o.stats for o in timing.spec_outputs])["alpha"]
     pairs[name] = dict(
         gamma=gamma, block_width=width, alpha=alpha, c=c[name],
-        speedup=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios),
+        **methods_lib.paired_speedup(timing),
         predicted_theorem_3_8=theory.walltime_improvement(alpha, gamma, c[name]),
         predicted_cost_curve=theory.predicted_speedup_with_cost_curve(
             alpha, gamma, c[name], curve + [curve[-1]] * max(0, gamma + 1 - len(curve))),
-        identical_rows=int(identical), rows=len(inputs),
         target_ms_per_input=[s * 1e3 for s in timing.base_seconds],
         spec_ms_per_input=[s * 1e3 for s in timing.spec_seconds])
     log(f"pair with {name}: gamma {gamma}, alpha {alpha:.3f}, speedup "
-        f"{pairs[name]['speedup']:.2f}X, identical {identical}/{len(inputs)}")
+        f"{pairs[name]['speedup']:.2f}X, identical {pairs[name]['identical_rows']}/{len(inputs)}")
   return dict(
       part="ours", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
       target_note=TARGET_NOTE.format(
@@ -352,29 +347,10 @@ def _embedded_pair():
   return pair, target, small
 
 
-def _paired_row(timing) -> Dict[str, Any]:
-  """A method's row from `profiling.time_generate_pairs`: tokens per iteration, alpha,
-  speedup (median of paired repeats, with its range), baseline width, identical rows."""
-  import numpy as np
-  ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
-  stats = [o.stats for o in timing.spec_outputs]
-  tokens = sum(int(s.emitted.sum()) for s in stats) / max(
-      sum(int(s.iterations.sum()) for s in stats), 1)
-  alpha = sum(float(s.beta_sum.sum()) for s in stats) / max(
-      sum(int(s.beta_count.sum()) for s in stats), 1)
-  identical = sum(np.array_equal(np.asarray(r.sequences), np.asarray(s.sequences))
-                  for r, s in zip(timing.reference_outputs, timing.spec_outputs))
-  return dict(tokens_per_iteration=tokens, alpha=alpha, speedup=statistics.median(ratios),
-              speedup_min=min(ratios), speedup_max=max(ratios), baseline_width=timing.base_width,
-              identical_rows=int(identical), rows=len(timing.spec_outputs))
-
-
 def run_methods() -> Dict[str, Any]:
   """Issue 22: chain (token / block), static and dynamic tree at each --method_widths W,
   the demo 'small' draft embedded at DRAFT_SHAPE against the embedded target (as in `ours`)."""
-  import numpy as np
-  import specdec_jax as sj
-  from specdec_jax.core import theory
+  from specdec_jax.tools import methods as methods_lib
   from specdec_jax.tools import profiling
   from specdec_jax.tools import testing
 
@@ -400,38 +376,23 @@ def run_methods() -> Dict[str, Any]:
     branching = TREES.get(width) or next(b for w, b in sorted(TREES.items(), reverse=True)
                                          if w <= width)
     topk, depth, budget = DYNAMIC_TREES.get(width, (4, 4, width))
-    tree = sj.TreeDraft(draft, branching)
-    dynamic = sj.DynamicTreeDraft(draft, topk=topk, depth=depth, node_budget=budget)
-    methods = {
-        f"chain gamma={gamma} (token)": (dict(draft=draft, gamma=gamma), gamma),
-        f"chain gamma={gamma} (block)": (dict(draft=draft, gamma=gamma, verification="block"),
-                                         gamma),
-        f"tree {branching}": (dict(draft=tree), tree.depth),
-        f"dynamic tree k={topk} d={depth} n={budget}": (dict(draft=dynamic), dynamic.depth),
-    }
+    methods = [
+        methods_lib.chain(draft, gamma, "token", f"chain gamma={gamma} (token)"),
+        methods_lib.chain(draft, gamma, "block", f"chain gamma={gamma} (block)"),
+        methods_lib.tree(draft, branching, name=f"tree {branching}"),
+        methods_lib.dynamic_tree(draft, topk, depth, budget,
+                                 f"dynamic tree k={topk} d={depth} n={budget}"),
+    ]
     if DRY_RUN.value:  # token-wise chains run in `ours` already: keep the test short
-      methods.pop(f"chain gamma={gamma} (token)")
+      methods = methods[1:]
     rows = {}
-    for name, (kwargs, calls) in methods.items():
+    for method in methods:
       timing = profiling.time_generate_pairs(
           target, inputs, REPEATS.value, dict(max_decode_steps=steps),
-          dict(max_decode_steps=steps, block_width=width, **kwargs))
-      stats = [o.stats for o in timing.spec_outputs]
-      row = _paired_row(timing)
-      tokens, alpha = row["tokens_per_iteration"], row["alpha"]
-      row.update(draft_calls=calls,
-                 predicted=theory.predicted_tree_speedup(tokens, c, calls, verify_cost))
-      if stats[0].rank_tried is not None:
-        tried = sum(s.rank_tried.sum(0) for s in stats)
-        rates = (sum(s.rank_accepted.sum(0) for s in stats) / np.maximum(tried, 1)).tolist()
-        row["per_rank_acceptance"] = rates
-        if name.startswith("tree"):
-          row["predicted_tokens_per_iteration"] = theory.tree_expected_tokens(branching, rates)
-      elif "(token)" in name:
-        row["predicted_tokens_per_iteration"] = theory.expected_tokens_per_iteration(alpha, gamma)
-      rows[name] = row
-      log(f"W={width} {name}: {tokens:.2f} tokens/iteration, speedup {row['speedup']:.2f}X, "
-          f"identical {row['identical_rows']}/{len(inputs)}")
+          dict(max_decode_steps=steps, block_width=width, **method.kwargs))
+      row = rows[method.name] = methods_lib.paired_row(method, timing, c, verify_cost)
+      log(f"W={width} {method.name}: {row['tokens_per_iteration']:.2f} tokens/iteration, "
+          f"speedup {row['speedup']:.2f}X, identical {row['identical_rows']}/{len(inputs)}")
     out[str(width)] = dict(verify_cost=verify_cost, c=c, target_block_ms={
         str(k): v for k, v in ms.items()}, rows=rows)
   return dict(part="methods", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
@@ -443,10 +404,9 @@ def run_features() -> Dict[str, Any]:
   """Issue 23: the demo feature head embedded with the target, against the embedded 'small'
   draft (module docstring)."""
   import jax
-  import numpy as np
   import specdec_jax as sj
-  from specdec_jax.core import theory
   from specdec_jax.families.t5 import embed
+  from specdec_jax.tools import methods as methods_lib
   from specdec_jax.tools import profiling
   from specdec_jax.tools import testing
 
@@ -480,31 +440,28 @@ def run_features() -> Dict[str, Any]:
   verify_cost = ms[width] / ms[1]
   branching = TREES.get(width) or (2, 1, 1)
   topk, depth, budget = DYNAMIC_TREES.get(width, (2, 4, width))
-  methods = {
-      f"small chain gamma={gamma}": (dict(draft=small, gamma=gamma, block_width=gamma + 1),
-                                     gamma, c["small"]),
-      f"feature chain gamma={gamma}": (dict(draft=head, gamma=gamma, block_width=gamma + 1),
-                                       gamma, c["feature head"]),
-      f"feature tree {branching}": (dict(draft=sj.TreeDraft(head, branching),
-                                         block_width=width), len(branching), c["feature head"]),
-      f"feature dynamic tree k={topk} d={depth} n={budget}": (
-          dict(draft=sj.DynamicTreeDraft(head, topk=topk, depth=depth, node_budget=budget),
-               block_width=width), depth, c["feature head"]),
-  }
+  methods = [  # (method, its block width, its c)
+      (methods_lib.chain(small, gamma, name=f"small chain gamma={gamma}"), gamma + 1,
+       c["small"]),
+      (methods_lib.chain(head, gamma, name=f"feature chain gamma={gamma}"), gamma + 1,
+       c["feature head"]),
+      (methods_lib.tree(head, branching, name=f"feature tree {branching}"), width,
+       c["feature head"]),
+      (methods_lib.dynamic_tree(head, topk, depth, budget,
+                                f"feature dynamic tree k={topk} d={depth} n={budget}"), width,
+       c["feature head"]),
+  ]
   rows = {}
-  for name, (kwargs, calls, cost) in methods.items():
-    timing = profiling.time_generate_pairs(target, inputs, REPEATS.value,
-                                           dict(max_decode_steps=steps),
-                                           dict(max_decode_steps=steps, **kwargs))
-    row = _paired_row(timing)
-    tokens, alpha = row["tokens_per_iteration"], row["alpha"]
-    width_here = kwargs["block_width"]
-    verify = ms[width_here] / ms[1] if width_here in ms else verify_cost
-    row.update(c=cost, draft_calls=calls, block_width=width_here,
-               predicted=theory.predicted_tree_speedup(tokens, cost, calls, verify))
-    rows[name] = row
-    log(f"{name}: alpha {alpha:.2f}, {tokens:.2f} tokens/iteration, speedup "
-        f"{rows[name]['speedup']:.2f}X, identical {rows[name]['identical_rows']}/{len(inputs)}")
+  for method, block_width, cost in methods:
+    timing = profiling.time_generate_pairs(
+        target, inputs, REPEATS.value, dict(max_decode_steps=steps),
+        dict(max_decode_steps=steps, block_width=block_width, **method.kwargs))
+    verify = ms[block_width] / ms[1] if block_width in ms else verify_cost
+    row = rows[method.name] = dict(methods_lib.paired_row(method, timing, cost, verify), c=cost,
+                                   block_width=block_width)
+    log(f"{method.name}: alpha {row['alpha']:.2f}, {row['tokens_per_iteration']:.2f} "
+        f"tokens/iteration, speedup {row['speedup']:.2f}X, identical "
+        f"{row['identical_rows']}/{len(inputs)}")
   return dict(part="features", machine=_machine(), dtype=DTYPE.value, dry_run=DRY_RUN.value,
               head=head_name, small=f"demo small embedded at {DRAFT_SHAPE}", gamma=gamma,
               target_step_ms=target_ms, proposal_ms=proposal_ms, c=c, width=width,

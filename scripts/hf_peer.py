@@ -39,9 +39,9 @@ import jax
 import numpy as np
 
 from specdec_jax import generation
-from specdec_jax.core.results import write_json_atomic
+from specdec_jax.results import write_json_atomic
 from specdec_jax.loading import export_hf, load_model
-from specdec_jax.tools.testing import perturbed_model
+from specdec_jax.perturbation import perturbed_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,30 +1,36 @@
 """specdec_jax: exact speculative decoding for every model family, in JAX/Flax.
 
 Layers (each a folder or module; nothing imports upward from `core/`):
-  core/      sampling, the speculative step, token trees and their verification, the decode
-             loops, theory, outputs, dtypes
+  core/      sampling, token trees, verification/ (the token, block and tree rules and
+             their registries), the decode loops, theory, outputs, dtypes
   families/  the family contract (base.py), the registry, and one folder per family
              (t5/, decoder_only/): network, fused decode, configs, checkpoints, axes
   drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft,
              FeatureDraft, MedusaDraft
-  generation.py, loading.py, sharding.py   the entry points
+  generation.py (staged: settings.py, placement.py, memory.py, programs.py), loading.py,
+  sharding.py, multihost.py                the entry points
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
 
-from specdec_jax import data, sharding
+from specdec_jax import data, memory, multihost, sharding
 from specdec_jax.core import theory
-from specdec_jax.core.block_verification import (batched_block_verification_step,
-                                                block_verification_step)
-from specdec_jax.core.decoding import (VERIFIERS, DecodingState, speculative_sample,
-                                      temperature_sample)
+from specdec_jax.core.decoding import DecodingState, speculative_sample, temperature_sample
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats
 from specdec_jax.core.sampling import adjust_probs
-from specdec_jax.core.speculative import batched_speculative_step, speculative_step
+from specdec_jax.core.verification import TREE_LAWS, VERIFIERS
+from specdec_jax.core.verification.block import (batched_block_verification_step,
+                                                 block_verification_step)
+from specdec_jax.core.verification.token import batched_speculative_step, speculative_step
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
 from specdec_jax.core.tree import TreeShape
-from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, FeatureDraft, MedusaDraft,
-                                ModelDraft, NgramDraft, PromptLookupDraft, TreeDraft,
-                                DynamicTreeDraft, as_draft)
+from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, DraftStart, FeatureDraft,
+                                MedusaDraft, ModelDraft, NgramDraft, PromptLookupDraft,
+                                ProposalPlan, Reads, TreeDraft, DynamicTreeDraft, as_draft,
+                                chain_proposer, target_features)
+from specdec_jax.core.decoding import ChainProposer, TargetFns
+from specdec_jax.core.sampling import Sampling
+from specdec_jax.core.tree_decoding import TreeProposer
+from specdec_jax.settings import DecodeSettings, plan_settings
 from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.feature_head import FeatureHead
@@ -44,8 +50,8 @@ from specdec_jax.generation import generate
 from specdec_jax.loading import (export_hf, load_feature_draft, load_medusa_draft, load_model,
                                  load_sharded_model, save_feature_draft, save_medusa_draft,
                                  shard_model)
-from specdec_jax.sharding import (Partitioner, make_partitioners, plan_memory,
-                                  plan_speculative_memory)
+from specdec_jax.memory import plan_memory, plan_speculative_memory
+from specdec_jax.sharding import Partitioner, make_partitioners
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
 from specdec_jax.train import distill
 from specdec_jax.train import trainer as train

@@ -25,7 +25,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from specdec_jax.core import results
+from specdec_jax import results
 from specdec_jax import tasks
 
 PAD_ID = 0

@@ -13,10 +13,12 @@ import os
 from typing import Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 
 from specdec_jax import sharding
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
+# Imported for its registration: the Medusa-1 head format (`head_formats`).
+from specdec_jax.drafts import medusa_checkpoints  # noqa: F401
+from specdec_jax.families import head_formats
 from specdec_jax.families.base import Family
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
 from specdec_jax.families.tensor_io import CheckpointError
@@ -169,8 +171,17 @@ def export_hf(model, directory) -> None:
   family.export_hf(model, directory)
 
 
+def _head_format_for_target(path, kind: str, target, caller: str):
+  if not is_model(target):
+    raise TypeError(f"{caller} takes the target model, got {type(target).__name__}")
+  return head_formats.find_head_format(path, kind, family_of(target), target.config)
+
+
 def load_feature_draft(path, target, *, dtype=None):
   """A `FeatureDraft` from a public EAGLE-1 or EAGLE-3 head directory, for `target`.
+
+  The format is the registered feature-head format (`families.head_formats`)
+  that serves the target's family and recognises the directory.
 
   Args:
     path: a directory with config.json and model.safetensors or
@@ -185,15 +196,13 @@ def load_feature_draft(path, target, *, dtype=None):
   Raises:
     CheckpointError: missing files or tensors, unexpected tensors (named),
       the head's hidden size or vocabulary not the target's, a target layout
-      the formats do not serve.
+      the formats do not serve (`head_formats.UnsupportedHeadFormat` where no
+      registered format serves the target's family).
   """
   from specdec_jax.drafts.feature import FeatureDraft
-  from specdec_jax.families.decoder_only import eagle_checkpoints
-  if not is_model(target):
-    raise TypeError(f"load_feature_draft takes the target model, got {type(target).__name__}")
-  head, params = eagle_checkpoints.load_head(path, target.config, target.params,
-                                             optional_dtype(dtype))
-  return FeatureDraft(target, head_params=params, head=head)
+  path = os.fspath(path)
+  fmt = _head_format_for_target(path, "feature", target, "load_feature_draft")
+  return FeatureDraft(target, **fmt.load(path, target, optional_dtype(dtype)))
 
 
 def save_feature_draft(draft, path, format=None) -> None:
@@ -201,13 +210,13 @@ def save_feature_draft(draft, path, format=None) -> None:
   model.safetensors) that `load_feature_draft` (and EAGLE's own loaders) read.
 
   format: None (the head's own), 'eagle1' (the decoder-only family's EAGLE-1
-  head) or 'eagle3' (an `Eagle3Head`); a head cannot be written in the other's.
+  head) or 'eagle3' (an `Eagle3Head`), or another registered feature-head
+  format's name; a head cannot be written in a format that does not hold it.
   """
   from specdec_jax.drafts.feature import FeatureDraft
-  from specdec_jax.families.decoder_only import eagle_checkpoints
   if not isinstance(draft, FeatureDraft):
     raise TypeError(f"save_feature_draft takes a FeatureDraft, got {type(draft).__name__}")
-  eagle_checkpoints.save_head(draft.head, draft.head_params, path, format)
+  head_formats.head_format_for(draft, "feature", format).save(draft, path)
 
 
 def load_medusa_draft(path, target, dtype=None):
@@ -222,22 +231,19 @@ def load_medusa_draft(path, target, dtype=None):
       are checked against every tensor).
     dtype: the heads' params dtype; default the target's.
   Raises:
-    CheckpointError: naming the file and tensor at fault.
+    CheckpointError: naming the file and tensor at fault
+      (`head_formats.UnsupportedHeadFormat` for a family without features).
   """
-  from specdec_jax.drafts import medusa_checkpoints
   from specdec_jax.drafts.medusa import MedusaDraft
-  if not is_model(target):
-    raise TypeError(f"load_medusa_draft takes the target model, got {type(target).__name__}")
-  heads, layers, params = medusa_checkpoints.load_heads(path, target, optional_dtype(dtype))
-  params = jax.tree_util.tree_map(jnp.asarray, params)
-  return MedusaDraft(target, num_heads=heads, num_layers=layers, params=params)
+  path = os.fspath(path)
+  fmt = _head_format_for_target(path, "medusa", target, "load_medusa_draft")
+  return MedusaDraft(target, **fmt.load(path, target, optional_dtype(dtype)))
 
 
 def save_medusa_draft(draft, path) -> None:
   """Writes a `MedusaDraft` (own LM heads) as a Medusa-1 directory (config.json +
   medusa_lm_head.safetensors) that `load_medusa_draft` and Medusa's code read."""
-  from specdec_jax.drafts import medusa_checkpoints
   from specdec_jax.drafts.medusa import MedusaDraft
   if not isinstance(draft, MedusaDraft):
     raise TypeError(f"save_medusa_draft takes a MedusaDraft, got {type(draft).__name__}")
-  medusa_checkpoints.save_heads(draft, path)
+  head_formats.head_format_for(draft, "medusa").save(draft, path)

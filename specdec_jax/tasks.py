@@ -24,7 +24,6 @@ import os
 from typing import List, Optional, Sequence, Tuple
 
 import gin
-import numpy as np
 
 from specdec_jax.families.t5.config import T5Config
 
@@ -113,17 +112,6 @@ def check_vocab(tokenizer: Tokenizer, config: T5Config, name: str = "model") -> 
   if tokenizer.eos_id != config.eos_id or tokenizer.pad_id != config.pad_id:
     raise ValueError(f"tokenizer EOS/pad ids ({tokenizer.eos_id}/{tokenizer.pad_id}) differ "
                      f"from the {name}'s ({config.eos_id}/{config.pad_id})")
-
-
-def encode_batch(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> np.ndarray:
-  """[len(texts), max_length] int32: ids + EOS, truncated to max_length (EOS kept), 0-padded."""
-  if max_length < 2:
-    raise ValueError(f"max_length must be >= 2, got {max_length}")
-  out = np.zeros((len(texts), max_length), np.int32)
-  for row, text in enumerate(texts):
-    ids = tokenizer.encode(text)[:max_length - 1] + [tokenizer.eos_id]
-    out[row, :len(ids)] = ids
-  return out
 
 
 # ---------------------------------------------------------------------------

@@ -43,7 +43,6 @@ def _fresh_compile_caches():
   """
   yield
   import jax
-  from specdec_jax import generation
-  generation._COMPILED.clear()
-  generation._MEMORY.clear()
+  from specdec_jax.programs import PROGRAMS
+  PROGRAMS.clear()
   jax.clear_caches()

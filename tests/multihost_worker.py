@@ -44,11 +44,11 @@ def main(argv):
     from specdec_jax import sharding
     address, processes, process_id = argv[4], int(argv[5]), int(argv[6])
     # Before any other JAX call; bounded so a lost peer fails the test, not hangs it.
-    sharding.initialize_distributed(address, processes, process_id, timeout_s=60)
+    multihost.initialize_distributed(address, processes, process_id, timeout_s=60)
   _log("initialized")
   import jax
   import numpy as np
-  from specdec_jax import generate, loading, sharding
+  from specdec_jax import generate, loading, multihost, sharding
   from specdec_jax.families import tensor_io
 
   reads = {"blocks": [], "whole": []}
@@ -150,7 +150,7 @@ def main(argv):
     if mode == "multihost":
       # Per-host rows: this process's block of the batch only (the same
       # compiled program: the global arrays have the same shapes and shardings).
-      rows = sharding.process_row_block(BATCH // jax.process_count())
+      rows = multihost.process_row_block(BATCH // jax.process_count())
       result = generate(target, tokens[rows], None if lengths is None else lengths[rows],
                         max_decode_steps=STEPS, draft=draft, gamma=GAMMA, eos_id=EOS[family],
                         partitioner=target_part, draft_partitioner=draft_part,
@@ -160,7 +160,7 @@ def main(argv):
       out[f"perhost/{family}/{name}/accepted"] = np.asarray(result.stats.accepted)
       # Which placement the rows took: straight onto this process's devices
       # (the batch split over processes) or gathered first (replicated batch).
-      out[f"perhost/{family}/direct"] = np.asarray(sharding.blocks_match_devices(
+      out[f"perhost/{family}/direct"] = np.asarray(multihost.blocks_match_devices(
           target_part.batch_sharding(tokens.shape), tokens.shape, BATCH // jax.process_count()))
       _log(f"{family} {name} perhost: decoded")
 

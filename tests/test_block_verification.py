@@ -26,9 +26,10 @@ from scipy import stats as scipy_stats
 
 import specdec_jax as sj
 from specdec_jax import generation
-from specdec_jax.core import block_verification
 from specdec_jax.core import decoding
-from specdec_jax.core import speculative
+from specdec_jax.core.verification import block as block_verification
+from specdec_jax.core.verification import token as speculative
+from specdec_jax.perturbation import perturbed_model
 from specdec_jax.tools import testing
 # Shared with the token-wise tests: chi-square over lumped categories, the exact law of a
 # tiny model's samples by enumeration, and the per-test false-alarm rate there (1e-4).
@@ -354,7 +355,7 @@ def test_block_decodes_follow_target_distribution(setting):
   as tests/test_speculative.py, whose docstring gives the power of this design)."""
   vocab, steps, n = 8, 3, 10_000
   target = sj.load_model("tiny", vocab_size=vocab, seed=11, dtype="float32")
-  draft = testing.perturbed_model(target, 0.5, seed=13)
+  draft = perturbed_model(target, 0.5, seed=13)
   enc_row = np.array([5, 3, 7, 2], np.int32)
   expected = _exact_sequence_distribution(target, enc_row, steps, eos_id=1, **setting)
   out = sj.generate(target, np.repeat(enc_row[None], n, axis=0), max_decode_steps=steps,

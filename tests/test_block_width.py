@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
+from specdec_jax.programs import CompileCache
 from specdec_jax import generation
 from specdec_jax.core import decoding
 from specdec_jax.core import dtypes
@@ -80,28 +81,35 @@ def test_random_pair_bf16_many_near_ties_identical():
     assert out.stats.acceptance_rate > 0.1, out.stats.summary()
 
 
-class _TraceOnly(dict):
-  """A stand-in for a module's cache of jitted decoders that traces, never compiles.
+class _TraceOnly(CompileCache):
+  """A stand-in for the cache of jitted decoders that traces, never compiles.
 
-  Each cached decoder is replaced by one that traces it (`jax.eval_shape`: the
+  Each built decoder is replaced by one that traces it (`jax.eval_shape`: the
   block callbacks run on abstract arrays) and returns zeros of its output
   shapes, so a test can record what the loops trace without compiling them.
   """
 
-  def __setitem__(self, key, jitted):
-    def trace(*args):
-      shapes = jax.eval_shape(jitted, *args)
-      return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  def get(self, key, build):
+    def traced():
+      jitted = build()
+      if key[0] == "memory":
+        return jitted
 
-    super().__setitem__(key, trace)
+      def trace(*args):
+        shapes = jax.eval_shape(jitted, *args)
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+      return trace
+
+    return super().get(key, traced)
 
 
 def test_every_target_call_has_width_w(monkeypatch):
   """Records the block shapes the target callback sees while both loops trace."""
   # Tracing is what this test needs: the programs are traced but not compiled
   # (fresh caches, restored by monkeypatch afterwards).
-  monkeypatch.setattr(generation, "_COMPILED", _TraceOnly())
-  monkeypatch.setattr(t5x_model, "_COMPILED", _TraceOnly())
+  monkeypatch.setattr(generation, "PROGRAMS", _TraceOnly())
+  monkeypatch.setattr(t5x_model, "PROGRAMS", _TraceOnly())
   seen = []
   # Every target and draft call goes through the family's block callback.
   family = type(sj.family_of(sj.get_config("tiny")))

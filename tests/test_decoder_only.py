@@ -12,6 +12,7 @@ from cached_blocks import score_in_ragged_blocks
 from hf_reference import assert_matches_rows, hf_greedy
 from flax.traverse_util import flatten_dict
 
+import specdec_jax as sj
 from specdec_jax.families.t5.checkpoints import CheckpointError
 from specdec_jax.families.decoder_only.checkpoints import load_hf_decoder_only
 from specdec_jax.generation import generate
@@ -503,8 +504,8 @@ def test_prompt_lookup_reads_a_continued_context_from_prompt_and_output():
   assert np.asarray(end).tolist() == [6, 5, 4]
   assert np.asarray(haystack)[1, :5].tolist() == [9, 4, 3, 9, 4]
   assert np.asarray(valid).sum(axis=1).tolist() == [6, 5, 4]
-  tokens, probs, num_drafted, _ = draft.propose_fn((), 3, 0.0, 0, 0.0)(
-      None, context, sequences, lengths)
+  propose = draft.proposer((), sj.ProposalPlan(sj.Sampling(), 3, 4)).propose
+  tokens, probs, num_drafted, _ = propose(None, context, sequences, lengths)
   # Row 0: [5, 6] (the prompt's tail) recurs at 0 -> 7, 8, 5. Row 1: [9, 4]
   # spans prompt and output, recurs at 0 -> 3, 9, 4. Row 2: 14 never occurred.
   assert np.asarray(tokens).tolist() == [[7, 8, 5], [3, 9, 4], [0, 0, 0]]

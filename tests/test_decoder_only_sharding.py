@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from specdec_jax import generate, loading, sharding
+from specdec_jax import generate, loading, memory, multihost, sharding
 from specdec_jax.families.decoder_only import sharding as dos
 from specdec_jax.families.decoder_only.config import DECODER_CONFIGS
 from specdec_jax.families.decoder_only.family import FAMILY as DECODER_ONLY
@@ -65,7 +65,7 @@ def test_planner_shards_qwen2_7b_and_flags_few_kv_heads():
   config = DECODER_CONFIGS["qwen2_7b"]
   # 1025-token prompts plus 1024 new tokens: a cache of 2048 positions.
   shape = dict(batch=8, context_len=1025, max_decode_len=1024)
-  plan = sharding.plan_memory(config, mesh_shape="1,4", dtype="bfloat16", **shape)
+  plan = memory.plan_memory(config, mesh_shape="1,4", dtype="bfloat16", **shape)
   assert plan.params_bytes == 2 * config.num_params
   # Every big weight is split four ways; only norms and biases are replicated.
   assert plan.params_bytes_per_device < 0.26 * plan.params_bytes
@@ -73,13 +73,13 @@ def test_planner_shards_qwen2_7b_and_flags_few_kv_heads():
   assert plan.cache_bytes_per_device == plan.cache_bytes // 4
   # Qwen2-7B has 4 KV heads: an 8-way model axis cannot split its cache.
   with pytest.raises(ValueError, match=r"cache/layers/0/self_key: dimension 2 \('heads', size 4\)"):
-    sharding.plan_memory(config, mesh_shape="1,8", **shape)
+    memory.plan_memory(config, mesh_shape="1,8", **shape)
   with pytest.warns(UserWarning, match="Replicating this dimension"):
-    replicated = sharding.plan_memory(config, mesh_shape="1,8", dtype="bfloat16",
+    replicated = memory.plan_memory(config, mesh_shape="1,8", dtype="bfloat16",
                                       on_indivisible="replicate", **shape)
   assert replicated.cache_bytes_per_device == replicated.cache_bytes
   # The speculative planner takes both models of the family with one context length.
-  target, draft = sharding.plan_speculative_memory(
+  target, draft = memory.plan_speculative_memory(
       config, DECODER_CONFIGS["qwen2_0_5b"], mesh_shape="2,2", dtype="bfloat16", **shape)
   assert (target.name, draft.name) == ("target", "draft")
   assert target.params_bytes_per_device < target.params_bytes  # Target rules shard weights.
@@ -180,12 +180,12 @@ def test_multidevice_planner_matches_allocated_bytes(pair, mesh_shape):
     assert {s.data.shape for s in key.addressable_shards} == {
         (BATCH // data, cache_len, heads, model.config.head_dim)}
     assert key.sharding == part.cache_shardings(cache, DECODER_ONLY)["layers"][0]["self_key"]
-    plan = sharding.plan_memory(model.config, batch=BATCH, context_len=WIDTH,
+    plan = memory.plan_memory(model.config, batch=BATCH, context_len=WIDTH,
                                 max_decode_len=STEPS, mesh_shape=part.mesh_shape,
                                 rules=part.rules)
     for device in part.mesh.devices.flat:
-      assert sharding.device_bytes(sharded.params, device) == plan.params_bytes_per_device
-      assert sharding.device_bytes(cache, device) == plan.cache_bytes_per_device
+      assert memory.device_bytes(sharded.params, device) == plan.params_bytes_per_device
+      assert memory.device_bytes(cache, device) == plan.cache_bytes_per_device
     assert plan.params_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
     assert plan.cache_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
     # The prefilled sharded cache holds the unsharded one's values.
@@ -216,9 +216,9 @@ def test_multidevice_indivisible_errors_and_replicate_mode(pair):
   assert {s.data.shape for s in params["embed_tokens"]["embedding"].addressable_shards} == {
       (90, odd.emb_dim)}
   with pytest.warns(UserWarning, match="Replicating"):
-    plan = sharding.plan_memory(odd, batch=BATCH, context_len=WIDTH, max_decode_len=STEPS,
+    plan = memory.plan_memory(odd, batch=BATCH, context_len=WIDTH, max_decode_len=STEPS,
                                 mesh_shape="1,8", on_indivisible="replicate")
-  assert sharding.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
+  assert memory.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
   part_2d, _ = sharding.make_partitioners("4,2")
   with pytest.raises(ValueError, match=r"inputs: dimension 0 \('batch', size 6\) is not "
                      r"divisible by mesh axis data=4"):

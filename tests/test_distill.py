@@ -10,7 +10,7 @@ from specdec_jax.train import distill
 from specdec_jax.train import trainer as train
 from specdec_jax.families.t5.model import Model, init_params
 from specdec_jax.families.t5.config import get_config
-from specdec_jax.core.speculative import acceptance_probability
+from specdec_jax.core.verification.token import acceptance_probability
 
 VOCAB = 32
 TARGET = get_config("tiny", vocab_size=VOCAB, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,

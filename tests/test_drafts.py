@@ -14,6 +14,7 @@ import optax
 import pytest
 from scipy import stats as scipy_stats
 
+import specdec_jax as sj
 from specdec_jax import generate
 from specdec_jax.drafts import (AdaptiveGammaDraft, ModelDraft, NgramDraft, PromptLookupDraft,
                                 heuristic_draft_length)
@@ -134,7 +135,7 @@ def test_prompt_lookup_finds_the_longest_then_earliest_match():
                          [0, 0, 0, 0, 0, 0],
                          [0, 8, 0, 0, 0, 0]])
   lengths = jnp.array([2, 4, 1, 0, 1])
-  propose = draft.propose_fn(draft.params, 3, 1.0, 0, 0.0)
+  propose = draft.proposer(draft.params, sj.ProposalPlan(sj.Sampling(1.0), 3, 4)).propose
   # A T5 context: the encoder input, which the generated tokens do not continue.
   encoder = Context(encoder, jnp.full((5,), 5), continued=False)
   tokens, probs, num_drafted, _ = propose(jax.random.PRNGKey(0), encoder, sequences, lengths)
@@ -375,8 +376,10 @@ def test_model_draft_cache_holds_every_accepted_position(greedy_setup):
   draft = ModelDraft(draft_model, confidence_threshold=GREEDY_THRESHOLD)
   gamma, batch, max_len = 4, 4, 24
   encoder = random_encoder_tokens(batch, 5, 64, seed=5)
-  propose = jax.jit(draft.propose_fn(draft.params, gamma, 1.0, 0, 0.0))
-  state = draft.init_state(draft.params, Context(encoder, jnp.full((batch,), 5)), max_len)
+  propose = jax.jit(draft.proposer(draft.params,
+                                   sj.ProposalPlan(sj.Sampling(1.0), gamma, gamma + 1)).propose)
+  context = Context(encoder, jnp.full((batch,), 5))
+  state = draft.init_state(draft.params, sj.DraftStart(context, max_len, gamma))
   fresh = state["cache"]
   block_fn = jax.jit(draft_model.block_fn())
   sequences = np.zeros((batch, max_len + 1), np.int32)

@@ -372,8 +372,9 @@ class _RecordingDraft(sj.FeatureDraft):
   def static_key(self):
     return super().static_key() + (id(self.log),)
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    inner = super().propose_fn(params, gamma, temperature, topk, topp)
+  def proposer(self, params, plan):
+    chain = super().proposer(params, plan)
+    inner = chain.propose
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       tokens, probs, limit, state = inner(rng, state, sequences, lengths, max_drafted)
@@ -381,7 +382,7 @@ class _RecordingDraft(sj.FeatureDraft):
                          tokens, probs, limit, ordered=True)
       return tokens, probs, limit, state
 
-    return propose
+    return chain._replace(propose=propose)
 
 
 def _loaded(tmp_path, target, draft_ids, seed, name="e3"):

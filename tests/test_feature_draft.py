@@ -84,8 +84,7 @@ def test_bad_feature_layers_are_named():
   # tests/test_t5_feature_draft.py::test_t5_feature_errors_are_named.
   target = _target(vocab=32)
   draft = sj.FeatureDraft(target)
-  with pytest.raises(ValueError, match="does not forward the target's features"):
-    sj.AdaptiveGammaDraft(draft)
+  # An adaptive-length feature draft: tests/test_protocol.py.
   # Trees of feature drafts: tests/test_feature_trees.py.
   other = _target(vocab=64)
   with pytest.raises(ValueError, match="another target config"):
@@ -175,8 +174,9 @@ class _RecordingDraft(sj.FeatureDraft):
   def static_key(self):
     return super().static_key() + (id(self.log),)
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    inner = super().propose_fn(params, gamma, temperature, topk, topp)
+  def proposer(self, params, plan):
+    chain = super().proposer(params, plan)
+    inner = chain.propose
 
     def record(lengths, count, offset, features):
       self.log.append(tuple(np.asarray(x) for x in (lengths, count, offset, features)))
@@ -186,7 +186,7 @@ class _RecordingDraft(sj.FeatureDraft):
                          state["pending_features"], ordered=True)
       return inner(rng, state, sequences, lengths, max_drafted)
 
-    return propose
+    return chain._replace(propose=propose)
 
 
 @pytest.mark.slow

@@ -138,7 +138,7 @@ def test_heads_read_the_hidden_state_before_the_last_token():
   context = family.context(jnp.asarray(tokens), jnp.asarray(lengths))
   _, features, _ = family.start_features(target.config, target.params, jnp.asarray(tokens),
                                          jnp.asarray(lengths), 4, None)
-  state = medusa.init_state(medusa.params, context, 4, features=features)
+  state = medusa.init_state(medusa.params, sj.DraftStart(context, 4, 4, features=features))
   np.testing.assert_array_equal(np.asarray(state["ready"]), lengths >= 2)
   # The uncached forward's last-layer features, independently.
   from specdec_jax.train.feature import target_features
@@ -254,7 +254,7 @@ def test_tree_levels_come_from_head_depth_plus_one_whatever_the_pending_chain():
   from specdec_jax.core.tree import TreeAttention
   target = _target("decoder_only", vocab=32)
   medusa = sj.MedusaDraft(target, num_heads=3, seed=6)
-  expander = medusa.tree_expander(medusa.params, 1.0, 0, 0.0)
+  expander = medusa.tree_expander(medusa.params, sj.Sampling(1.0))
   hidden = jax.random.normal(jax.random.PRNGKey(0), (2, medusa.hidden_dim))
   state = expander.init(dict(hidden=hidden, ready=jnp.array([True, True])), 2, 8)
   laws = np.asarray(sampling.adjust_probs(medusa.head_logits(medusa.params, hidden, 3)))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax import generation
-from specdec_jax import sharding
-from specdec_jax.tools import testing
+from specdec_jax.programs import PROGRAMS
+from specdec_jax import memory, sharding
+from specdec_jax.perturbation import perturbed_model
 
 
 def _bytes_in(message: str) -> int:
@@ -24,8 +24,8 @@ def test_huge_max_decode_steps_is_an_error_naming_the_bytes(name):
   steps = 10**7
   family = sj.family_of(model)
   cache = family.abstract_cache(model.config, 16, 5, steps)
-  cache_bytes = sharding.tree_bytes(cache)
-  draft = testing.perturbed_model(model, 0.1)
+  cache_bytes = memory.tree_bytes(cache)
+  draft = perturbed_model(model, 0.1)
   for kwargs, parts in ((dict(), 1), (dict(draft=draft, gamma=3), 2)):
     start = time.perf_counter()
     with pytest.raises(MemoryError, match=r"max_decode_steps=10000000 at batch 16 needs \d+ bytes"
@@ -49,14 +49,15 @@ def test_memory_check_uses_the_devices_free_memory(monkeypatch):
   assert out.sequences.shape == (1, 6)
   # The same call with less memory than its cache and buffers: an error, and
   # the numbers in it come from the shapes (nothing was allocated for it).
-  monkeypatch.setattr(sharding, "available_memory_bytes", lambda device: 1000)
+  monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1000)
   with pytest.raises(MemoryError, match=r"only 1000 bytes"):
     sj.generate(model, inputs, max_decode_steps=6)
-  key = [k for k in generation._MEMORY if k[0] == model.config and k[-1] == (1, 4)]
-  assert key and sum(generation._MEMORY[key[0]].values()) > 1000
+  planned = PROGRAMS.entries("memory")
+  key = [k for k in planned if k[1][0] == model.config and k[-1] == (1, 4)]
+  assert key and sum(planned[key[0]].values()) > 1000
 
 
 def test_available_memory_of_the_host_is_known():
   import jax
-  available = sharding.available_memory_bytes(jax.devices("cpu")[0])
+  available = memory.available_memory_bytes(jax.devices("cpu")[0])
   assert available is None or available > 0

@@ -19,6 +19,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from specdec_jax.families.t5 import checkpoints
 from specdec_jax import generation
 from specdec_jax import loading
+from specdec_jax.perturbation import perturbed_model
 from specdec_jax.tools import testing
 
 VOCAB = 128
@@ -116,7 +117,7 @@ def _assert_greedy_parity(ours, reference):
   assert len(set(ref.ravel().tolist())) >= 8, f"degenerate reference outputs {ref}"
   greedy = generation.generate(ours, encoder_tokens, max_decode_steps=DECODE_STEPS)
   np.testing.assert_array_equal(np.asarray(greedy.sequences), ref)
-  draft = testing.perturbed_model(ours, noise=0.1)
+  draft = perturbed_model(ours, noise=0.1)
   speculative = generation.generate(ours, encoder_tokens, max_decode_steps=DECODE_STEPS,
                                     draft=draft, gamma=3)
   np.testing.assert_array_equal(np.asarray(speculative.sequences), ref)

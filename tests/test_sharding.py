@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import drafts as sj_drafts
-from specdec_jax import generate, loading, sharding
+from specdec_jax import generate, loading, memory, multihost, sharding
 from specdec_jax.families.registry import family_of
 from specdec_jax.families.t5 import network as t5
 from specdec_jax.families.t5 import sharding as t5_sharding
@@ -119,7 +119,7 @@ def test_gin_configures_the_partitioners():
 
 def test_planner_for_xxl_shards_every_big_weight():
   xxl = get_config("t5_1_1_xxl")
-  plan = sharding.plan_memory(xxl, batch=1, context_len=512, max_decode_len=128,
+  plan = memory.plan_memory(xxl, batch=1, context_len=512, max_decode_len=128,
                               mesh_shape="1,4", dtype="bfloat16")
   assert plan.params_bytes == xxl.num_params * 2
   # Only the norm scales (bf16 [4096] each) are replicated.
@@ -294,12 +294,12 @@ def test_multidevice_planner_matches_allocated_bytes(sharded_models, sharded_cac
   target_part, draft_part, target, draft = sharded_models[mesh_shape]
   for model, part, cache in zip((target, draft), (target_part, draft_part),
                                 sharded_caches[mesh_shape]):
-    plan = sharding.plan_memory(model.config, batch=BATCH, context_len=ENC_LEN,
+    plan = memory.plan_memory(model.config, batch=BATCH, context_len=ENC_LEN,
                                 max_decode_len=STEPS, mesh_shape=part.mesh_shape,
                                 rules=part.rules)
     for device in target_part.mesh.devices.flat:
-      assert sharding.device_bytes(model.params, device) == plan.params_bytes_per_device
-      assert sharding.device_bytes(cache, device) == plan.cache_bytes_per_device
+      assert memory.device_bytes(model.params, device) == plan.params_bytes_per_device
+      assert memory.device_bytes(cache, device) == plan.cache_bytes_per_device
     assert plan.params_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
     assert plan.cache_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
@@ -316,9 +316,9 @@ def test_multidevice_indivisible_replicate_mode_matches_planner(pair):
   rel = params["decoder"]["relpos_bias"]["rel_embedding"]
   assert {s.data.shape for s in rel.addressable_shards} == {(6, 32)}
   with pytest.warns(UserWarning, match="rel_embedding"):
-    plan = sharding.plan_memory(config, batch=BATCH, context_len=ENC_LEN, max_decode_len=STEPS,
+    plan = memory.plan_memory(config, batch=BATCH, context_len=ENC_LEN, max_decode_len=STEPS,
                                 mesh_shape="2,4", on_indivisible="replicate")
-  assert sharding.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
+  assert memory.device_bytes(params, jax.devices()[0]) == plan.params_bytes_per_device
 
 
 @multidevice
@@ -399,19 +399,19 @@ def test_per_host_helpers_on_one_process():
   part, _ = sharding.make_partitioners("1,-1")
   tokens = np.arange(12, dtype=np.int32).reshape(4, 3)
   lengths = np.array([3, 1, 2, 3], np.int32)
-  got_tokens, got_lengths = sharding.global_batch(part, tokens, lengths)
+  got_tokens, got_lengths = multihost.global_batch(part, tokens, lengths)
   np.testing.assert_array_equal(np.asarray(got_tokens), tokens)
   np.testing.assert_array_equal(np.asarray(got_lengths), lengths)
   assert got_tokens.sharding == part.batch_sharding(tokens.shape)
   with pytest.raises(ValueError, match="same leading"):
-    sharding.global_batch(part, tokens, lengths[:3])
-  assert sharding.process_row_block(4) == slice(0, 4)
-  assert sharding.process_row_block(4, 1) == slice(4, 8)
-  assert sharding.blocks_match_devices(part.batch_sharding((4, 3)), (4, 3), 4)
-  assert not sharding.blocks_match_devices(part.batch_sharding((4, 3)), (4, 3), 2)
-  rows = sharding.gather_ragged([[1, 2, 3], [], [4]])
+    multihost.global_batch(part, tokens, lengths[:3])
+  assert multihost.process_row_block(4) == slice(0, 4)
+  assert multihost.process_row_block(4, 1) == slice(4, 8)
+  assert multihost.blocks_match_devices(part.batch_sharding((4, 3)), (4, 3), 4)
+  assert not multihost.blocks_match_devices(part.batch_sharding((4, 3)), (4, 3), 2)
+  rows = multihost.gather_ragged([[1, 2, 3], [], [4]])
   assert [r.tolist() for r in rows] == [[1, 2, 3], [], [4]]
-  assert sharding.gather_texts(["héllo", ""]) == ["héllo", ""]
-  assert sharding.on_every_process(lambda: 7, "x") == 7
+  assert multihost.gather_texts(["héllo", ""]) == ["héllo", ""]
+  assert multihost.on_every_process(lambda: 7, "x") == 7
   with pytest.raises(KeyError):
-    sharding.on_every_process(lambda: {}["absent"], "x")
+    multihost.on_every_process(lambda: {}["absent"], "x")

@@ -37,7 +37,8 @@ from scipy import stats as scipy_stats
 
 import specdec_jax as sj
 from specdec_jax.core import sampling
-from specdec_jax.core import speculative
+from specdec_jax.core.verification import token as speculative
+from specdec_jax.perturbation import perturbed_model
 from specdec_jax.tools import testing
 
 P_VALUE = 1e-4
@@ -228,7 +229,7 @@ def test_speculative_samples_follow_target_distribution(setting):
   if bad_draft:
     draft = sj.load_model("tiny_draft", vocab_size=vocab, seed=12, dtype="float32")
   else:
-    draft = testing.perturbed_model(target, 0.5, seed=13)
+    draft = perturbed_model(target, 0.5, seed=13)
   enc_row = np.array([5, 3, 7, 2], np.int32)
   expected = _exact_sequence_distribution(target, enc_row, steps, eos_id=1, **setting)
   enc = np.repeat(enc_row[None], n, axis=0)

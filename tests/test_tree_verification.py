@@ -42,9 +42,9 @@ import pytest
 from scipy import stats as scipy_stats
 from test_speculative import chi_square_cells
 
-from specdec_jax.core import speculative
 from specdec_jax.core import tree as tree_lib
-from specdec_jax.core import tree_verification as tv
+from specdec_jax.core.verification import token as speculative
+from specdec_jax.core.verification import tree as tv
 
 # `make test-slow` (CI runs it beside `make test`): the long statistical and method suites.
 pytestmark = pytest.mark.slow

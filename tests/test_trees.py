@@ -27,6 +27,7 @@ from test_speculative import P_VALUE, _chi_square_ok, _exact_sequence_distributi
 import specdec_jax as sj
 from specdec_jax.core import sampling
 from specdec_jax.families.registry import family_of
+from specdec_jax.perturbation import perturbed_model
 from specdec_jax.tools import testing
 
 # `make test-slow` (CI runs it beside `make test`): the long statistical and method suites.
@@ -158,7 +159,7 @@ def test_sampling_path_moves_accepted_branches_into_the_cache(family):
 def _t5_law_case(setting):
   vocab, steps = 8, 3
   target = sj.load_model("tiny", vocab_size=vocab, seed=11, dtype="float32")
-  draft = testing.perturbed_model(target, 0.5, seed=13)
+  draft = perturbed_model(target, 0.5, seed=13)
   enc_row = np.array([5, 3, 7, 2], np.int32)
   expected = _exact_sequence_distribution(target, enc_row, steps, eos_id=1, **setting)
   return target, draft, enc_row, expected, steps
@@ -222,7 +223,7 @@ def _exact_lm_distribution(model, prompt, steps, eos_id, **setting):
 def test_decoder_only_tree_samples_follow_target_distribution():
   n, steps = 10_000, 3
   target = sj.load_model("llama_tiny", vocab_size=8, seed=21, dtype="float32")
-  draft = testing.perturbed_model(target, 0.5, seed=22)
+  draft = perturbed_model(target, 0.5, seed=22)
   prompt = np.array([3, 5, 2], np.int32)
   eos = family_of(target).eos_id(target.config)
   expected = _exact_lm_distribution(target, prompt, steps, eos, temperature=1.0)

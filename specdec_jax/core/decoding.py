@@ -20,9 +20,10 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.core import block_verification
 from specdec_jax.core import sampling
-from specdec_jax.core import speculative
+from specdec_jax.core.counters import LoopCounters
+from specdec_jax.core.verification import VERIFIERS, check_verification
+from specdec_jax.core.verification import token as token_verification
 
 Array = jax.Array
 BlockFn = Callable[[Array, Array, Any], Tuple[Array, Any]]
@@ -40,23 +41,6 @@ class DecodingState(NamedTuple):
   sequences: Array
   cur_token: Array
   cache: Any
-
-
-# Verification rules: name -> a batched step with `speculative.batched_speculative_step`'s
-# contract (rngs, draft_tokens, draft_probs, target_probs, num_drafted, greedy) ->
-# (num_accepted, next_token). Both are exact; "block" (Sun et al. 2025) accepts at
-# least as many drafts on average.
-VERIFIERS = {
-    "token": speculative.batched_speculative_step,
-    "block": block_verification.batched_block_verification_step,
-}
-
-
-def check_verification(verification: str) -> str:
-  """Returns `verification` if it names a rule in VERIFIERS, else raises ValueError."""
-  if not isinstance(verification, str) or verification not in VERIFIERS:
-    raise ValueError(f"verification must be one of {sorted(VERIFIERS)}, got {verification!r}")
-  return verification
 
 
 # The width of every target call in both loops unless told otherwise: it
@@ -99,34 +83,39 @@ def narrow_by_default(dtype: Optional[str], platform: Optional[str] = None) -> b
 
 
 def resolve_block_width(block_width: Optional[int], gamma: Optional[int] = None, *,
-                        dtype: Optional[str] = None, platform: Optional[str] = None) -> int:
+                        dtype: Optional[str] = None, platform: Optional[str] = None,
+                        slots: Optional[int] = None, what: Optional[str] = None) -> int:
   """The target's block width W in both loops.
 
   `block_width` when given. Otherwise, where `narrow_by_default(dtype,
-  platform)` (float32 on CPU): 1 for target-only decoding (gamma None),
-  gamma + 1 for speculative decoding, the cheapest exact widths there;
-  elsewhere DEFAULT_BLOCK_WIDTH for both, so greedy outputs with and without
-  a draft are identical by construction.
+  platform)` (float32 on CPU): the slots one call must hold (1 for
+  target-only decoding, gamma + 1 for a chain, a tree's nodes), the
+  cheapest exact widths there; elsewhere DEFAULT_BLOCK_WIDTH for every loop,
+  so greedy outputs with and without a draft are identical by construction.
 
-  With `gamma`, checks that a verification block (gamma + 1 tokens) fits: a
-  wider block would change the target's numerics, so it is an error, never a
+  Checks that a speculative block fits: `slots` tokens (gamma + 1 with
+  `gamma`), described in the error by `what`. A wider block would change the
+  target's numerics, so it is an error naming the width to pass, never a
   silent widening.
   """
+  if gamma is not None:
+    slots = int(gamma) + 1
+    what = f"gamma={gamma} needs target blocks of gamma + 1 = {slots} tokens"
   if block_width is None:
     if narrow_by_default(dtype, platform):
-      return 1 if gamma is None else int(gamma) + 1
+      return 1 if slots is None else int(slots)
     width = DEFAULT_BLOCK_WIDTH
   else:
     width = block_width
   if isinstance(width, bool) or int(width) != width or width < 1:
     raise ValueError(f"block_width must be an int >= 1, got {block_width!r}")
   width = int(width)
-  if gamma is not None and gamma + 1 > width:
+  if slots is not None and slots > width:
     raise ValueError(
-        f"gamma={gamma} needs target blocks of gamma + 1 = {gamma + 1} tokens, wider than "
-        f"block_width={width}{' (the default)' if block_width is None else ''}. Pass "
-        f"block_width={gamma + 1} (or more) to this call, and the same block_width to the "
-        "target-only decoding you compare against, so both score identical block shapes.")
+        f"{what or f'a proposal of {slots} slots'}, wider than block_width={width}"
+        f"{' (the default)' if block_width is None else ''}: pass block_width={slots} (or "
+        "more) to this call, and the same block_width to the target-only decoding you compare "
+        "against, so both score identical block shapes.")
   return width
 
 
@@ -156,8 +145,8 @@ def block_to_state_fn(block_fn: BlockFn, block_width: Optional[int] = None
 
   def tokens_to_logits(state: DecodingState):
     block = pad_block(state.cur_token[:, None], width)
-    logits, cache = block_fn(block, state.cur_index, state.cache)
-    return logits[:, 0], cache
+    scored = as_scored(block_fn(block, state.cur_index, state.cache))
+    return scored.logits[:, 0], scored.cache
 
   return tokens_to_logits
 
@@ -166,14 +155,16 @@ def _repeat_rows(tree, n: int):
   return jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), tree)
 
 
-def _check_inputs(inputs: Array):
+def check_loop_inputs(inputs: Array) -> None:
+  """Raises ValueError unless inputs is [batch, length] of integer tokens (every loop's check)."""
   if inputs.ndim != 2:
     raise ValueError(f"inputs must be [batch, length] int, got shape {inputs.shape}")
   if not jnp.issubdtype(inputs.dtype, jnp.integer):
     raise ValueError(f"inputs must be integer tokens, got dtype {inputs.dtype}")
 
 
-def _step_limit(length: int, max_decode_steps: Optional[int]) -> int:
+def step_limit(length: int, max_decode_steps: Optional[int]) -> int:
+  """The most tokens a row emits: max_decode_steps (checked), at most the decode's length."""
   if max_decode_steps is None:
     return length
   if int(max_decode_steps) != max_decode_steps or max_decode_steps < 1:
@@ -221,16 +212,16 @@ def temperature_sample(inputs: Array,
     decodes [batch, num_decodes, length] int32 (0 after EOS), sorted per input
     by increasing log probability, and log_prob [batch, num_decodes] float32.
   """
-  _check_inputs(inputs)
+  check_loop_inputs(inputs)
   if cache_offset != 0:
     raise ValueError("cache_offset must be 0: specdec_jax caches are not offset-partitioned")
   if int(num_decodes) != num_decodes or num_decodes < 1:
     raise ValueError(f"num_decodes must be an int >= 1, got {num_decodes!r}")
-  sampling.validate_sampling(temperature, topk, topp)
+  settings = sampling.Sampling(temperature, topk, topp)
   batch, length = inputs.shape
-  step_limit = _step_limit(length, max_decode_steps)
+  limit = step_limit(length, max_decode_steps)
   if max_decode_steps_hard_limit is not None:
-    step_limit = min(step_limit, _step_limit(length, max_decode_steps_hard_limit))
+    limit = min(limit, step_limit(length, max_decode_steps_hard_limit))
   if decode_rng is None:
     decode_rng = jax.random.PRNGKey(0)
   if initial_index is None:
@@ -246,7 +237,7 @@ def temperature_sample(inputs: Array,
 
   def cond(carry):
     step, _, _, ended, _, _, _ = carry
-    return (step < step_limit) & ~jnp.all(ended)
+    return (step < limit) & ~jnp.all(ended)
 
   def body(carry):
     step, index, seqs, ended, log_prob, cache, rng = carry
@@ -258,8 +249,8 @@ def temperature_sample(inputs: Array,
     logits, cache = tokens_to_logits(state)
     if logit_callback_fn is not None:
       logits = logit_callback_fn(logits, state)
-    probs = sampling.adjust_probs(logits, temperature, topk, topp)
-    token = sampling.sample(step_rng, probs, greedy=temperature < sampling.MIN_TEMPERATURE)
+    probs = settings.probs(logits)
+    token = settings.draw(step_rng, probs)
     next_index = index + 1
     prompt_token = seqs[row_ids, next_index]
     out_of_prompt = prompt_token == 0
@@ -326,10 +317,11 @@ def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: f
   """
 
   unroll_fixed = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
+  settings = sampling.Sampling(temperature, topk, topp)
 
   def draw(logits, step_rng):
-    probs = sampling.adjust_probs(logits, temperature, topk, topp)
-    return sampling.sample(step_rng, probs, greedy=temperature < sampling.MIN_TEMPERATURE), probs
+    probs = settings.probs(logits)
+    return settings.draw(step_rng, probs), probs
 
   def confident(logits):
     if confidence_threshold is None:
@@ -385,6 +377,102 @@ def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: f
   return propose
 
 
+class Scored(NamedTuple):
+  """One target block call's results.
+
+  logits: [batch, W, vocab]; cache: the target's new cache; features:
+  [batch, W, f], the target's hidden features at the block's slots when the
+  draft reads them (`drafts.base.Reads`), else None.
+  """
+  logits: Array
+  cache: Any
+  features: Optional[Array] = None
+
+
+def as_scored(result) -> Scored:
+  """A block callback's result as `Scored`: T5X-style callbacks return (logits, cache)."""
+  return result if isinstance(result, Scored) else Scored(*result)
+
+
+class TargetFns(NamedTuple):
+  """The target's callbacks for the speculative loops.
+
+  block(tokens [batch, W], positions [batch], cache, tree=None) -> Scored or
+    (logits, cache): scores W tokens of each row from its own position (with
+    a `core.tree.TreeAttention` for a token tree).
+  move_cache(cache, positions [batch], sources [batch, m]) -> cache: the
+    family's `move_cache` (trees only; None for chains).
+  """
+  block: Callable
+  move_cache: Optional[Callable] = None
+
+
+def placed_call(fn: Optional[Callable], scope: Callable, constrain: Callable,
+                with_output: bool = False) -> Optional[Callable]:
+  """`fn` traced under `scope()`, the state it returns pinned by `constrain` (None: None).
+
+  with_output: fn returns (*outputs, state) rather than the state alone.
+  """
+  if fn is None:
+    return None
+
+  def call(*args, **kwargs):
+    with scope():
+      result = fn(*args, **kwargs)
+    if with_output:
+      return (*result[:-1], constrain(result[-1]))
+    return constrain(result)
+
+  return call
+
+
+class ChainProposer(NamedTuple):
+  """What a chain draft gives the chain loop (`drafts.base.Draft.proposer`).
+
+  propose(rng, state, sequences [batch, len + 1], lengths [batch],
+    max_drafted=None[, target_cache=]) -> (draft_tokens [batch, gamma] int32,
+    draft_probs [batch, gamma, vocab] float32, num_drafted [batch] int32,
+    state): up to gamma tokens per row and the laws q they were drawn from
+    (the same `sampling.Sampling` as the target's). `max_drafted` ([batch]
+    int32 in [1, gamma], or None) caps a row's drafts (`AdaptiveGammaDraft`);
+    num_drafted may be smaller (0: no proposal, a plain target step). For
+    exactness num_drafted depends on the draft's own state and outputs,
+    never on the target's laws at this iteration; rows of draft_probs past
+    num_drafted are ignored. With `reads_cache`, the target's cache comes as
+    `target_cache=` (read only: the loop keeps its own).
+  gamma: the most tokens one proposal drafts (static).
+  observe: None, or (state, features, tokens, count) -> state, called after
+    every verification: count [batch] = n + 1 with n drafts kept, tokens
+    [batch, gamma + 1] = the n kept drafts then the new (correction or
+    bonus) token, zeros past count; features [batch, gamma + 1, f] = the
+    target's features at block positions 0..n (feature j produced token
+    j's law), zeros past count, or None for a draft that does not read them.
+    Nothing the target computed at a rejected draft reaches the draft, so
+    the next proposal is a function of accepted tokens only (exactness).
+  reads_cache: whether `propose` takes the target's cache.
+  """
+  propose: Callable
+  gamma: int
+  observe: Optional[Callable] = None
+  reads_cache: bool = False
+
+  def placed(self, scope: Callable, constrain: Callable) -> "ChainProposer":
+    """The same proposer traced under `scope()` (e.g. the draft's activation axes on a
+    mesh) with its state pinned by `constrain` after every call."""
+    return self._replace(propose=placed_call(self.propose, scope, constrain, with_output=True),
+                         observe=placed_call(self.observe, scope, constrain))
+
+  def run(self, inputs: Array, cache: Any, target: TargetFns, draft_state: Any, eos_id: int,
+          rng: Array, sampling_settings: sampling.Sampling, block_width: int,
+          verification: str) -> Tuple[Array, Dict[str, Array]]:
+    """Decodes with the chain loop (`speculative_sample`)."""
+    return speculative_sample(
+        inputs, cache, target.block, draft_state, None, eos_id, decode_rng=rng,
+        gamma=self.gamma, temperature=sampling_settings.temperature,
+        topk=sampling_settings.topk, topp=sampling_settings.topp, block_width=block_width,
+        verification=verification, proposer=self)
+
+
 class SpeculativeCarry(NamedTuple):
   sequences: Array       # [batch, len + 1] BOS then emitted tokens
   lengths: Array         # [batch] tokens emitted so far
@@ -392,7 +480,7 @@ class SpeculativeCarry(NamedTuple):
   cache: Any             # target cache
   draft_state: Any       # draft cache or other proposer state
   rng: Array
-  stats: Dict[str, Array]
+  counters: LoopCounters
 
 
 def emit(sequences: Array, lengths: Array, done: Array, new_tokens: Array, num_new: Array,
@@ -422,13 +510,41 @@ def emit(sequences: Array, lengths: Array, done: Array, new_tokens: Array, num_n
   return sequences, new_lengths, done, emitted
 
 
-def init_stats(batch: int, gamma: int) -> Dict[str, Array]:
-  """Per-row counters accumulated by `speculative_sample`."""
-  zeros = jnp.zeros((batch,), jnp.int32)
-  return dict(iterations=zeros, drafted=zeros, accepted=zeros, accepted_raw=zeros,
-              position_accepted=jnp.zeros((batch, gamma), jnp.int32),
-              position_drafted=jnp.zeros((batch, gamma), jnp.int32),
-              beta_sum=jnp.zeros((batch,), jnp.float32), beta_count=zeros)
+def _count_chain(counters: LoopCounters, active: Array, target_probs: Array, draft_probs: Array,
+                 num_drafted: Array, num_accepted: Array, emitted: Array) -> LoopCounters:
+  """One chain iteration added to the counters (probs [batch, gamma, vocab]; the rest [batch]).
+
+  beta is averaged over positions whose prefix was all accepted drafts, i.e.
+  genuine samples: positions 0..min(n, num_drafted - 1).
+  """
+  offsets = jnp.arange(draft_probs.shape[1])
+  beta = token_verification.acceptance_probability(target_probs, draft_probs)
+  scored = ((offsets <= num_accepted[:, None]) & (offsets < num_drafted[:, None]) &
+            active[:, None])
+  drafted_mask = (offsets < num_drafted[:, None]) & active[:, None]
+  return counters.add(
+      active, drafted=num_drafted, emitted=emitted, accepted_raw=num_accepted,
+      position_accepted=drafted_mask & (offsets < num_accepted[:, None]),
+      position_drafted=drafted_mask, beta=beta, scored=scored)
+
+
+def _as_proposer(proposer: Optional[ChainProposer], propose_fn, observe_fn,
+                 draft_tokens_to_logits, gamma: int, settings: sampling.Sampling
+                 ) -> ChainProposer:
+  """`speculative_sample`'s proposer: the one given (of this gamma), or one built from
+  loose callbacks (a proposer's, or a draft model's block callback)."""
+  if proposer is not None:
+    if proposer.gamma != gamma:
+      raise ValueError(f"the proposer drafts gamma={proposer.gamma} tokens, the loop was given "
+                       f"gamma={gamma}")
+    return proposer
+  if propose_fn is None:
+    if draft_tokens_to_logits is None:
+      raise ValueError("speculative_sample needs a proposer, propose_fn or "
+                       "draft_tokens_to_logits")
+    propose_fn = model_propose_fn(draft_tokens_to_logits, gamma, settings.temperature,
+                                  settings.topk, settings.topp)
+  return ChainProposer(propose_fn, gamma, observe_fn)
 
 
 def speculative_sample(inputs: Array,
@@ -446,16 +562,17 @@ def speculative_sample(inputs: Array,
                        propose_fn: Optional[ProposeFn] = None,
                        block_width: Optional[int] = None,
                        verification: str = "token",
-                       observe_fn: Optional[ObserveFn] = None
+                       observe_fn: Optional[ObserveFn] = None,
+                       proposer: Optional[ChainProposer] = None
                        ) -> Tuple[Array, Dict[str, Array]]:
   """Speculative decoding loop; the output is distributed exactly as `temperature_sample`'s.
 
   Each iteration: the draft proposes gamma tokens per row; the target scores
   the row's last token and the gamma drafts (gamma + 1 positions, padded to
-  `block_width`) in one block call; the vmapped `speculative_step` keeps n drafts and draws one more
-  token; each row appends its n + 1 tokens and advances its *own* length.
-  Caches roll back by position only: whatever a rejected draft wrote lies past
-  the row's length and is overwritten later.
+  `block_width`) in one block call; the verification rule keeps n drafts and
+  draws one more token; each row appends its n + 1 tokens and advances its
+  *own* length. Caches roll back by position only: whatever a rejected draft
+  wrote lies past the row's length and is overwritten later.
 
   Args:
     inputs: [batch, length] int32: inputs[:, 0] is each row's first decoder
@@ -463,55 +580,47 @@ def speculative_sample(inputs: Array,
       rest only gives the shape (no forced prompts here): decodes have this
       length.
     cache: target cache with at least `length` positions.
-    tokens_to_logits: target block callback.
-    draft_cache: the draft's cache (or state of `propose_fn`).
-    draft_tokens_to_logits: draft block callback (ignored with `propose_fn`).
+    tokens_to_logits: the target's block callback, returning (logits [batch,
+      W, vocab], cache) or a `Scored` (with features for a draft that reads
+      them).
+    draft_cache: the draft's cache (or the state of its proposer).
+    draft_tokens_to_logits: a draft model's block callback (ignored with a
+      proposer).
     eos_id: end-of-sequence id.
     decode_rng: PRNG key.
     gamma: tokens drafted per iteration (>= 1).
     temperature / topk / topp: the adjustment applied to target and draft alike.
     max_decode_steps: at most this many tokens per row.
-    propose_fn: a custom proposer `(rng, state, sequences, lengths) ->
-      (draft_tokens, draft_probs, num_drafted, state)` (see `drafts`).
+    propose_fn / observe_fn: a proposer's callbacks given loose (see
+      `ChainProposer`), when `proposer` is not given.
     block_width: width W of every target call (default DEFAULT_BLOCK_WIDTH);
       >= gamma + 1. Target-only decoding through `block_to_state_fn` with the
       same W gives bit-identical greedy outputs.
     verification: the rule that keeps drafts, a name in VERIFIERS: "token"
       (Leviathan et al., the first rejection ends the block) or "block"
-      (Sun et al. 2025, `block_verification`: same output law, at least as
-      many accepted drafts on average; greedy outputs identical).
-    observe_fn: for a feature draft (`drafts.FeatureDraft`): then
-      `tokens_to_logits` returns (logits, features [batch, W, f], cache) and
-      after each verification the draft state becomes `observe_fn(state,
-      features [batch, gamma + 1, f], tokens [batch, gamma + 1], count
-      [batch])`: with n drafts kept, count = n + 1, tokens = x_1..x_n and
-      the new (correction or bonus) token, features = the target's features
-      at block positions 0..n (the row's last token and the n kept drafts;
-      feature j produced the distribution of token j), and zeros past
-      count: nothing the target computed at a rejected draft, so the next
-      proposal is a function of the accepted prefix only (exactness).
+      (Sun et al. 2025: same output law, at least as many accepted drafts on
+      average; greedy outputs identical).
+    proposer: the draft's `ChainProposer` (its gamma must equal `gamma`).
   Returns:
-    decodes [batch, length] int32 (0 after EOS) and per-row stats (see
-    `init_stats`): iterations, drafted, accepted (drafts that reached the
-    output: emitted = accepted + iterations), accepted_raw (drafts the rule
-    accepted), per-position counts, and beta sums for the alpha estimate.
+    decodes [batch, length] int32 (0 after EOS) and the per-row counters
+    (`counters.LoopCounters.as_dict`).
   """
-  _check_inputs(inputs)
+  check_loop_inputs(inputs)
   if int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
-  width = resolve_block_width(block_width, int(gamma))
+  gamma = int(gamma)
+  width = resolve_block_width(block_width, gamma)
   verify = VERIFIERS[check_verification(verification)]
-  sampling.validate_sampling(temperature, topk, topp)
+  settings = sampling.Sampling(temperature, topk, topp)
   batch, length = inputs.shape
-  step_limit = _step_limit(length, max_decode_steps)
+  limit = step_limit(length, max_decode_steps)
   if decode_rng is None:
     decode_rng = jax.random.PRNGKey(0)
-  if propose_fn is None:
-    if draft_tokens_to_logits is None:
-      raise ValueError("speculative_sample needs draft_tokens_to_logits or propose_fn")
-    propose_fn = model_propose_fn(draft_tokens_to_logits, gamma, temperature, topk, topp)
+  proposer = _as_proposer(proposer, propose_fn, observe_fn, draft_tokens_to_logits, gamma,
+                          settings)
   row_ids = jnp.arange(batch)
   offsets = jnp.arange(gamma + 1)
+  target_extra = lambda cache: dict(target_cache=cache) if proposer.reads_cache else {}  # noqa
 
   def cond(carry: SpeculativeCarry):
     return ~jnp.all(carry.done)
@@ -519,93 +628,71 @@ def speculative_sample(inputs: Array,
   def body(carry: SpeculativeCarry):
     rng, propose_rng, accept_rng = jax.random.split(carry.rng, 3)
     lengths = carry.lengths
-    draft_tokens, draft_probs, num_drafted, draft_state = propose_fn(
-        propose_rng, carry.draft_state, carry.sequences, lengths)
+    draft_tokens, draft_probs, num_drafted, draft_state = proposer.propose(
+        propose_rng, carry.draft_state, carry.sequences, lengths, **target_extra(carry.cache))
     last_token = carry.sequences[row_ids, lengths]
     block = pad_block(jnp.concatenate([last_token[:, None], draft_tokens], axis=1), width)
-    if observe_fn is None:
-      logits, cache = tokens_to_logits(block, lengths, carry.cache)
-    else:
-      logits, features, cache = tokens_to_logits(block, lengths, carry.cache)
-    logits = logits[:, :gamma + 1]
-    target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
+    scored = as_scored(tokens_to_logits(block, lengths, carry.cache))
+    target_probs = settings.probs(scored.logits[:, :gamma + 1])
     num_accepted, next_token = verify(
         jax.random.split(accept_rng, batch), draft_tokens, draft_probs, target_probs,
-        num_drafted, greedy=temperature < sampling.MIN_TEMPERATURE)
+        num_drafted, greedy=settings.greedy)
 
     # The n accepted drafts, then the new token, then nothing.
     padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     new_tokens = jnp.where(offsets < num_accepted[:, None], padded_drafts,
                            jnp.where(offsets == num_accepted[:, None], next_token[:, None], 0))
-    if observe_fn is not None:
-      kept = offsets[None, :, None] <= num_accepted[:, None, None]
-      draft_state = observe_fn(draft_state, jnp.where(kept, features[:, :gamma + 1], 0.0),
-                               new_tokens, num_accepted + 1)
+    if proposer.observe is not None:
+      features = scored.features
+      if features is not None:
+        kept = offsets[None, :, None] <= num_accepted[:, None, None]
+        features = jnp.where(kept, features[:, :gamma + 1], 0.0)
+      draft_state = proposer.observe(draft_state, features, new_tokens, num_accepted + 1)
     active = ~carry.done
     sequences, new_lengths, done, emitted = emit(carry.sequences, lengths, carry.done,
-                                                 new_tokens, num_accepted + 1, eos_id,
-                                                 step_limit)
+                                                 new_tokens, num_accepted + 1, eos_id, limit)
 
-    # beta is averaged over positions whose prefix was all accepted drafts,
-    # i.e. genuine samples: positions 0..min(n, num_drafted - 1).
-    beta = speculative.acceptance_probability(target_probs[:, :gamma], draft_probs)
-    scored = (offsets[:gamma] <= num_accepted[:, None]) & (
-        offsets[:gamma] < num_drafted[:, None]) & active[:, None]
-    drafted_mask = (offsets[:gamma] < num_drafted[:, None]) & active[:, None]
-    stats = carry.stats
-    stats = dict(
-        iterations=stats["iterations"] + active,
-        drafted=stats["drafted"] + jnp.where(active, num_drafted, 0),
-        accepted=stats["accepted"] + jnp.maximum(emitted - 1, 0),
-        accepted_raw=stats["accepted_raw"] + jnp.where(active, num_accepted, 0),
-        position_accepted=stats["position_accepted"] +
-        (drafted_mask & (offsets[:gamma] < num_accepted[:, None])),
-        position_drafted=stats["position_drafted"] + drafted_mask,
-        beta_sum=stats["beta_sum"] + jnp.sum(jnp.where(scored, beta, 0.0), axis=1),
-        beta_count=stats["beta_count"] + jnp.sum(scored, axis=1),
-    )
-    return SpeculativeCarry(sequences, new_lengths, done, cache, draft_state, rng, stats)
+    counters = _count_chain(carry.counters, active, target_probs[:, :gamma], draft_probs,
+                            num_drafted, num_accepted, emitted)
+    return SpeculativeCarry(sequences, new_lengths, done, scored.cache, draft_state, rng,
+                            counters)
 
   sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
   init = SpeculativeCarry(sequences, jnp.zeros((batch,), jnp.int32),
                           jnp.zeros((batch,), jnp.bool_), cache, draft_cache, decode_rng,
-                          init_stats(batch, gamma))
+                          LoopCounters.zeros(batch, gamma))
   final = jax.lax.while_loop(cond, body, init)
-  return final.sequences[:, 1:], final.stats
+  return final.sequences[:, 1:], final.counters.as_dict()
 
 
-def decode(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rng: Array, *,
-           temperature: float, topk: int, topp: float, block_width: Optional[int],
-           propose_fn: Optional[ProposeFn] = None, draft_state: Any = None, gamma: int = 0,
-           verification: str = "token", observe_fn: Optional[ObserveFn] = None
+def decode(inputs: Array, cache: Any, target: TargetFns, eos_id: int, rng: Array, *,
+           sampling_settings: sampling.Sampling, block_width: Optional[int],
+           proposer: Any = None, draft_state: Any = None, verification: str = "token"
            ) -> Tuple[Array, Optional[Dict[str, Array]]]:
-  """Target-only decoding, or speculative decoding when `propose_fn` is given.
+  """Target-only decoding, or speculative decoding when a proposer is given.
 
-  The one place both model families (generation.py, decoder_only_generation.py)
-  choose between the loops, so target-only and speculative decoding always see
-  the same target callback and block width.
+  The one place every family and every draft kind choose their loop, so
+  target-only and speculative decoding always see the same target callback
+  and block width.
 
   Args:
     inputs: [batch, length] int32; inputs[:, 0] is each row's first input.
-    cache / tokens_to_logits: the target's cache and block callback.
-    propose_fn / draft_state / gamma: the draft's proposer and state.
+    cache / target: the target's cache and callbacks (`TargetFns`).
+    proposer / draft_state: the draft's `ChainProposer` or
+      `tree_decoding.TreeProposer` (each runs its own loop) and its state.
     verification: see `speculative_sample`; "token" only without a draft.
-    observe_fn: a feature draft's (`speculative_sample`); tokens_to_logits
-      then returns features too.
   Returns:
     decodes [batch, length] int32 and the speculative counters (None without
     a draft).
   """
-  if propose_fn is None:
+  if proposer is None:
     if check_verification(verification) != "token":
       raise ValueError(f"verification={verification!r} applies to speculative decoding; "
                        "pass a draft")
     decodes, _ = temperature_sample(
-        inputs, cache, block_to_state_fn(tokens_to_logits, block_width), eos_id,
-        decode_rng=rng, temperature=temperature, topk=topk, topp=topp)
+        inputs, cache, block_to_state_fn(target.block, block_width), eos_id,
+        decode_rng=rng, temperature=sampling_settings.temperature,
+        topk=sampling_settings.topk, topp=sampling_settings.topp)
     return decodes[:, 0], None
-  return speculative_sample(
-      inputs, cache, tokens_to_logits, draft_state, None, eos_id, decode_rng=rng, gamma=gamma,
-      temperature=temperature, topk=topk, topp=topp, propose_fn=propose_fn,
-      block_width=block_width, verification=verification, observe_fn=observe_fn)
-
+  return proposer.run(inputs, cache, target, draft_state, eos_id, rng, sampling_settings,
+                      block_width, verification)

@@ -1,8 +1,4 @@
-"""What `generate` returns, for every model family: `GenerateOutput` and `SpeculativeStats`.
-
-Shared by the T5 and decoder-only entry points (generation.py,
-decoder_only_generation.py), so neither imports the other for its types.
-"""
+"""What `generate` returns, for every model family: `GenerateOutput` and `SpeculativeStats`."""
 
 import dataclasses
 from typing import Any, Dict, Optional

@@ -58,23 +58,45 @@ def argmax(x: Array) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """Static sampling settings, validated once.
+class Sampling:
+  """How every decoder of one decode turns logits into a token: validated once, static.
 
-  temperature: 0 (or < 1e-4) means greedy: a one-hot on the first maximum.
+  temperature: 0 (or below MIN_TEMPERATURE) means greedy, a one-hot on the
+    first maximum.
   topk: keep exactly the k most likely tokens (0 = off).
   topp: keep the smallest set of most likely tokens with mass >= topp (0 = off).
+
+  The target and every draft use the same object, so q and p are adjusted
+  alike (the condition for exactness). Hashable: equal settings share a
+  compiled program.
   """
-  temperature: float = 1.0
+  temperature: float = 0.0
   topk: int = 0
   topp: float = 0.0
 
   def __post_init__(self):
     validate_sampling(self.temperature, self.topk, self.topp)
+    # Canonical types, so Sampling(1, 0, 0) and Sampling(1.0, 0, 0.0) share a compile.
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "topk", int(self.topk))
+    object.__setattr__(self, "topp", float(self.topp))
 
   @property
   def greedy(self) -> bool:
     return self.temperature < MIN_TEMPERATURE
+
+  def check_vocab(self, vocab_size: int) -> "Sampling":
+    """Returns self, or raises ValueError when topk exceeds the vocabulary."""
+    validate_sampling(self.temperature, self.topk, self.topp, vocab_size)
+    return self
+
+  def probs(self, logits: Array) -> Array:
+    """`adjust_probs` with these settings: logits [..., vocab] -> probs [..., vocab] float32."""
+    return adjust_probs(logits, self.temperature, self.topk, self.topp)
+
+  def draw(self, rng: Array, probs: Array) -> Array:
+    """`sample` from probs [..., vocab] this object's `probs` made: token ids [...] int32."""
+    return sample(rng, probs, greedy=self.greedy)
 
 
 def validate_sampling(temperature, topk, topp, vocab_size=None):

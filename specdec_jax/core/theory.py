@@ -125,7 +125,7 @@ def predicted_speedup_with_verify_cost(alpha: float, gamma: int, c: float,
 # Token trees (Sequoia, arXiv 2402.12374) under the positional acceptance model.
 #
 # a_r = P(a child of rank r is accepted | its siblings of lower rank were
-# rejected), the same for every node: what `tree_verification.TreeVerdict`'s
+# rejected), the same for every node: what `verification.tree.TreeVerdict`'s
 # rank_accepted / rank_tried measures. A chain is a_0 = alpha.
 
 

@@ -5,7 +5,7 @@ Each iteration, per row:
    last emitted token) in depth-first order, first path first;
 2. the target scores all W slots in one block call with the tree's attention
    (`core.tree.whole_tree_attention`), at positions root + depth;
-3. `tree_verification.batched_verify_tree` keeps one root-to-node path and
+3. `verification.tree.batched_verify_tree` keeps one root-to-node path and
    draws one more token (correction or bonus);
 4. the row emits the path's tokens and that token, and the accepted path's
    keys and values are moved into place in the target's cache
@@ -26,6 +26,8 @@ there every accepted token is emitted at once, the law being exact whatever
 the rounding.
 """
 
+import contextlib
+import functools
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -33,9 +35,10 @@ import jax.numpy as jnp
 
 from specdec_jax.core import decoding
 from specdec_jax.core import sampling
-from specdec_jax.core import speculative
-from specdec_jax.core import tree_verification
+from specdec_jax.core.counters import LoopCounters
 from specdec_jax.core.tree import TreeAttention, whole_tree_attention
+from specdec_jax.core.verification import token as token_verification
+from specdec_jax.core.verification import tree as tree_verification
 
 Array = jax.Array
 TreeBlockFn = Callable[[Array, Array, Any, Optional[TreeAttention]], Tuple[Array, Any]]
@@ -58,6 +61,7 @@ class TreeProposer(NamedTuple):
   max_depth: the deepest node any tree can have (pending included).
   max_children: the most children a node can have.
   width: W, the tree's slots (the target's block width).
+  reads_cache: whether `propose` also takes the target's cache (`target_cache=`).
   observe: None, or for a feature draft (`drafts.FeatureDraft` inside a
     tree): then the target's callback also returns features, and after each
     verification the state becomes observe(state, features [batch, max_depth
@@ -78,25 +82,28 @@ class TreeProposer(NamedTuple):
   max_children: int
   width: int
   observe: Optional[Callable] = None
+  reads_cache: bool = False
 
+  def placed(self, scope: Callable, constrain: Callable) -> "TreeProposer":
+    """`ChainProposer.placed` for every callback of a tree (`init` runs outside any
+    model, so it is pinned, not scoped)."""
+    place = functools.partial(decoding.placed_call, scope=scope, constrain=constrain)
+    return self._replace(
+        init=decoding.placed_call(self.init, contextlib.nullcontext, constrain),
+        propose=place(self.propose, with_output=True), accept=place(self.accept),
+        observe=place(self.observe))
 
-def init_tree_stats(batch: int, max_depth: int, max_children: int) -> Dict[str, Array]:
-  """Per-row counters of `tree_sample` (the chain's, per depth, plus tree ones).
-
-  position_accepted / position_drafted [batch, max_depth]: iterations whose
-  accepted path reached depth d + 1 / whose tree had a node there.
-  depth_histogram [batch, max_depth + 1]: iterations by accepted depth.
-  rank_tried / rank_accepted [batch, max_children]: children of each rank
-  that verification tried / accepted (acceptance per rank = their ratio).
-  """
-  zeros = jnp.zeros((batch,), jnp.int32)
-  return dict(iterations=zeros, drafted=zeros, accepted=zeros, accepted_raw=zeros,
-              position_accepted=jnp.zeros((batch, max_depth), jnp.int32),
-              position_drafted=jnp.zeros((batch, max_depth), jnp.int32),
-              beta_sum=jnp.zeros((batch,), jnp.float32), beta_count=zeros,
-              depth_histogram=jnp.zeros((batch, max_depth + 1), jnp.int32),
-              rank_tried=jnp.zeros((batch, max_children), jnp.int32),
-              rank_accepted=jnp.zeros((batch, max_children), jnp.int32))
+  def run(self, inputs: Array, cache: Any, target: decoding.TargetFns, draft_state: Any,
+          eos_id: int, rng: Array, sampling_settings: sampling.Sampling, block_width: int,
+          verification: str) -> Tuple[Array, Dict[str, Array]]:
+    """Decodes with the tree loop (`tree_sample`); trees are verified by their own rule."""
+    del block_width  # the tree's width is its own
+    if verification != "token":
+      raise ValueError(f"verification={verification!r} verifies a chain; a token tree is "
+                       "verified by recursive rejection sampling over its children's law")
+    return tree_sample(inputs, cache, target.block, target.move_cache, self, draft_state,
+                       eos_id, decode_rng=rng, temperature=sampling_settings.temperature,
+                       topk=sampling_settings.topk, topp=sampling_settings.topp)
 
 
 class TreeCarry(NamedTuple):
@@ -108,7 +115,7 @@ class TreeCarry(NamedTuple):
   cache: Any          # target cache
   draft_state: Any
   rng: Array
-  stats: Dict[str, Array]
+  counters: LoopCounters
 
 
 def frontier(path: Array, num_accepted: Array, greedy: bool) -> Array:
@@ -122,6 +129,41 @@ def frontier(path: Array, num_accepted: Array, greedy: bool) -> Array:
   depth = jnp.arange(path.shape[1])
   on_first_path = (path == depth) & (depth <= num_accepted[:, None])
   return jnp.sum(jnp.cumprod(on_first_path.astype(jnp.int32), axis=1), axis=1) - 1
+
+
+def _count_tree(counters: LoopCounters, active: Array, tree, target_probs: Array, path: Array,
+                num_accepted: Array, emitted: Array, verdict) -> LoopCounters:
+  """One tree iteration added to the counters.
+
+  tree: the proposal (`core.tree.Tree`, W slots); target_probs [batch, W,
+  vocab]; path [batch, depth + 1] slots of the accepted path (-1 past it);
+  num_accepted / emitted: [batch]; verdict: the tree rule's (rank counts).
+  """
+  batch = path.shape[0]
+  depth_cap = path.shape[1] - 1
+  row_ids = jnp.arange(batch)
+  offsets = jnp.arange(depth_cap + 1)
+  drafted_nodes = jnp.sum(tree.valid, axis=1) - 1
+  depth_drafted = jnp.zeros((batch, depth_cap + 1), jnp.int32).at[
+      row_ids[:, None], tree.depths].max(tree.valid.astype(jnp.int32))[:, 1:]
+  reached = (offsets[None, 1:] <= num_accepted[:, None]).astype(jnp.int32)
+  # beta at the nodes whose prefix was all accepted drafts (genuine samples).
+  draft_law = jnp.take_along_axis(tree.probs, jnp.maximum(path, 0)[:, :, None], axis=1)
+  target_law = jnp.take_along_axis(target_probs, jnp.maximum(path, 0)[:, :, None], axis=1)
+  beta = token_verification.acceptance_probability(target_law, draft_law)
+  has_children = jnp.take_along_axis(
+      jnp.zeros((batch, tree.tokens.shape[1]), jnp.bool_).at[
+          row_ids[:, None], jnp.maximum(tree.parents, 0)].max(
+              tree.valid & (tree.parents >= 0)), jnp.maximum(path, 0), axis=1)
+  # Pending nodes carry no draft law (greedy only): nothing to compare there.
+  scored_nodes = ((path >= 0) & has_children & (jnp.sum(draft_law, axis=-1) > 0) &
+                  active[:, None])
+  return counters.add(
+      active, drafted=drafted_nodes, emitted=emitted, accepted_raw=num_accepted,
+      position_accepted=reached * active[:, None],
+      position_drafted=depth_drafted * active[:, None], beta=beta, scored=scored_nodes,
+      depth_histogram=jax.nn.one_hot(num_accepted, depth_cap + 1, dtype=jnp.int32),
+      rank_tried=verdict.rank_tried, rank_accepted=verdict.rank_accepted)
 
 
 def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_cache: MoveFn,
@@ -145,19 +187,18 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
     eos_id, decode_rng, temperature / topk / topp, max_decode_steps: as in
       `decoding.speculative_sample`.
   Returns:
-    decodes [batch, length] int32 (0 after EOS) and the counters of
-    `init_tree_stats`.
+    decodes [batch, length] int32 (0 after EOS) and the counters
+    (`counters.LoopCounters.as_dict`, tree counters included).
   """
   # The chain loop's checks and step limit, so both loops refuse the same input.
-  decoding._check_inputs(inputs)
-  sampling.validate_sampling(temperature, topk, topp)
-  greedy = temperature < sampling.MIN_TEMPERATURE
+  decoding.check_loop_inputs(inputs)
+  settings = sampling.Sampling(temperature, topk, topp)
+  greedy = settings.greedy
   batch, length = inputs.shape
-  step_limit = decoding._step_limit(length, max_decode_steps)
+  step_limit = decoding.step_limit(length, max_decode_steps)
   depth_cap = proposer.max_depth
   if decode_rng is None:
     decode_rng = jax.random.PRNGKey(0)
-  row_ids = jnp.arange(batch)
   offsets = jnp.arange(depth_cap + 1)
 
   def cond(carry: TreeCarry):
@@ -166,14 +207,13 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
   def body(carry: TreeCarry):
     rng, propose_rng, verify_rng = jax.random.split(carry.rng, 3)
     lengths = carry.lengths
+    extra = dict(target_cache=carry.cache) if proposer.reads_cache else {}
     tree, draft_state = proposer.propose(propose_rng, carry.draft_state, carry.sequences,
-                                         lengths, carry.pending, carry.num_pending)
+                                         lengths, carry.pending, carry.num_pending, **extra)
     attention = whole_tree_attention(tree.parents, tree.depths, tree.valid, depth_cap)
-    if proposer.observe is None:
-      logits, cache = tokens_to_logits(tree.tokens, lengths, carry.cache, attention)
-    else:
-      logits, features, cache = tokens_to_logits(tree.tokens, lengths, carry.cache, attention)
-    target_probs = sampling.adjust_probs(logits, temperature, topk, topp)
+    scored = decoding.as_scored(tokens_to_logits(tree.tokens, lengths, carry.cache, attention))
+    cache, features = scored.cache, scored.features
+    target_probs = settings.probs(scored.logits)
     verdict = tree_verification.batched_verify_tree(
         jax.random.split(verify_rng, batch), tree.tokens, tree.parents, tree.ranks, tree.valid,
         tree.probs, target_probs, law=proposer.law, greedy=greedy, max_depth=depth_cap,
@@ -206,47 +246,21 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
       cache = move_cache(cache, lengths, sources)
     draft_state = proposer.accept(draft_state, lengths, path, kept)
     if proposer.observe is not None:
-      on_path = offsets[None, :] <= num_accepted[:, None]
-      path_features = jnp.take_along_axis(features, jnp.maximum(path, 0)[:, :, None], axis=1)
-      draft_state = proposer.observe(draft_state, jnp.where(on_path[:, :, None], path_features,
-                                                            0.0), new_tokens, num_accepted + 1)
+      if features is not None:
+        on_path = offsets[None, :] <= num_accepted[:, None]
+        features = jnp.where(on_path[:, :, None], jnp.take_along_axis(
+            features, jnp.maximum(path, 0)[:, :, None], axis=1), 0.0)
+      draft_state = proposer.observe(draft_state, features, new_tokens, num_accepted + 1)
 
-    stats = carry.stats
-    drafted_nodes = jnp.sum(tree.valid, axis=1) - 1
-    depth_drafted = jnp.zeros((batch, depth_cap + 1), jnp.int32).at[
-        row_ids[:, None], tree.depths].max(tree.valid.astype(jnp.int32))[:, 1:]
-    reached = (offsets[None, 1:] <= num_accepted[:, None]).astype(jnp.int32)
-    # beta at the nodes whose prefix was all accepted drafts (genuine samples).
-    draft_law = jnp.take_along_axis(tree.probs, jnp.maximum(path, 0)[:, :, None], axis=1)
-    target_law = jnp.take_along_axis(target_probs, jnp.maximum(path, 0)[:, :, None], axis=1)
-    beta = speculative.acceptance_probability(target_law, draft_law)
-    has_children = jnp.take_along_axis(
-        jnp.zeros((batch, tree.tokens.shape[1]), jnp.bool_).at[
-            row_ids[:, None], jnp.maximum(tree.parents, 0)].max(
-                tree.valid & (tree.parents >= 0)), jnp.maximum(path, 0), axis=1)
-    # Pending nodes carry no draft law (greedy only): nothing to compare there.
-    scored = (path >= 0) & has_children & (jnp.sum(draft_law, axis=-1) > 0) & active[:, None]
-    stats = dict(
-        iterations=stats["iterations"] + active,
-        drafted=stats["drafted"] + jnp.where(active, drafted_nodes, 0),
-        accepted=stats["accepted"] + jnp.maximum(emitted - 1, 0),
-        accepted_raw=stats["accepted_raw"] + jnp.where(active, num_accepted, 0),
-        position_accepted=stats["position_accepted"] + reached * active[:, None],
-        position_drafted=stats["position_drafted"] + depth_drafted * active[:, None],
-        beta_sum=stats["beta_sum"] + jnp.sum(jnp.where(scored, beta, 0.0), axis=1),
-        beta_count=stats["beta_count"] + jnp.sum(scored, axis=1),
-        depth_histogram=stats["depth_histogram"] + jax.nn.one_hot(
-            num_accepted, depth_cap + 1, dtype=jnp.int32) * active[:, None],
-        rank_tried=stats["rank_tried"] + verdict.rank_tried * active[:, None],
-        rank_accepted=stats["rank_accepted"] + verdict.rank_accepted * active[:, None],
-    )
+    counters = _count_tree(carry.counters, active, tree, target_probs, path, num_accepted,
+                           emitted, verdict)
     return TreeCarry(sequences, new_lengths, done, pending, jnp.where(done, 0, num_pending),
-                     cache, draft_state, rng, stats)
+                     cache, draft_state, rng, counters)
 
   sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
   init = TreeCarry(sequences, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.bool_),
                    jnp.zeros((batch, depth_cap), jnp.int32), jnp.zeros((batch,), jnp.int32),
                    cache, proposer.init(draft_state, batch), decode_rng,
-                   init_tree_stats(batch, depth_cap, proposer.max_children))
+                   LoopCounters.zeros(batch, depth_cap, proposer.max_children))
   final = jax.lax.while_loop(cond, body, init)
-  return final.sequences[:, 1:], final.stats
+  return final.sequences[:, 1:], final.counters.as_dict()

@@ -1,4 +1,4 @@
-"""Drafts for speculative decoding: one interface, several proposers, every family.
+"""Drafts for speculative decoding: one protocol (`base.Draft`), several proposers, every family.
 
 * `ModelDraft`: a smaller model of the target's family (optionally stopping
   early when unsure).
@@ -13,7 +13,8 @@
   proposal (chain or tree level) from one call.
 """
 
-from specdec_jax.drafts.base import Draft
+from specdec_jax.drafts.base import (NOTHING, Draft, DraftStart, ProposalPlan, Reads,  # noqa: F401
+                                     chain_proposer, target_features)
 from specdec_jax.drafts.model_draft import ModelDraft
 from specdec_jax.families.registry import is_model
 

@@ -51,10 +51,13 @@ class AdaptiveGammaDraft(Draft):
     for name, value in (("increase", increase), ("decrease", decrease)):
       if int(value) != value or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    from specdec_jax.drafts.tree import TreeDraft  # tree.py imports the package too
     self.draft = as_draft(draft)
-    if self.draft.wants_features:
-      raise ValueError(f"AdaptiveGammaDraft does not forward the target's features to a "
-                       f"{type(self.draft).__name__} yet: use it without the wrapper")
+    if isinstance(self.draft, TreeDraft):
+      raise TypeError("AdaptiveGammaDraft varies a chain's length; a TreeDraft's shape is its "
+                      "own (use DynamicTreeDraft for a tree that adapts)")
+    # What the wrapped draft reads, it reads through the wrapper.
+    self.reads = self.draft.reads
     self.initial_gamma = None if initial_gamma is None else int(initial_gamma)
     self.increase = int(increase)
     self.decrease = int(decrease)
@@ -82,19 +85,23 @@ class AdaptiveGammaDraft(Draft):
   def constrain_state(self, state, partitioner):
     return dict(state, draft=self.draft.constrain_state(state["draft"], partitioner))
 
-  def init_state(self, params, context, max_decode_len):
-    batch = context.tokens.shape[0]
-    return dict(draft=self.draft.init_state(params, context, max_decode_len),
+  def init_state(self, params, start):
+    batch = start.context.tokens.shape[0]
+    return dict(draft=self.draft.init_state(params, start),
                 # -1: no proposal yet.
                 last_lengths=jnp.full((batch,), -1, jnp.int32),
                 last_drafted=jnp.zeros((batch,), jnp.int32),
                 draft_length=jnp.zeros((batch,), jnp.int32))
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    propose_inner = self.draft.propose_fn(params, gamma, temperature, topk, topp)
+  def calls_per_proposal(self, gamma: int) -> int:
+    return self.draft.calls_per_proposal(gamma)
+
+  def proposer(self, params, plan):
+    inner = self.draft.proposer(params, plan)
+    gamma = plan.gamma
     initial = min(gamma if self.initial_gamma is None else self.initial_gamma, gamma)
 
-    def propose(rng, state, sequences, lengths, max_drafted=None):
+    def propose(rng, state, sequences, lengths, max_drafted=None, **target):
       accepted = lengths - state["last_lengths"] - 1
       draft_length = jnp.where(
           state["last_lengths"] < 0, initial,
@@ -102,11 +109,21 @@ class AdaptiveGammaDraft(Draft):
                                  self.increase, self.decrease))
       if max_drafted is not None:
         draft_length = jnp.minimum(draft_length, max_drafted)
-      tokens, probs, num_drafted, inner_state = propose_inner(
-          rng, state["draft"], sequences, lengths, max_drafted=draft_length)
+      tokens, probs, num_drafted, inner_state = inner.propose(
+          rng, state["draft"], sequences, lengths, max_drafted=draft_length, **target)
       num_drafted = jnp.minimum(num_drafted, draft_length)
       state = dict(draft=inner_state, last_lengths=lengths, last_drafted=num_drafted,
                    draft_length=draft_length)
       return tokens, probs, num_drafted, state
 
-    return propose
+    return inner._replace(propose=propose, observe=self.observer(params))
+
+  def observer(self, params):
+    inner = self.draft.observer(params)
+    if inner is None:
+      return None
+
+    def observe(state, features, tokens, count):
+      return dict(state, draft=inner(state["draft"], features, tokens, count))
+
+    return observe

@@ -1,54 +1,135 @@
-"""The draft interface: anything that proposes gamma tokens with their q.
+"""The proposer protocol: what every draft is to the engine.
 
-Speculative decoding needs from a draft only (a) the proposed tokens and (b)
-the distributions q they were drawn from, after the same sampling adjustment
-as the target. Everything else (a cache, n-gram tables, the context) is the
-draft's own state, carried through the decode loop as a pytree. A draft
-reads the decode's inputs through the family's `Context` (families/base.py):
-the T5 encoder tokens, or a decoder-only prompt that the generated tokens
-continue.
+A draft is anything that proposes tokens together with the laws q they were
+drawn from, after the same sampling adjustment as the target's p. The engine
+(`generate`, the T5X model, the launcher) knows a draft only through this
+class, and asks it four things, in this order:
 
-A draft is split into static structure (the object, hashable via
-`static_key`) and arrays (`params`, passed to the compiled loop as an
-argument), so a new set of weights never triggers a recompile.
+1. `reads`: what it needs from the target beside the decode's inputs
+   (`Reads`): nothing; the target's hidden features at named layers; or the
+   target's cache. The engine checks that the target's family can serve it,
+   then starts and scores the target through the matching family callbacks.
+2. `init_state(params, start)`: its loop state for a batch (traced), from a
+   `DraftStart`: the inputs as the family's `Context`, the decode's length,
+   the deepest proposal, and, for a draft that reads features, the target's
+   features at the prompt.
+3. `proposer(params, plan)`: how it proposes, for one `ProposalPlan`
+   (sampling, gamma, block width): a `ChainProposer` (the chain loop,
+   `core.decoding`) or a `TreeProposer` (the tree loop,
+   `core.tree_decoding`). Each proposer runs its own loop, so the engine
+   never asks which kind it holds. One call or several per proposal is the
+   proposer's business; `calls_per_proposal` says which, for cost models.
+4. after each verification, the proposer's `observe` (when it has one)
+   learns the accepted count and tokens and, where `reads` asks for them,
+   the target's features at accepted positions only: never anything the
+   target computed at a rejected draft, so the next proposal is a function
+   of accepted tokens (exactness).
+
+A draft is split into static structure (the object, hashable through
+`static_key`) and arrays (`params`, an argument of the compiled program), so
+new weights never trigger a recompile. `docs/drafts.md` writes a new draft in
+one file, outside the package.
 """
 
 import abc
-from typing import Any, Hashable
+import dataclasses
+from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
 
-from specdec_jax.families.base import Context
+from specdec_jax.core import decoding
+from specdec_jax.core.sampling import Sampling
+from specdec_jax.families.base import Context, DecodeStart, Family
 
 Array = jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class Reads:
+  """What a draft reads from the target beside the decode's inputs.
+
+  features: the target's hidden features (`Family.start_features` /
+    `feature_block_fn`); `layers` names them in the family's terms (None:
+    the last hidden state after the final norm; a tuple of layer indices;
+    "eagle3").
+  cache: the target's cache, handed to `propose` as `target_cache=` (read
+    only; the loop keeps its own).
+  """
+  features: bool = False
+  layers: Any = None
+  cache: bool = False
+
+  def check_served(self, family: Family, config) -> None:
+    """Raises ValueError naming the need when `family` cannot serve it for `config`."""
+    if self.features:
+      # The family names what it lacks (no features at all, or no such layer).
+      family.feature_dim(config, self.layers)
+
+
+NOTHING = Reads()
+
+
+def target_features(layers: Any = None) -> Reads:
+  """`Reads` for a draft over the target's hidden features at `layers`."""
+  return Reads(features=True, layers=layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposalPlan:
+  """The static settings one decode's proposer is built for.
+
+  sampling: the adjustment shared with the target (q and p alike).
+  gamma: a chain's most tokens per proposal; for a tree, its deepest node
+    (`Draft.proposal_depth`).
+  block_width: W, the width of every target call (a tree's slots fit in it).
+  """
+  sampling: Sampling
+  gamma: int
+  block_width: int
+
+
+class DraftStart(NamedTuple):
+  """What `Draft.init_state` receives (traced).
+
+  context: the target family's view of the inputs (`Context`: tokens [batch,
+    C], lengths [batch], whether generation continues them).
+  max_decode_len: loop positions the decode runs for (tree room included).
+  gamma: the deepest proposal (`ProposalPlan.gamma`).
+  features: for drafts that read features, the target's features at the
+    decoder prompt's slots [batch, P, f] (P = C for a continued context, 0
+    for T5); None otherwise, and in shape queries.
+  memory: what `Family.start_features` returned beside them (T5: encoder
+    outputs), or None.
+  decode: the target's `DecodeStart` (first inputs and offsets), or None in
+    shape queries.
+  """
+  context: Context
+  max_decode_len: int
+  gamma: int
+  features: Optional[Array] = None
+  memory: Any = None
+  decode: Optional[DecodeStart] = None
+
+
 class Draft(abc.ABC):
-  """Base class for drafts used by `specdec_jax.generate(..., draft=...)`."""
+  """Base class of every draft of `specdec_jax.generate(..., draft=...)`.
+
+  Must define: `params`, `static_key`, `init_state`, `proposer`, and the
+  attributes vocab_size / eos_id / pad_id (checked against the target's).
+  May override: `reads`, `observer`, the checks, `proposal_depth` / `block_slots` /
+  `room` (trees), `calls_per_proposal`, the sharding hooks, and
+  `tree_expander` / `max_tree_depth` (what `TreeDraft` builds trees from).
+  """
 
   vocab_size: int
   eos_id: int = 1
   pad_id: int = 0
-  # True for drafts that propose token trees (`TreeDraft`), decoded by
-  # `core.tree_decoding` instead of the chain loop.
-  proposes_trees: bool = False
-  # True for drafts that read the target's hidden states (`FeatureDraft`): the
-  # engine then starts and scores the target through its family's feature
-  # callbacks (`Family.start_features`, `feature_block_fn`) with
-  # `feature_layers`, calls `init_state(..., features=, memory=, gamma=,
-  # start=)` with the decoder prompt's features [batch, P, f], the family's
-  # memory and the `DecodeStart`, and hands the draft the features it may
-  # see after each verification through `observe_fn`.
-  wants_features: bool = False
-  feature_layers = None
+  reads: Reads = NOTHING
   # The deepest token tree whose levels this draft can score (None: any depth);
   # `TreeDraft` / `DynamicTreeDraft` refuse deeper ones (Medusa: one head a level).
-  max_tree_depth = None
+  max_tree_depth: Optional[int] = None
 
-  def observe_fn(self, params: Any, gamma: int):
-    """Feature drafts: `observe(state, features [batch, gamma + 1, f], tokens
-    [batch, gamma + 1], count [batch]) -> state` (`decoding.speculative_sample`)."""
-    raise TypeError(f"a {type(self).__name__} reads no target features")
+  # -- static structure ------------------------------------------------------
 
   @property
   @abc.abstractmethod
@@ -59,50 +140,66 @@ class Draft(abc.ABC):
   def static_key(self) -> Hashable:
     """Hashable description of everything static: equal keys share a compile."""
 
-  @abc.abstractmethod
-  def init_state(self, params: Any, context: Context, max_decode_len: int) -> Any:
-    """The draft's loop state for a batch (traced inside jit).
-
-    context: the target family's view of the inputs (`Context`: tokens
-      [batch, C], lengths [batch], whether generation continues them).
-    max_decode_len: loop positions the decode runs for.
-    """
+  # -- the decode -------------------------------------------------------------
 
   @abc.abstractmethod
-  def propose_fn(self, params: Any, gamma: int, temperature: float, topk: int, topp: float):
-    """Returns `propose(rng, state, sequences [batch, len + 1], lengths [batch],
-    max_drafted=None) -> (draft_tokens [batch, gamma] int32, draft_probs [batch,
-    gamma, vocab] float32, num_drafted [batch] int32, state)`; see
-    `decoding.speculative_sample`.
+  def init_state(self, params: Any, start: DraftStart) -> Any:
+    """The draft's loop state for a batch (traced inside jit)."""
 
-    `max_drafted` ([batch] int32 in [1, gamma], or None for gamma) caps the
-    tokens drafted per row (used by `AdaptiveGammaDraft`); `num_drafted` may be
-    smaller still (0 means "no proposal": the iteration is a plain target
-    step). For exactness, num_drafted may depend on the draft's own state and
-    outputs, never on the target's distributions at this iteration; rows of
-    draft_probs past num_drafted are ignored.
-    """
+  @abc.abstractmethod
+  def proposer(self, params: Any, plan: ProposalPlan):
+    """A `decoding.ChainProposer` or a `tree_decoding.TreeProposer` for `plan` (traced)."""
 
-  def tree_expander(self, params: Any, temperature: float, topk: int, topp: float):
+  def observer(self, params: Any):
+    """None, or what the draft learns after each verification: `observe(state, features,
+    tokens, count) -> state` (`decoding.ChainProposer`'s contract; features None unless
+    `reads.features`). Chain proposers carry it, and `TreeDraft` hands it the accepted
+    path, so a draft writes it once for both."""
+    return None
+
+  def proposal_depth(self, sampling: Sampling, gamma: int, block_width: int) -> int:
+    """The deepest position one proposal reaches: gamma for a chain (a tree: its depth)."""
+    return gamma
+
+  def block_slots(self, gamma: int) -> int:
+    """Target block slots one proposal fills: the row's last token and gamma drafts."""
+    return gamma + 1
+
+  def describe_slots(self, gamma: int) -> str:
+    """How `block_slots` reads in an error message."""
+    return f"gamma={gamma} needs target blocks of gamma + 1 = {gamma + 1} tokens"
+
+  def room(self, block_width: int) -> int:
+    """Positions past the decode that the draft's own state must hold (trees: > 0)."""
+    return 0
+
+  def target_room(self, block_width: int) -> int:
+    """Positions past the decode that the target's cache must hold (0 for a chain; a
+    tree writes block_width slots past a row's length whatever its depth)."""
+    return 0
+
+  def calls_per_proposal(self, gamma: int) -> int:
+    """Draft calls per proposal: gamma for a drafter that feeds its own tokens back,
+    1 for one that drafts a whole block at once (cost models read it)."""
+    return gamma
+
+  def tree_expander(self, params: Any, sampling: Sampling):
     """How this draft scores the nodes of a token tree (`drafts.tree.TreeExpander`).
 
     Only drafts that give a distribution after any token path can grow a
-    tree (`TreeDraft`): a model, an n-gram table. The default says this one
-    cannot.
+    tree (`TreeDraft`): a model, an n-gram table, a feature head, Medusa
+    heads. The default says this one cannot.
     """
     raise TypeError(f"a {type(self).__name__} gives no distribution at every tree node, so it "
                     "cannot grow a TreeDraft: use a ModelDraft or an NgramDraft")
 
+  # -- host-side checks -------------------------------------------------------
+
+  def check_verification(self, verification: str) -> None:
+    """Raises ValueError if this draft's proposals cannot be verified by that rule."""
+
   def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
-    """Raises ValueError if this draft cannot decode these inputs (host-side)."""
-
-  def param_shardings(self, partitioner) -> Any:
-    """Shardings of `params` on `partitioner`'s mesh (default: replicated)."""
-    return jax.tree_util.tree_map(lambda _: partitioner.replicated(), self.params)
-
-  def constrain_state(self, state: Any, partitioner) -> Any:
-    """Inside jit under a mesh: pins the state's layout (default: left to GSPMD)."""
-    return state
+    """Raises ValueError if this draft cannot decode these inputs."""
 
   def check_compatible(self, target_config) -> None:
     """Raises ValueError if this draft cannot serve the target."""
@@ -113,3 +210,19 @@ class Draft(abc.ABC):
       if getattr(self, name) != getattr(target_config, name):
         raise ValueError(f"draft {name} {getattr(self, name)} differs from the target's "
                          f"{getattr(target_config, name)}")
+
+  # -- sharding ---------------------------------------------------------------
+
+  def param_shardings(self, partitioner) -> Any:
+    """Shardings of `params` on `partitioner`'s mesh (default: replicated)."""
+    return jax.tree_util.tree_map(lambda _: partitioner.replicated(), self.params)
+
+  def constrain_state(self, state: Any, partitioner) -> Any:
+    """Inside jit under a mesh: pins the state's layout (default: left to GSPMD)."""
+    return state
+
+
+def chain_proposer(propose, plan: ProposalPlan, observe=None,
+                   reads_cache: bool = False) -> decoding.ChainProposer:
+  """A `ChainProposer` of gamma = plan.gamma (a convenience for chain drafts)."""
+  return decoding.ChainProposer(propose, plan.gamma, observe, reads_cache)

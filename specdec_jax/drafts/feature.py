@@ -53,9 +53,7 @@ from typing import Any, Hashable, Optional
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.core import decoding
-from specdec_jax.core import sampling
-from specdec_jax.drafts.base import Draft
+from specdec_jax.drafts.base import Draft, chain_proposer, target_features
 from specdec_jax.families.feature_head import FeatureHead
 from specdec_jax.families.registry import family_of
 
@@ -77,8 +75,6 @@ class FeatureDraft(Draft):
       its own reduced vocabulary); None: the family's EAGLE-1 head.
   """
 
-  wants_features = True
-
   def __init__(self, target, head_params=None, seed: int = 0, fc_bias: bool = False,
                head: Optional[FeatureHead] = None):
     family = family_of(target)
@@ -94,7 +90,7 @@ class FeatureDraft(Draft):
     head.check_target(target.config)
     self.head = head
     self.config = target.config
-    self.feature_layers = head.feature_layers
+    self.reads = target_features(head.feature_layers)
     self.feature_dim = family.feature_dim(target.config, head.feature_layers)
     self.head_params = head.init_params(seed) if head_params is None else head_params
     self.target_params = head.target_refs(target.params)
@@ -119,7 +115,7 @@ class FeatureDraft(Draft):
                        "reads one target's hidden states, embedding and LM head")
 
   def _apply(self, params, tokens, features, positions, cache, tree=None):
-    if tree is None:  # heads written before trees take no tree argument
+    if tree is None:  # a head that scores no trees may take no tree argument
       return self.head.apply(params["head"], params["target"], tokens, features, positions,
                              cache)
     return self.head.apply(params["head"], params["target"], tokens, features, positions, cache,
@@ -129,24 +125,24 @@ class FeatureDraft(Draft):
     return self.head.reduce_features(params["head"], params["target"],
                                      features.astype(jnp.float32)).astype(jnp.float32)
 
-  def init_state(self, params, context, max_decode_len, features=None, memory=None, gamma=None,
-                 start=None):
+  def init_state(self, params, start):
     """The head's cache and the pending pairs of the first proposal.
 
-    features: the target's features at the decoder prompt's slots [batch, P,
-      f] (`Family.start_features`: P = C for a continued context, 0 for T5);
-      None only for shape queries (zeros).
-    memory: what `start_features` returned beside them (None: none, or a
-      shape query: the head's placeholder).
-    start: the decode's `DecodeStart` (first inputs and offsets); None: for
-      a continued context, derived from it (the same values); otherwise the
-      first inputs are taken to be zeros (shape queries).
+    From the `DraftStart`: features, the target's features at the decoder
+    prompt's slots [batch, P, f] (`Family.start_features`: P = C for a
+    continued context, 0 for T5), None only in shape queries (zeros);
+    memory, what `start_features` returned beside them (None: none, or a
+    shape query: the head's placeholder); decode, the target's `DecodeStart`
+    (first inputs and offsets; None: for a continued context derived from
+    it, the same values; otherwise zeros, in shape queries); gamma, the
+    deepest proposal (the pending pairs' room).
     """
     head = self.head
+    context, features, memory = start.context, start.features, start.memory
+    max_decode_len, gamma, decode = start.max_decode_len, int(start.gamma), start.decode
     tokens, lengths = context.tokens, context.lengths
     batch, width = tokens.shape
     h = head.hidden_dim
-    gamma = decoding.DEFAULT_BLOCK_WIDTH - 1 if gamma is None else int(gamma)
     rows = jnp.arange(batch)
     if memory is None and features is None:
       memory = head.placeholder_memory(batch, width)
@@ -168,28 +164,26 @@ class FeatureDraft(Draft):
     else:
       # The decoder starts from its first input alone (T5's start token at
       # position 0): its pair has no feature before it, and nothing precedes it.
-      first = (jnp.zeros((batch,), jnp.int32) if start is None else
-               start.first_inputs.astype(jnp.int32))
+      first = (jnp.zeros((batch,), jnp.int32) if decode is None else
+               decode.first_inputs.astype(jnp.int32))
       pending_tokens = pending_tokens.at[:, 0].set(first)
-      offset = (jnp.zeros((batch,), jnp.int32) if start is None else
-                start.offset.astype(jnp.int32))
+      offset = (jnp.zeros((batch,), jnp.int32) if decode is None else
+                decode.offset.astype(jnp.int32))
     return dict(cache=cache, pending_features=pending_features, pending_tokens=pending_tokens,
                 count=jnp.ones((batch,), jnp.int32), offset=offset)
 
-  def observe_fn(self, params, gamma):
+  def observer(self, params):
     def observe(state, features, tokens, count):
       return dict(state, pending_features=self._reduce(params, features),
                   pending_tokens=tokens.astype(jnp.int32), count=count.astype(jnp.int32))
     return observe
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    head = self.head
-    greedy = temperature < sampling.MIN_TEMPERATURE
+  def proposer(self, params, plan):
+    head, gamma, settings = self.head, plan.gamma, plan.sampling
 
     def draw(hidden, step_rng):
-      probs = sampling.adjust_probs(head.logits(params["head"], params["target"], hidden),
-                                    temperature, topk, topp)
-      return sampling.sample(step_rng, probs, greedy=greedy), probs
+      probs = settings.probs(head.logits(params["head"], params["target"], hidden))
+      return settings.draw(step_rng, probs), probs
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       batch = sequences.shape[0]
@@ -217,9 +211,9 @@ class FeatureDraft(Draft):
       draft_probs = jnp.where(keep[..., None], jnp.stack(laws, axis=1), 0.0)
       return draft_tokens, draft_probs, limit, dict(state, cache=cache)
 
-    return propose
+    return chain_proposer(propose, plan, observe=self.observer(params))
 
-  def tree_expander(self, params, temperature, topk, topp):
+  def tree_expander(self, params, settings):
     """Scores tree nodes with the head (`drafts.tree.TreeExpander`): `TreeDraft(FeatureDraft
     (target), ...)` and `DynamicTreeDraft(...)` grow trees from the head's laws.
 
@@ -242,7 +236,7 @@ class FeatureDraft(Draft):
     def laws(hidden):
       logits = head.logits(params["head"], params["target"], hidden)
       scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-      return scores, sampling.adjust_probs(logits, temperature, topk, topp)
+      return scores, settings.probs(logits)
 
     def init(state, batch, slots):
       return dict(state, node_hidden=jnp.zeros((batch, slots, head.hidden_dim), jnp.float32))

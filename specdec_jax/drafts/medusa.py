@@ -20,7 +20,7 @@ h_t is the target's feature at an accepted position (the loop hands the
 draft nothing from a rejected draft), so outputs are the target's exactly.
 
 Positions. The state holds h at the position before the row's last token
-(the engine's `observe_fn` hands over the target's features at the kept
+(the draft's `observe` receives the target's features at the kept
 block positions; feature j produced token j + 1's law, so the last one kept
 is h before the new token). Before the first verification: a continued
 context (decoder-only) has the prompt's features, so h is the feature of
@@ -46,8 +46,7 @@ from typing import Any, Hashable, Optional
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.core import sampling
-from specdec_jax.drafts.base import Draft
+from specdec_jax.drafts.base import Draft, chain_proposer, target_features
 from specdec_jax.families.registry import family_of
 
 Array = jax.Array
@@ -68,15 +67,13 @@ class MedusaDraft(Draft):
     params: the heads' arrays (`init_params`' tree); None: random.
   """
 
-  wants_features = True
-  feature_layers = None  # the last hidden state, after the final norm
-
   def __init__(self, target, num_heads: int = 4, num_layers: int = 1, seed: int = 0,
                share_lm_head: bool = False, params: Optional[Any] = None):
     for name, value in (("num_heads", num_heads), ("num_layers", num_layers)):
       if isinstance(value, bool) or int(value) != value or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     family = family_of(target)
+    self.reads = target_features(None)  # the last hidden state, after the final norm
     self.config = target.config
     self.num_heads = int(num_heads)
     self.num_layers = int(num_layers)
@@ -168,10 +165,10 @@ class MedusaDraft(Draft):
 
   # -- the decode loop --------------------------------------------------------
 
-  def init_state(self, params, context, max_decode_len, features=None, memory=None, gamma=None,
-                 start=None):
+  def init_state(self, params, start):
     """dict(hidden [batch, h] float32: h before the row's last token, ready [batch] bool)."""
-    del params, max_decode_len, memory, gamma, start
+    del params
+    context, features = start.context, start.features
     batch = context.tokens.shape[0]
     hidden = jnp.zeros((batch, self.hidden_dim), jnp.float32)
     ready = jnp.zeros((batch,), jnp.bool_)
@@ -184,7 +181,7 @@ class MedusaDraft(Draft):
       ready = before_last >= 0
     return dict(hidden=hidden, ready=ready)
 
-  def observe_fn(self, params, gamma):
+  def observer(self, params):
     def observe(state, features, tokens, count):
       del tokens
       last = jnp.clip(count - 1, 0, features.shape[1] - 1)
@@ -192,18 +189,20 @@ class MedusaDraft(Draft):
       return dict(state, hidden=hidden, ready=jnp.ones_like(state["ready"]))
     return observe
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
+  def calls_per_proposal(self, gamma: int) -> int:
+    return 1  # every head from one hidden state, in one batched call
+
+  def proposer(self, params, plan):
+    gamma, settings = plan.gamma, plan.sampling
     self._check_gamma(gamma)
-    greedy = temperature < sampling.MIN_TEMPERATURE
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       del sequences, lengths
       batch = state["hidden"].shape[0]
-      probs = sampling.adjust_probs(self.head_logits(params, state["hidden"], gamma),
-                                    temperature, topk, topp)  # [batch, gamma, vocab]
-      keys = jax.random.split(rng, gamma)
-      tokens = jnp.stack([sampling.sample(keys[i], probs[:, i], greedy=greedy)
-                          for i in range(gamma)], axis=1).astype(jnp.int32)
+      probs = settings.probs(self.head_logits(params, state["hidden"], gamma))
+      keys = jax.random.split(rng, gamma)  # probs: [batch, gamma, vocab]
+      tokens = jnp.stack([settings.draw(keys[i], probs[:, i]) for i in range(gamma)],
+                         axis=1).astype(jnp.int32)
       limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
                jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
       num_drafted = jnp.where(state["ready"], limit, 0)
@@ -211,9 +210,9 @@ class MedusaDraft(Draft):
       return (jnp.where(keep, tokens, 0), jnp.where(keep[..., None], probs, 0.0), num_drafted,
               state)
 
-    return propose
+    return chain_proposer(propose, plan, observe=self.observer(params))
 
-  def tree_expander(self, params, temperature, topk, topp):
+  def tree_expander(self, params, settings):
     """Medusa's trees (`drafts.tree.TreeExpander`): a node at depth d below the root draws
     its children from head d + 1, whatever its parent. The root is the chain's end and h
     the state before it (`observe` hands over the whole accepted path, greedy pending
@@ -237,8 +236,7 @@ class MedusaDraft(Draft):
       logits = self.head_logits(params, state["hidden"], k)
       ready = state["ready"][:, None, None]
       scores = jnp.where(ready, jax.nn.log_softmax(logits, axis=-1), -jnp.log(vocab))
-      probs = jnp.where(ready, sampling.adjust_probs(logits, temperature, topk, topp),
-                        1.0 / vocab)
+      probs = jnp.where(ready, settings.probs(logits), 1.0 / vocab)
       return scores[:, 0], probs[:, 0], dict(state, tree_scores=scores, tree_probs=probs)
 
     def expand(state, lengths, chain_len, tokens, attention, block_offset):

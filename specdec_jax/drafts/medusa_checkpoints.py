@@ -12,14 +12,21 @@ is an `nn.Sequential` of num_layers residual blocks then a bias-free LM head:
 for i < medusa_num_heads, j < L = medusa_num_layers. Shapes are checked
 against the target (its hidden size and vocabulary) before anything is
 read, and every problem names its file and tensor.
+
+The format registers itself as 'medusa1' (`families.head_formats`), serving
+every family that exposes its hidden states; `loading.load_medusa_draft` finds
+it there.
 """
 
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.families.head_formats import HeadFormat, register_head_format
+from specdec_jax.families.registry import family_of
 from specdec_jax.families.tensor_io import (CheckpointError, cast, raise_on_mismatch,
                                             read_config_json, safetensors_tensors,
                                             torch_tensors, write_safetensors)
@@ -67,7 +74,6 @@ def load_heads(directory, target, dtype=None):
     CheckpointError: naming the file and tensor at fault (a hidden size or vocabulary
       other than the target's, missing or unexpected tensors).
   """
-  from specdec_jax.families.registry import family_of
   directory = os.fspath(directory)
   hf = _read_config(directory)
   heads, layers = hf["medusa_num_heads"], hf["medusa_num_layers"]
@@ -113,3 +119,35 @@ def save_heads(draft, directory) -> None:
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(dict(medusa_num_heads=draft.num_heads, medusa_num_layers=draft.num_layers,
                    hidden_size=draft.hidden_dim, vocab_size=draft.vocab_size), f, indent=2)
+
+
+def detects(directory) -> bool:
+  """Whether `directory` holds a Medusa-1 config.json (`medusa_num_heads`) and weights."""
+  directory = os.fspath(directory)
+  try:
+    with open(os.path.join(directory, "config.json")) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return (isinstance(hf, dict) and "medusa_num_heads" in hf and
+          any(os.path.exists(os.path.join(directory, name)) for name in WEIGHT_FILES))
+
+
+def _diagnose(directory) -> None:
+  """Raises the CheckpointError that says why `directory` holds no Medusa-1 heads."""
+  directory = os.fspath(directory)
+  _read_config(directory)
+  _weight_file(directory)
+
+
+def _load(directory, target, dtype=None):
+  heads, layers, params = load_heads(directory, target, dtype)
+  return dict(num_heads=heads, num_layers=layers,
+              params=jax.tree_util.tree_map(jnp.asarray, params))
+
+
+MEDUSA1 = register_head_format(HeadFormat(
+    name="medusa1", kind="medusa", families=None,
+    targets="any family that exposes its hidden states (Family.supports_features)",
+    detect=detects, load=_load, save=save_heads,
+    diagnose=_diagnose))

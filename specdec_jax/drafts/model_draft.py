@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.core import decoding
-from specdec_jax.core import sampling
-from specdec_jax.drafts.base import Draft
+from specdec_jax.drafts.base import Draft, chain_proposer
 from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.registry import family_of
 
@@ -91,10 +90,11 @@ class ModelDraft(Draft):
   def constrain_state(self, state, partitioner):
     return dict(state, cache=partitioner.constrain_cache(state["cache"], self.family))
 
-  def init_state(self, params, context, max_decode_len):
-    start = self.family.start(self.model.config, params, context.tokens, context.lengths,
-                              max_decode_len)
-    return dict(cache=start.cache, offset=start.offset)
+  def init_state(self, params, start):
+    context = start.context
+    decode = self.family.start(self.model.config, params, context.tokens, context.lengths,
+                               start.max_decode_len)
+    return dict(cache=decode.cache, offset=decode.offset)
 
   def _block_fn(self, params):
     """The draft's block callback at absolute positions, logits padded to the target's vocabulary."""
@@ -109,20 +109,21 @@ class ModelDraft(Draft):
 
     return block
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
+  def proposer(self, params, plan):
     block = self._block_fn(params)
+    sampling = plan.sampling
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
-      inner = decoding.model_propose_fn(shift_block_fn(block, state["offset"]), gamma,
-                                        temperature, topk, topp,
+      inner = decoding.model_propose_fn(shift_block_fn(block, state["offset"]), plan.gamma,
+                                        sampling.temperature, sampling.topk, sampling.topp,
                                         confidence_threshold=self.confidence_threshold)
       tokens, probs, num_drafted, cache = inner(rng, state["cache"], sequences, lengths,
                                                 max_drafted)
       return tokens, probs, num_drafted, dict(state, cache=cache)
 
-    return propose
+    return chain_proposer(propose, plan)
 
-  def tree_expander(self, params, temperature, topk, topp):
+  def tree_expander(self, params, sampling):
     """Scores tree nodes with the draft model (`drafts.tree.TreeExpander`).
 
     `start` feeds the row's two last tokens (closing the gap a fully accepted
@@ -135,7 +136,7 @@ class ModelDraft(Draft):
 
     def laws(logits):
       scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-      return scores, sampling.adjust_probs(logits, temperature, topk, topp)
+      return scores, sampling.probs(logits)
 
     def start(state, sequences, lengths, chain, chain_len):
       rows = jnp.arange(sequences.shape[0])

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.core import results
+from specdec_jax import results
 from specdec_jax.core import sampling
-from specdec_jax.drafts.base import Draft
+from specdec_jax.drafts.base import Draft, chain_proposer
 
 Array = jax.Array
 
@@ -247,19 +247,19 @@ class NgramDraft(Draft):
     width = 0 if self.order == 1 else self.bigram_tokens.shape[1]
     return ("ngram", self.vocab_size, self.order, width, self.eos_id, self.pad_id)
 
-  def init_state(self, params, context, max_decode_len):
+  def init_state(self, params, start):
     # The previous token is read from the sequences: no state to carry.
     return ()
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
+  def proposer(self, params, plan):
+    gamma, settings = plan.gamma, plan.sampling
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
       batch = sequences.shape[0]
       previous = sequences[jnp.arange(batch), lengths]
 
       def step(previous, step_rng):
-        probs = sampling.adjust_probs(sampling.safe_log(self.probs(params, previous)),
-                                      temperature, topk, topp)
+        probs = settings.probs(sampling.safe_log(self.probs(params, previous)))
         token = sampling.sample(step_rng, probs)
         return token, (token, probs)
 
@@ -268,15 +268,18 @@ class NgramDraft(Draft):
                      jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
       return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(probs, 0, 1), num_drafted, state
 
-    return propose
+    return chain_proposer(propose, plan)
 
-  def tree_expander(self, params, temperature, topk, topp):
+  def calls_per_proposal(self, gamma: int) -> int:
+    return 0  # table lookups, no network
+
+  def tree_expander(self, params, settings):
     """Scores tree nodes from the counts: a node's law depends on its own token only."""
     from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
 
     def laws(previous):
       scores = sampling.safe_log(self.probs(params, previous))
-      return scores, sampling.adjust_probs(scores, temperature, topk, topp)
+      return scores, settings.probs(scores)
 
     def start(state, sequences, lengths, chain, chain_len):
       rows = jnp.arange(sequences.shape[0])

@@ -23,7 +23,7 @@ from typing import Any, Hashable, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.drafts.base import Draft
+from specdec_jax.drafts.base import Draft, chain_proposer
 from specdec_jax.families.base import Context
 
 Array = jax.Array
@@ -75,8 +75,8 @@ class PromptLookupDraft(Draft):
       raise ValueError(f"draft vocabulary size {self.vocab_size} differs from the target's "
                        f"{target_config.vocab_size}: speculative decoding needs one vocabulary")
 
-  def init_state(self, params, context, max_decode_len):
-    return context
+  def init_state(self, params, start):
+    return start.context
 
   @staticmethod
   def haystack(context: Context, sequences: Array, lengths: Array
@@ -136,7 +136,8 @@ class PromptLookupDraft(Draft):
     # input's beginning.
     return jnp.where((start < 0) & (available == 0) & valid[:, 0], 0, start)
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
+  def proposer(self, params, plan):
+    gamma = plan.gamma
 
     def propose(rng, context, sequences, lengths, max_drafted=None):
       haystack, valid, end, available = self.haystack(context, sequences, lengths)
@@ -155,4 +156,7 @@ class PromptLookupDraft(Draft):
       probs = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32) * drafted[..., None]
       return tokens, probs, num_drafted, context
 
-    return propose
+    return chain_proposer(propose, plan)
+
+  def calls_per_proposal(self, gamma: int) -> int:
+    return 0  # a lookup in the context, no network

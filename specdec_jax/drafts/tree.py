@@ -25,15 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.core import sampling
-from specdec_jax.core import tree_verification
+from specdec_jax.core import decoding
 from specdec_jax.core.tree import Tree, TreeAttention, TreeShape, ancestors_from_parents
 from specdec_jax.core.tree_decoding import TreeProposer
-from specdec_jax.drafts.base import Draft
+from specdec_jax.core.sampling import Sampling
+from specdec_jax.core.verification import LAWS
+from specdec_jax.core.verification import tree as tree_verification
+from specdec_jax.drafts.base import Draft, ProposalPlan
+from specdec_jax.families.registry import family_of
 
 Array = jax.Array
-
-LAWS = ("iid", "without_replacement", "topk")
 
 
 class TreeExpander(NamedTuple):
@@ -151,8 +152,6 @@ class TreeDraft(Draft):
     children: 'without_replacement' (default), 'iid' or 'topk' (see module).
   """
 
-  proposes_trees = True
-
   def __init__(self, draft, branching: Sequence[int] = (4, 2, 2, 1), *,
                children: str = "without_replacement"):
     self._set_inner(draft)
@@ -170,21 +169,16 @@ class TreeDraft(Draft):
       raise TypeError("a TreeDraft takes the draft that scores its nodes, not another TreeDraft")
     if type(self.inner).tree_expander is Draft.tree_expander:
       # The base method's error names the draft: raise it now, not in a trace.
-      self.inner.tree_expander(None, 1.0, 0, 0.0)
+      self.inner.tree_expander(None, Sampling())
     self.vocab_size = self.inner.vocab_size
     self.eos_id = self.inner.eos_id
     self.pad_id = self.inner.pad_id
 
-  # A feature draft inside a tree reads the target's features as it does in a
-  # chain: the engine's feature callbacks, `init_state`'s features and the
-  # proposer's `observe`.
+  # A draft inside a tree reads from the target what it reads in a chain, and
+  # observes the accepted path as it observes a chain's accepted drafts.
   @property
-  def wants_features(self) -> bool:
-    return self.inner.wants_features
-
-  @property
-  def feature_layers(self):
-    return self.inner.feature_layers
+  def reads(self):
+    return self.inner.reads
 
   @property
   def num_nodes(self) -> int:
@@ -205,6 +199,13 @@ class TreeDraft(Draft):
 
   def check_compatible(self, target_config) -> None:
     self.inner.check_compatible(target_config)
+    family_of(target_config).check_tree(self)  # the family must score token trees
+
+  def check_verification(self, verification: str) -> None:
+    if verification != "token":
+      raise ValueError(f"verification={verification!r} verifies a chain; a "
+                       f"{type(self).__name__} is verified by recursive rejection sampling over "
+                       "its tree (its children's law): drop verification, or use a chain draft")
 
   def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
     self.inner.check_inputs(tokens, lengths, max_decode_steps)
@@ -215,19 +216,25 @@ class TreeDraft(Draft):
   def constrain_state(self, state, partitioner):
     return dict(state, inner=self.inner.constrain_state(state["inner"], partitioner))
 
-  def init_state(self, params, context, max_decode_len, **features):
-    # `tree_proposer`'s init adds the slots' draft offsets, once the width is known.
-    # features: a feature draft's (`FeatureDraft.init_state`: features, memory, start).
-    return dict(inner=self.inner.init_state(params, context, max_decode_len, **features))
+  def init_state(self, params, start):
+    # The proposer's init adds the slots' draft offsets, once the width is known.
+    return dict(inner=self.inner.init_state(params, start))
 
-  def propose_fn(self, params, gamma, temperature, topk, topp):
-    raise TypeError("a TreeDraft proposes trees: decode it through `generate`, which calls "
-                    "`tree_proposer`")
-
-  def max_depth(self, greedy: bool, width: int) -> int:
+  def proposal_depth(self, sampling: Sampling, gamma: int, block_width: int) -> int:
     """The deepest node a tree can have: greedy pending tokens (up to D) precede the shape."""
     depth = self.depth
-    return min(2 * depth if greedy else depth, width - 1)
+    return min(2 * depth if sampling.greedy else depth, block_width - 1)
+
+  def block_slots(self, gamma: int) -> int:
+    return self.num_nodes
+
+  def describe_slots(self, gamma: int) -> str:
+    return f"{self._describe()} has {self.num_nodes} slots (root included)"
+
+  def calls_per_proposal(self, gamma: int) -> int:
+    # One expansion per fed depth, and the root's start; a one-call drafter scores
+    # every level from one call.
+    return min(self.inner.calls_per_proposal(self.depth), self.depth)
 
   @property
   def depth(self) -> int:
@@ -244,15 +251,13 @@ class TreeDraft(Draft):
   def _describe(self) -> str:
     return f"a tree of branching {self.shape.branching}"
 
-  def tree_proposer(self, params, temperature: float, topk: int, topp: float,
-                    width: int) -> TreeProposer:
-    """The loop's `TreeProposer` for a target block of `width` slots."""
-    if width < self.num_nodes:
-      raise ValueError(f"{self._describe()} has {self.num_nodes} slots (root included), more "
-                       f"than block_width={width}: pass block_width={self.num_nodes} (or more), "
-                       "and the same block_width to the target-only decoding you compare against")
-    greedy = temperature < sampling.MIN_TEMPERATURE
-    expander = self.inner.tree_expander(params, temperature, topk, topp)
+  def proposer(self, params, plan: ProposalPlan) -> TreeProposer:
+    """The loop's `TreeProposer` for a target block of `plan.block_width` slots."""
+    width = plan.block_width
+    decoding.resolve_block_width(width, slots=self.num_nodes, what=self.describe_slots(0))
+    greedy = plan.sampling.greedy
+    depth = self.proposal_depth(plan.sampling, plan.gamma, width)
+    expander = self.inner.tree_expander(params, plan.sampling)
 
     def propose(rng, state, sequences, lengths, pending, num_pending):
       batch = sequences.shape[0]
@@ -280,15 +285,13 @@ class TreeDraft(Draft):
                expander.init(state["inner"], batch, self.fed_slots))
       return dict(state, inner=inner, offsets=jnp.zeros((batch, width), jnp.int32))
 
-    observe = None
-    if self.inner.wants_features:
-      inner_observe = self.inner.observe_fn(params, self.max_depth(greedy, width))
+    inner_observe = self.inner.observer(params)
 
-      def observe(state, features, tokens, count):
-        return dict(state, inner=inner_observe(state["inner"], features, tokens, count))
+    def observe(state, features, tokens, count):
+      return dict(state, inner=inner_observe(state["inner"], features, tokens, count))
 
-    return TreeProposer(init, propose, accept, self.law(greedy), self.max_depth(greedy, width),
-                        self.max_children, width, observe)
+    return TreeProposer(init, propose, accept, self.law(greedy), depth, self.max_children, width,
+                        None if inner_observe is None else observe)
 
   def _grow(self, rng, expander, inner, lengths, chain_len, root_token, root_scores, root_probs,
             greedy):
@@ -340,6 +343,9 @@ class TreeDraft(Draft):
   def room(self, width: int) -> int:
     """Positions past the decode that a tree iteration writes into the draft's cache."""
     return width + self.shape.max_depth + 2
+
+  def target_room(self, width: int) -> int:
+    return width
 
 
 class DynamicTreeDraft(TreeDraft):

@@ -22,7 +22,7 @@ Vocabulary (shapes in every docstring):
   tokens of each row from its own position; target and draft use the same
   one. Block token i's keys/values are set at cache index positions + i.
   `tree` is None (a causal block: token i at absolute position
-  positions + i; the program is the one compiled before trees existed) or a
+  positions + i; no tree masks are traced) or a
   `core.tree.TreeAttention` (the block is nodes of a token tree: token i at
   position root + tree.depths[i], attending to the prefix and to the tree
   slots it sees; see its docstring). Only families with `supports_trees`
@@ -39,15 +39,21 @@ Vocabulary (shapes in every docstring):
   layer's after the final norm (EAGLE-1) or a chosen set of layers
   concatenated (EAGLE-3); `Family.start_features` is `start` plus the
   prompt's features and the memory a head reads (T5's encoder outputs).
-  A separate callback, so decoding without a feature draft traces exactly
-  the program it did before features existed. `Family.feature_head` gives
-  the family's head (`families.feature_head.FeatureHead`, the contract
-  `drafts.FeatureDraft` drives).
+  A separate callback, so decoding without a feature draft traces no
+  features. `Family.feature_head` gives the family's head
+  (`families.feature_head.FeatureHead`, the contract `drafts.FeatureDraft`
+  drives). `Family.teacher_features` is the training side: a training
+  batch's teacher-forced features, the tokens they pair with, the weights and
+  the memory (`train/feature.py` and `train/medusa.py` read nothing else of
+  a family).
+* *head formats*: public checkpoints of trained heads (EAGLE-1, EAGLE-3,
+  Medusa-1) register in `families/head_formats.py`, each naming the
+  families it serves; a family registers its own formats.
 """
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import flax.struct
 import jax
@@ -440,6 +446,27 @@ class Family(abc.ABC):
     tokens [batch, C] int32 and lengths [batch] int32 as `check_inputs` returns
     them; sequences [batch, N] int32 (0 after EOS) and sequence_lengths [batch]
     int32 from `generate`. Host numpy arrays in and out (distillation data)."""
+
+  def teacher_features(self, config, params, batch: Mapping[str, Array], layers=None
+                       ) -> Dict[str, Any]:
+    """The target's teacher-forced features over a training batch: what a feature
+    head's (or Medusa heads') loss reads, the target frozen (traced; one uncached
+    forward pass). Families with `supports_features` implement it.
+
+    Args:
+      batch: the family's training batch (what `token_logits` reads).
+      layers: the feature set, as `feature_dim` names it (None: the last layer's).
+    Returns:
+      dict(tokens: [batch, T] int32, the decoder's inputs at positions 0..T-1
+             (the tokens a head reads, paired with the feature before each);
+           features: [batch, T, f] float32, the target's features of each of
+             those tokens (the state that produced the next token's law);
+           weights: [batch, T] float32, 1 at the positions a loss learns;
+           memory: None, or what the family's heads attend to besides their own
+             keys, as `start_features` returns it (T5: the encoder outputs and
+             mask)).
+    """
+    raise self._no_features()
 
   # -- Sharding --------------------------------------------------------------
 

@@ -343,7 +343,7 @@ def write_safetensors(filename: str, tensors: Sequence[Tuple[str, Tuple[int, ...
 
 
 def write_json_atomic(path: str, record) -> None:
-  from specdec_jax.core import results
+  from specdec_jax import results
   results.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True))
 
 

@@ -20,7 +20,7 @@ subclasses it whenever a source install of T5X is importable) whose
   `specdec_jax.generate`, so both produce the same tokens from the same rng;
   greedy, they equal T5X's `temperature_sample` driven by T5X's network.
   The aux is T5X's `{'scores': ...}` plus, when speculative, the per-row
-  counters of `decoding.init_stats`.
+  counters (`core.counters.LoopCounters`).
 
 `t5x` cannot be installed from PyPI (its package there is an empty
 placeholder); without it the class stands alone with the same decoding API.
@@ -39,13 +39,15 @@ import numpy as np
 from flax import traverse_util
 
 from specdec_jax.core import decoding
-from specdec_jax.core import sampling
 from specdec_jax.drafts import Draft, ModelDraft
+from specdec_jax.drafts.base import NOTHING, DraftStart, ProposalPlan
 from specdec_jax.families.base import Context
 from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
 from specdec_jax.families.t5.family import FAMILY as T5_FAMILY, encoder_lengths
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.network import T5
+from specdec_jax.programs import PROGRAMS
+from specdec_jax.settings import plan_settings
 
 
 def alias_jestimator_partition_spec() -> None:
@@ -72,10 +74,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 Array = jax.Array
 PyTree = Any
-
-# Compiled decoders shared by every model instance with the same static
-# structure, so re-creating a model (one per experiment) never recompiles.
-_COMPILED: Dict[Any, Callable[..., Any]] = {}
 
 gin.external_configurable(decoding.temperature_sample, module="specdec_jax.core.decoding")
 gin.external_configurable(decoding.speculative_sample, module="specdec_jax.core.decoding")
@@ -266,7 +264,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
     decode_fn: `decoding.temperature_sample` or `decoding.speculative_sample`.
     gamma: tokens drafted per iteration (speculative_sample).
     verification: how speculative_sample keeps drafts, a name in
-      `decoding.VERIFIERS`: "token" (default) or "block" (Sun et al. 2025's
+      `core.verification.VERIFIERS`: "token" (default) or "block" (Sun et al. 2025's
       block verification; same output law, at least as many tokens per
       iteration on average). Only "token" with temperature_sample.
     temperature / topk / topp: sampling settings, shared by target and draft.
@@ -304,28 +302,34 @@ class SpeculativeEncoderDecoderModel(_BASE):
                        f"decoding.speculative_sample, got {decode_fn!r}")
     target_config = _as_config(target_config)
     self.target_config = target_config
-    decoding.check_verification(verification)
-    if decode_fn is not decoding.speculative_sample and verification != "token":
+    speculative = decode_fn is decoding.speculative_sample
+    if speculative and draft is None:
+      raise ValueError("decode_fn=speculative_sample needs a draft")
+    if not speculative and verification != "token":
       raise ValueError(f"verification={verification!r} applies to speculative decoding; "
                        "pass decode_fn=speculative_sample and a draft")
-    self.verification = verification
-    if decode_fn is decoding.speculative_sample:
-      if draft is None:
-        raise ValueError("decode_fn=speculative_sample needs a draft")
-      if int(gamma) != gamma or gamma < 1:
-        raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
     self.draft = _as_draft(draft, draft_dtype or target_config.dtype)
     if self.draft is not None:
       self.draft.check_compatible(target_config)
-    sampling.validate_sampling(temperature, topk, topp, target_config.vocab_size)
+    # The checks `generate` and the launcher make, with T5X's decode length left open;
+    # the block width as in `generate`, so plain and speculative decoding of one model
+    # give identical greedy outputs.
+    self.settings = plan_settings(
+        target_config, self.draft if speculative else None, max_decode_steps=None,
+        temperature=temperature, topk=topk, topp=topp, gamma=gamma, verification=verification,
+        block_width=block_width)
+    if speculative and (self.draft.reads != NOTHING or
+                        self.draft.block_slots(self.settings.gamma) != self.settings.gamma + 1):
+      raise ValueError(f"the T5X model decodes chain drafts that read nothing from the target "
+                       f"(a model, n-gram, prompt lookup or adaptive draft); a "
+                       f"{type(self.draft).__name__} needs `specdec_jax.generate`")
+    self.verification = verification
     self._decode_fn = decode_fn
-    self.gamma = int(gamma)
-    # The target's block width in both loops, as in `generate`: plain and
-    # speculative decoding of one model give identical greedy outputs.
-    self.block_width = decoding.resolve_block_width(
-        block_width, self.gamma if decode_fn is decoding.speculative_sample else None,
-        dtype=target_config.dtype)
-    self.temperature, self.topk, self.topp = float(temperature), int(topk), float(topp)
+    self.gamma = self.settings.gamma if speculative else int(gamma)
+    self.block_width = self.settings.block_width
+    sampling_settings = self.settings.sampling
+    self.temperature = sampling_settings.temperature
+    self.topk, self.topp = sampling_settings.topk, sampling_settings.topp
     self.draft_as_variables = bool(draft_as_variables)
     if self.draft_as_variables:
       if self.draft is None or self.draft.params is None:
@@ -406,11 +410,11 @@ class SpeculativeEncoderDecoderModel(_BASE):
           decoder_inputs, cache, decoding.block_to_state_fn(target_fn, self.block_width),
           num_decodes=num_decodes, **common)
       return decodes, {"scores": log_prob}
-    draft_state = self.draft.init_state(draft_params, context, length)
-    propose = self.draft.propose_fn(draft_params, self.gamma, self.temperature, self.topk,
-                                    self.topp)
+    draft_state = self.draft.init_state(draft_params, DraftStart(context, length, self.gamma))
+    proposer = self.draft.proposer(draft_params, ProposalPlan(
+        self.settings.sampling, self.gamma, self.block_width))
     decodes, stats = self._decode_fn(decoder_inputs, cache, target_fn, draft_state, None,
-                                     gamma=self.gamma, propose_fn=propose,
+                                     gamma=self.gamma, proposer=proposer,
                                      block_width=self.block_width,
                                      verification=self.verification, **common)
     return decodes, dict(stats, scores=self._log_likelihood(target_params, encoder_tokens,
@@ -462,7 +466,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
     Returns:
       decodes [batch, dec_len] int32 (0 after EOS) and aux: {'scores': [batch]}
       as T5X's temperature_sample (log-prob of each decode); speculative_sample
-      adds its per-row counters (see `decoding.init_stats`), its 'scores' being
+      adds its per-row counters (`core.counters.LoopCounters`), its 'scores' being
       the target's log-likelihood of each decode.
     """
     defaults = getattr(self, "_default_decoder_params", None)
@@ -500,11 +504,11 @@ class SpeculativeEncoderDecoderModel(_BASE):
                   self.verification) if self.is_speculative else (None, None, None))
     key = (self.target_config, *draft_key, self._decode_fn.__name__, self.block_width,
            self.temperature, self.topk, self.topp, int(num_decodes), max_decode_steps)
-    if key not in _COMPILED:
-      _COMPILED[key] = jax.jit(functools.partial(
-          self._decode, num_decodes=int(num_decodes), max_decode_steps=max_decode_steps))
-    decodes, aux = _COMPILED[key](target_params, draft_params, encoder_tokens, decoder_inputs,
-                                  rng)
+    # Shared by every model instance with the same static structure, so re-creating a
+    # model (one per experiment) never recompiles.
+    program = PROGRAMS.get(("t5x",) + key, lambda: jax.jit(functools.partial(
+        self._decode, num_decodes=int(num_decodes), max_decode_steps=max_decode_steps)))
+    decodes, aux = program(target_params, draft_params, encoder_tokens, decoder_inputs, rng)
     if not self.is_speculative and not return_all_decodes:
       # T5X: decodes are sorted by increasing log-prob; keep the most likely.
       decodes, aux = decodes[:, -1], {"scores": aux["scores"][:, -1]}

@@ -1,8 +1,8 @@
 """Counting the operations of a compiled decode step, per decoder layer.
 
 On an accelerator a small decoder's step is launch-bound: it costs about a
-fixed amount per operation the compiled program runs, whatever the width
-(see issue 15). So the number of operations per decoder layer is the thing
+fixed amount per operation the compiled program runs, whatever the width.
+So the number of operations per decoder layer is the thing
 to cut and to pin. An "operation" here is one instruction that XLA schedules
 as its own unit of work: a fusion, a dot, a custom call, a copy, a while or
 conditional, ... in the entry computation or in a while body / conditional

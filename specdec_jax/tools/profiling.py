@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.core.sampling import Sampling
 from specdec_jax.families.base import BlockFn, shift_block_fn
 from specdec_jax.families.registry import family_of
 
@@ -268,7 +269,7 @@ def time_proposals(target, drafts: Dict[str, Any], inputs, max_len: int, gamma: 
   """Median ms of one whole proposal of `gamma` tokens, for each draft of any kind.
 
   Where `time_block_calls` times a draft model's k-token call, this times what
-  the chain loop runs: `draft.propose_fn(params, gamma, temperature, 0, 1.0)`
+  the chain loop runs: the draft's chain proposer at (temperature, topk 0, topp 1)
   (the draft's calls plus sampling its gamma tokens), so a feature head
   (`FeatureDraft`: one layer and the target's LM head per token), a model
   draft and an n-gram table are measured alike; per drafted token it is
@@ -289,7 +290,10 @@ def time_proposals(target, drafts: Dict[str, Any], inputs, max_len: int, gamma: 
   Returns:
     {draft name: ms per proposal}.
   """
-  from specdec_jax.drafts import as_draft  # drafts import families; profiling is below them
+  # drafts import families; profiling is below them
+  from specdec_jax.drafts import as_draft
+  from specdec_jax.drafts.base import DraftStart, ProposalPlan
+  plan = ProposalPlan(Sampling(temperature, 0, 1.0), gamma, gamma + 1)
   family, config = family_of(target), target.config
   tokens, row_lengths = family.check_inputs(config, inputs, lengths, max_len)
   batch = tokens.shape[0]
@@ -299,15 +303,14 @@ def time_proposals(target, drafts: Dict[str, Any], inputs, max_len: int, gamma: 
   for name, draft in drafts.items():
     draft = as_draft(draft)
     draft.check_compatible(config)
-    extra = dict(features=None, gamma=gamma) if draft.wants_features else {}
 
     # The state is built once, outside the timed program (a prefill is no proposal).
-    state = jax.jit(lambda params, tokens, row_lengths, draft=draft, extra=extra: draft.init_state(
-        params, family.context(tokens, row_lengths), max_len, **extra))(
+    state = jax.jit(lambda params, tokens, row_lengths, draft=draft: draft.init_state(
+        params, DraftStart(family.context(tokens, row_lengths), max_len, gamma)))(
             draft.params, tokens, row_lengths)
 
     def loop(params, state, rng, draft=draft):
-      propose = draft.propose_fn(params, gamma, temperature, 0, 1.0)
+      propose = draft.proposer(params, plan).propose
       sequences = jnp.full((batch, max_len + 1), 2, jnp.int32)
       middle = max_len // 2 - gamma - 1
 

@@ -1,23 +1,16 @@
-"""Helpers for tests and examples: pairs of random models that disagree a little.
+"""Helpers for tests and examples: random pairs of models, random inputs, rows that split
+at an EOS id.
 
-A draft that agrees with the target everywhere (or nowhere) proves nothing
-about speculative decoding; a draft whose weights are the target's plus noise
-has an acceptance rate strictly inside (0, 1).
+The pairs disagree a little (`perturbation.perturbed_model`): a draft whose
+weights are the target's plus noise has an acceptance rate strictly inside
+(0, 1).
 """
 
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.families.registry import family_of
 from specdec_jax.loading import load_model
-
-
-def perturbed_model(model, noise: float, seed: int = 1):
-  """A copy of `model` (any family) with every weight w replaced by w * (1 + noise * N(0, 1))."""
-  leaves, treedef = jax.tree_util.tree_flatten(model.params)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  noisy = [w * (1 + noise * jax.random.normal(k, w.shape, w.dtype)) for w, k in zip(leaves, keys)]
-  return family_of(model).model_type(model.config, jax.tree_util.tree_unflatten(treedef, noisy))
+from specdec_jax.perturbation import perturbed_model
 
 
 def tiny_pair(vocab_size: int = 64, noise: float = 0.3, seed: int = 0, name: str = "tiny",

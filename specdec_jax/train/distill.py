@@ -267,6 +267,10 @@ def distill_drafts(target, drafts: Dict[str, Any], train_data, *, steps: int,
                    eval_data=None, progress_bar: bool = True) -> DistillResult:
   """Distills every draft in `drafts` from `target` and reports alpha before and after.
 
+  Long (about 90 lines) because it is the recipe, in order: data, teacher
+  decodes, alpha before, one trainer run per draft, alpha after; each step is
+  a call into the trainer or the measures.
+
   Any model family: batches are the family's (`Family.continuation_batch` of
   the decodes, `Family.token_logits` for the losses).
 

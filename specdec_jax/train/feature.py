@@ -47,85 +47,59 @@ is frozen):
         state, batch, loss_fn=feature_loss_fn(draft, ttt_steps=3), ...)
 
 `feature_batch` runs the target once per batch (EAGLE's precomputed hidden
-states). The loss reads the target's embedding and LM head from the draft's
-references as constants of the compiled step: fine for small targets; a
-large one should pass them as arguments instead (not built yet).
+states) through the family contract (`Family.teacher_features`), so every
+family with features trains here the same way. The loss reads the target's
+embedding and LM head from the draft's references as constants of the
+compiled step: fine for small targets; a large one should pass them as
+arguments instead (not built yet).
 """
 
 import functools
-from typing import Dict, Optional
+from typing import Dict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.families.decoder_only.model import feature_layers
-from specdec_jax.families.decoder_only.network import DecoderOnly
 from specdec_jax.families.registry import family_of
 
 Array = jax.Array
 
 
 @functools.lru_cache(maxsize=None)
-def _features_program(config):
-  """jit: (params, tokens [batch, T]) -> last-layer features [batch, T, emb] float32
-  (one compiled program per config: a fresh closure per call would recompile)."""
-  taps = feature_layers(config)
-
-  @jax.jit
-  def run(params, tokens):
-    return DecoderOnly(config).apply(
-        {"params": params}, tokens, jnp.arange(tokens.shape[1])[None], taps=taps,
-        method=DecoderOnly._hidden)[2]
-
-  return run
-
-
-@functools.lru_cache(maxsize=None)
-def _t5_features_program(config):
-  """jit: (params, inputs [batch, S], decoder inputs [batch, T]) -> (the decoder's last
-  features [batch, T, emb] float32, memory dict(encoded, encoder_mask))."""
-  from specdec_jax.families.feature_head import feature_taps
-  from specdec_jax.families.t5.network import T5
-  taps = feature_taps(config.num_decoder_layers)
-
-  @jax.jit
-  def run(params, inputs, decoder_inputs):
-    module = T5(config)
-    features = module.apply({"params": params}, inputs, decoder_inputs, taps,
-                            method=T5.decoder_features)
-    encoded = module.apply({"params": params}, inputs, method=T5.encode)
-    return features, dict(encoded=encoded, encoder_mask=inputs != config.pad_id)
-
-  return run
-
-
-def target_features(target, tokens) -> Array:
-  """The target's last-layer features after the final norm [batch, T, emb] float32
-  of tokens [batch, T] at positions 0..T-1 (uncached; decoder-only)."""
-  return _features_program(target.config)(target.params, jnp.asarray(tokens, jnp.int32))
+def _teacher_program(family, config):
+  """jit: (params, batch) -> `family.teacher_features` of the last layer (one compiled
+  program per family and config: a fresh closure per call would recompile)."""
+  return jax.jit(functools.partial(family.teacher_features, config))
 
 
 def feature_batch(target, batch: Dict[str, np.ndarray]) -> Dict[str, Array]:
-  """The loss's batch from a family training batch and the (frozen) target.
+  """The loss's batch from a family training batch and the (frozen) target:
+  `Family.teacher_features` (the target's last-layer features), compiled once per
+  target config.
 
-  Decoder-only {'tokens', 'weights'} (`lm_batch`): 'features' added, the
-  target's at every position. T5 {'inputs', 'targets'}: 'tokens' = the
+  Returns {'tokens' [batch, T] int32, 'features' [batch, T, emb] float32,
+  'weights' [batch, T] float32} and, for families whose heads read one, 'memory'.
+  Decoder-only {'tokens', 'weights'} (`lm_batch`): those, and the target's
+  features at every position. T5 {'inputs', 'targets'}: 'tokens' = the
   decoder's inputs (the start token, then targets[:-1]), 'features' = the
   decoder's teacher-forced features there (feature t predicts targets[t]),
   'weights' = targets != pad, and 'memory' = the encoder outputs and mask the
   head cross-attends to (`T5Family.start_features`' memory).
   """
-  if family_of(target).name != "t5":
-    return dict(batch, features=target_features(target, batch["tokens"]))
-  from specdec_jax.families.t5.family import shift_right
-  config = target.config
-  targets = jnp.asarray(batch["targets"], jnp.int32)
-  decoder_inputs = shift_right(targets, config.decoder_start_id)
-  features, memory = _t5_features_program(config)(
-      target.params, jnp.asarray(batch["inputs"], jnp.int32), decoder_inputs)
-  return dict(tokens=decoder_inputs, features=features, memory=memory,
-              weights=(targets != config.pad_id).astype(jnp.float32))
+  out = dict(_teacher_program(family_of(target), target.config)(target.params, dict(batch)))
+  if out.get("memory") is None:
+    out.pop("memory", None)
+  return out
+
+
+def target_features(target, tokens) -> Array:
+  """The target's last-layer features after the final norm [batch, T, emb] float32
+  of tokens [batch, T] at positions 0..T-1 (uncached), for a family whose training
+  batch is {'tokens', 'weights'} (decoder-only)."""
+  tokens = np.asarray(tokens, np.int32)
+  return feature_batch(target, dict(tokens=tokens,
+                                    weights=np.ones(tokens.shape, np.float32)))["features"]
 
 
 def ttt_anchors(weights, num_anchors: int, seed: int) -> np.ndarray:

@@ -291,6 +291,8 @@ def sliding_pattern(num_layers: int, every: int) -> Tuple[str, ...]:
 
 
 def _named_configs():
+  """{name: DecoderOnlyConfig} of the named shapes: a table (about 90 lines of data), one
+  entry per public checkpoint size, grouped by family."""
   configs = {}
   # GPT-2 family: (emb, layers, heads); head_dim 64, mlp 4 * emb.
   for name, (emb, layers, heads) in {"gpt2": (768, 12, 12), "gpt2_medium": (1024, 24, 16),
@@ -404,6 +406,3 @@ def get_decoder_config(name: str, **overrides) -> DecoderOnlyConfig:
   config = DECODER_CONFIGS[key]
   return config.replace(**overrides) if overrides else config
 
-
-def config_names() -> Tuple[str, ...]:
-  return tuple(sorted(DECODER_CONFIGS))

@@ -43,6 +43,9 @@ EAGLE's released Llama and Qwen2 heads (EAGLE-1/2: Vicuna, LLaMA2-Chat,
 LLaMA3-Instruct, Qwen2-Instruct; EAGLE-3: LLaMA3.1/3.3-Instruct, Vicuna,
 DeepSeek-R1-Distill-LLaMA). Not yet: Qwen3 targets (no Qwen3 family here)
 and Mixtral (no mixture-of-experts family).
+
+The two formats are `EAGLE1` and `EAGLE3` ('eagle1' / 'eagle3'), which the
+decoder-only family registers in `families.head_formats`.
 """
 
 import json
@@ -58,6 +61,7 @@ from specdec_jax.families.decoder_only import checkpoints as hf_checkpoints
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.eagle3_head import (Eagle3Head, check_draft_to_target,
                                                            check_rotary_target)
+from specdec_jax.families.head_formats import HeadFormat
 from specdec_jax.families.tensor_io import (CheckpointError, cast, hf_weight_files,
                                             raise_on_mismatch, read_config_json,
                                             write_safetensors)
@@ -288,8 +292,25 @@ def flat_shapes(head) -> Dict[str, Tuple[int, ...]]:
   return {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
 
 
+def _read_head_dir(directory: str):
+  """(config.json, tensors, 'eagle1' / 'eagle3') of a head directory, or a CheckpointError
+  naming what it lacks (the directory, config.json, weights, EAGLE tensors)."""
+  hf = _read_json(directory)
+  files = hf_weight_files(directory, prefer="bin")
+  return hf, files, detect_format(files, hf, directory)
+
+
+def detects(directory, kind: str) -> bool:
+  """Whether `directory` holds an EAGLE head of `kind` ('eagle1' / 'eagle3'), told as
+  `load_head` tells it (config.json read, tensor names listed, nothing loaded)."""
+  try:
+    return _read_head_dir(os.fspath(directory))[2] == kind
+  except CheckpointError:
+    return False
+
+
 def load_head(directory, target_config: DecoderOnlyConfig, target_params,
-              dtype: Optional[str] = None):
+              dtype: Optional[str] = None, expect: Optional[str] = None):
   """Reads a public EAGLE head directory for a target, to compute what EAGLE's code computes.
 
   Args:
@@ -298,6 +319,7 @@ def load_head(directory, target_config: DecoderOnlyConfig, target_params,
     target_config, target_params: the target's config and params (a stored
       `embed_tokens.weight` is compared with its table: `_embeddings_shared`).
     dtype: the head's params and compute dtype; default the target's.
+    expect: None, or the format the directory must hold ('eagle1' / 'eagle3').
   Returns:
     (head: an `Eagle3Head` or the family's EAGLE-1 `DecoderOnlyFeatureHead`,
      each with the layer its config.json describes (`head_config`),
@@ -307,10 +329,10 @@ def load_head(directory, target_config: DecoderOnlyConfig, target_params,
   """
   directory = os.fspath(directory)
   check_target(target_config)
-  hf = _read_json(directory)
+  hf, files, kind = _read_head_dir(directory)
   origin = os.path.join(directory, "config.json")
-  files = hf_weight_files(directory, prefer="bin")
-  kind = detect_format(files, hf, directory)
+  if expect is not None and kind != expect:
+    raise CheckpointError(f"{directory}: holds an {kind} head, not {expect}")
   dtype = dtype or target_config.dtype
   layer = head_config(hf, target_config, origin, dtype, kind)
   used = set()
@@ -429,3 +451,35 @@ def save_head(head, params, directory, format: Optional[str] = None) -> None:
                     metadata={"format": "pt"})
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(hf, f, indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------
+# The formats, as the head-format registry lists them (`families.head_formats`;
+# the decoder-only family registers them).
+
+def _diagnose(directory) -> None:
+  """Raises the CheckpointError that says why `directory` holds no EAGLE head."""
+  _read_head_dir(os.fspath(directory))
+
+
+def _format(kind: str) -> HeadFormat:
+  def load(directory, target, dtype=None):
+    head, params = load_head(directory, target.config, target.params, dtype, expect=kind)
+    return dict(head=head, head_params=params)
+
+  def writes(draft) -> bool:
+    try:
+      return head_format(getattr(draft, "head", None)) == kind
+    except ValueError:
+      return False
+
+  return HeadFormat(
+      name=kind, kind="feature", families=("decoder_only",),
+      targets="decoder-only Llama-layout targets",
+      detect=lambda directory: detects(directory, kind), load=load,
+      save=lambda draft, directory: save_head(draft.head, draft.head_params, directory, kind),
+      writes=writes, diagnose=_diagnose)
+
+
+EAGLE1 = _format("eagle1")
+EAGLE3 = _format("eagle3")

@@ -26,7 +26,7 @@ import numpy as np
 
 from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.decoder_only import batch as lm_data
-from specdec_jax.families.decoder_only import checkpoints
+from specdec_jax.families.decoder_only import checkpoints, eagle_checkpoints
 from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
 from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
@@ -35,9 +35,11 @@ from specdec_jax.families.decoder_only.model import (DecoderOnlyModel, absolute_
                                                      absolute_feature_block_fn,
                                                      check_prompt_lengths, decode_cache_length,
                                                      feature_layers, init_decoder_only_params,
-                                                     prefilled_cache, prefilled_cache_features)
+                                                     prefilled_cache, prefilled_cache_features,
+                                                     teacher_forced_features)
 from specdec_jax.families.decoder_only.network import DecoderOnly
 from specdec_jax.families.base import check_tokens
+from specdec_jax.families.head_formats import register_head_format
 
 Array = jax.Array
 
@@ -135,6 +137,15 @@ class DecoderOnlyFamily(Family):
     logits = DecoderOnly(config).apply({"params": params}, tokens[:, :-1])
     return logits, tokens[:, 1:], batch["weights"][:, 1:].astype(jnp.float32)
 
+  def teacher_features(self, config: DecoderOnlyConfig, params, batch, layers=None):
+    """batch: {'tokens': [batch, T] int32, 'weights': [batch, T]} (`batch.lm_batch`).
+    tokens: the batch's; features: the target's at every position (absolute
+    positions 0..T-1; feature t produced the law of token t + 1); weights: the
+    batch's, as float32; memory: None (the head attends to its own keys only)."""
+    tokens = jnp.asarray(batch["tokens"], jnp.int32)
+    return dict(tokens=tokens, features=teacher_forced_features(config, params, tokens, layers),
+                weights=jnp.asarray(batch["weights"], jnp.float32), memory=None)
+
   def continuation_batch(self, config, tokens, lengths, sequences, sequence_lengths):
     """Prompt + continuation rows, learning the continuation (`batch.continuation_batch`)."""
     return lm_data.continuation_batch(tokens, lengths, sequences, sequence_lengths)
@@ -177,3 +188,7 @@ class DecoderOnlyFamily(Family):
 
 
 FAMILY = DecoderOnlyFamily()
+
+# The public EAGLE head formats drafting for this family's targets.
+register_head_format(eagle_checkpoints.EAGLE1)
+register_head_format(eagle_checkpoints.EAGLE3)

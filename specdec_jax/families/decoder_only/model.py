@@ -171,6 +171,15 @@ def prefilled_cache_features(config: DecoderOnlyConfig, params, prompts: Array, 
   return features, cache
 
 
+def teacher_forced_features(config: DecoderOnlyConfig, params, tokens: Array, layers=None
+                            ) -> Array:
+  """Features [batch, T, f] float32 of tokens [batch, T] at absolute positions 0..T-1
+  (uncached, causal; traced): `DecoderOnly._hidden`'s taps of `layers`."""
+  return DecoderOnly(config).apply(
+      {"params": params}, tokens, jnp.arange(tokens.shape[1])[None],
+      taps=feature_layers(config, layers), method=DecoderOnly._hidden)[2]
+
+
 @functools.lru_cache(maxsize=None)
 def _init_fn(config: DecoderOnlyConfig):
   module = DecoderOnly(config)

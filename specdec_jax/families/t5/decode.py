@@ -3,7 +3,7 @@
 `families/t5/network.py` is the reference network and the saved/loaded format (T5X's
 parameter tree). A decode step that mirrors that tree runs one small
 operation per kernel, norm and softmax piece; on an accelerator a decoder
-layer then costs a fixed ~60 µs of launches whatever its width (issue 15).
+layer then costs a fixed ~60 µs of launches whatever its width.
 This module computes the same function as `T5.decode_block` with fewer,
 larger operations (counted per layer by `specdec_jax.tools.hlo_ops`):
 
@@ -383,6 +383,11 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
                  tree: Optional[TreeAttention] = None, taps: Optional[Tuple[int, ...]] = None,
                  prefix_chunk: Optional[int] = None):
   """Scores a block of tokens per row from the cache; same contract as `T5.decode_block`.
+
+  One function (about 90 lines) on purpose: it is the fused decoder step, read
+  top to bottom as XLA runs it (embed, per layer self-attention over the
+  cache, cross-attention, MLP, the logits), and its pieces share the layer's
+  prepared weights and the cache update order.
 
   Args:
     prepared: from `prepare_decode_params`.

@@ -2,8 +2,8 @@
 
 The embedded model computes exactly the function of the small one (up to
 float rounding) with the large shape's cost: a trained target's real
-acceptance rate meets a real XXL-sized decode step (issue 15's
-"cost-realistic pair"). How each part is grown:
+acceptance rate meets a real XXL-sized decode step (a cost-realistic
+pair). How each part is grown:
 
 * model width emb -> r * emb (r an integer): every residual-stream vector is
   the small one with each dimension repeated r times. The token embedding,

@@ -166,6 +166,25 @@ class T5Family(Family):
                               shift_right(targets, config.decoder_start_id))
     return logits, targets, (targets != config.pad_id).astype(jnp.float32)
 
+  def teacher_features(self, config: T5Config, params, batch, layers=None):
+    """batch: {'inputs': [batch, S], 'targets': [batch, T]} int32, 0 = padding.
+    tokens: the decoder's inputs (`shift_right`: the start token, then
+    targets[:-1]); features: the decoder's teacher-forced features there
+    (feature t produced the law of targets[t]); weights: targets != pad;
+    memory: dict(encoded [batch, S, emb], encoder_mask [batch, S] bool), the
+    encoder outputs and mask a head cross-attends to (`start_features`' memory)."""
+    inputs = jnp.asarray(batch["inputs"], jnp.int32)
+    targets = jnp.asarray(batch["targets"], jnp.int32)
+    decoder_inputs = shift_right(targets, config.decoder_start_id)
+    module = T5(config)
+    features = module.apply({"params": params}, inputs, decoder_inputs,
+                            feature_taps(config.num_decoder_layers, layers),
+                            method=T5.decoder_features)
+    encoded = module.apply({"params": params}, inputs, method=T5.encode)
+    return dict(tokens=decoder_inputs, features=features,
+                weights=(targets != config.pad_id).astype(jnp.float32),
+                memory=dict(encoded=encoded, encoder_mask=inputs != config.pad_id))
+
   def continuation_batch(self, config: T5Config, tokens, lengths, sequences, sequence_lengths):
     """{'inputs': the encoder tokens, 'targets': the generated sequences (0 after EOS)}."""
     return dict(inputs=np.asarray(tokens, np.int32), targets=np.asarray(sequences, np.int32))

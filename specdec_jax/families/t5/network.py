@@ -18,7 +18,7 @@ Cache layout (a dict, one entry per decoder layer):
   cache['encoder_mask']:                            [batch, enc_len] bool
 Keys and values are head-major, the layout of attention's batched products
 (batch and heads lead, head_dim is contracted): reading the cache then needs
-no transposed copy of it per layer and step (issue 15).
+no transposed copy of it per layer and step.
 """
 
 from typing import Any, Dict, Optional, Tuple

@@ -1,7 +1,8 @@
-"""The speculative sampling step (Leviathan et al. 2023, Algorithm 1, steps 3-5).
+"""Token verification: the speculative sampling step (Leviathan et al. 2023, Alg. 1, 3-5).
 
 Written for one sequence and `jax.vmap`ped over the batch, so every row keeps
-or rejects its own drafts with its own key.
+or rejects its own drafts with its own key. The residual normalisation here
+(`normalised_residual`) is the one the block and tree rules use too.
 """
 
 import functools
@@ -60,7 +61,16 @@ def speculative_step(rng: Array, draft_tokens: Array, draft_probs: Array, target
 
 def check_step(draft_tokens: Array, draft_probs: Array, target_probs: Array,
                num_drafted: Optional[Array]) -> Tuple[int, Array]:
-  """Checks one row's verification shapes; returns (gamma, num_drafted or gamma)."""
+  """Checks one row's verification shapes; returns (gamma, num_drafted or gamma).
+
+  Args:
+    draft_tokens: [gamma] int32.
+    draft_probs: [gamma, vocab] float.
+    target_probs: [gamma + 1, vocab] float.
+    num_drafted: int32 scalar or None.
+  Returns:
+    (gamma: Python int, num_drafted: int32 scalar, gamma when None was given).
+  """
   gamma, vocab = draft_probs.shape
   if target_probs.shape != (gamma + 1, vocab):
     raise ValueError(f"target_probs must be [gamma + 1, vocab] = {(gamma + 1, vocab)}, "
@@ -71,11 +81,13 @@ def check_step(draft_tokens: Array, draft_probs: Array, target_probs: Array,
 
 
 def normalised_residual(residual: Array, fallback: Array) -> Array:
-  """residual [vocab] / its mass; `fallback` [vocab] when it has none.
+  """residual [vocab] / its mass; `fallback` [vocab] when it has none. Returns [vocab].
 
   Only rounding leaves a chosen residual without mass (p == q where a
   rejection has probability zero); the target's p there is then the right
-  law.
+  law. The same formula normalises the renormalised draft law of
+  without-replacement siblings (`tree.WithoutReplacement`), with a zero
+  fallback.
   """
   mass = jnp.sum(residual)
   return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), fallback)
@@ -87,7 +99,7 @@ def batch_step(step, rngs: Array, draft_tokens: Array, draft_probs: Array, targe
   """A one-row verification `step` vmapped over the batch.
 
   Args:
-    step: `speculative_step`'s contract (e.g. `block_verification_step`).
+    step: `speculative_step`'s contract (e.g. `block.block_verification_step`).
     rngs: [batch] keys (one per row).
     draft_tokens: [batch, gamma]; draft_probs: [batch, gamma, vocab];
     target_probs: [batch, gamma + 1, vocab]; num_drafted: [batch] or None;
@@ -104,11 +116,22 @@ def batch_step(step, rngs: Array, draft_tokens: Array, draft_probs: Array, targe
 def batched_speculative_step(rngs: Array, draft_tokens: Array, draft_probs: Array,
                              target_probs: Array, num_drafted: Optional[Array] = None,
                              greedy: bool = False) -> Tuple[Array, Array]:
-  """`speculative_step` vmapped over the batch (`batch_step`'s shapes)."""
+  """`speculative_step` vmapped over the batch.
+
+  Args:
+    rngs: [batch] keys; draft_tokens: [batch, gamma] int32; draft_probs:
+    [batch, gamma, vocab]; target_probs: [batch, gamma + 1, vocab];
+    num_drafted: [batch] int32 or None; greedy: static.
+  Returns:
+    (num_accepted [batch] int32, next_token [batch] int32).
+  """
   return batch_step(speculative_step, rngs, draft_tokens, draft_probs, target_probs,
                     num_drafted, greedy)
 
 
 def acceptance_probability(target_probs: Array, draft_probs: Array) -> Array:
-  """beta = sum_x min(p(x), q(x)) over the last axis (Corollary 3.6's alpha = E[beta])."""
+  """beta = sum_x min(p(x), q(x)) over the last axis (Corollary 3.6's alpha = E[beta]).
+
+  target_probs, draft_probs: [..., vocab] (same shape). Returns [...].
+  """
   return jnp.sum(jnp.minimum(target_probs, draft_probs), axis=-1)

@@ -1,7 +1,7 @@
 """Block verification (Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh,
 "Block Verification Accelerates Speculative Decoding", arXiv 2403.10444, ICLR 2025).
 
-Token-wise verification (`speculative.speculative_step`) stops at the first
+Token-wise verification (`token.speculative_step`) stops at the first
 rejected draft. Block verification decides on the block as a whole: it keeps
 the longest prefix x_1..x_tau that passes its own test, where a failure at i
 does not stop a later i from passing. Its output law is still the target's,
@@ -9,8 +9,8 @@ and its expected number of accepted drafts is at least token-wise
 verification's for every p and q (the paper's optimality theorem: maximal
 among verifiers that read only the on-path probabilities).
 
-Same contract as `speculative.speculative_step`, so the decode loop can use
-either (`decoding.VERIFIERS`).
+Same contract as `token.speculative_step`, so the decode loop can use
+either (`verification.VERIFIERS`).
 """
 
 from typing import Optional, Tuple
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.core import sampling
-from specdec_jax.core import speculative
+from specdec_jax.core.verification import token as token_verification
 
 Array = jax.Array
 
@@ -55,7 +55,7 @@ def block_verification_step(rng: Array, draft_tokens: Array, draft_probs: Array,
   (it is r_i / r_i = 1 for every r_i > 0, and the only value that never
   rejects into a residual without mass). A residual that rounding left
   without mass falls back to p, as in the token-wise step. The uniforms and
-  the residual draw use the same key split as `speculative_step`.
+  the residual draw use the same key split as `token.speculative_step`.
 
   Greedy (temperature 0, p and q one-hot): the same formulas are exact in
   floats there: w_i is 1 while the drafts match the target's argmax and 0
@@ -95,8 +95,8 @@ def block_verification_step(rng: Array, draft_tokens: Array, draft_probs: Array,
     (num_accepted int32 scalar tau in [0, num_drafted], next_token int32
     scalar: the recovered token when tau < num_drafted, else the bonus token).
   """
-  gamma, num_drafted = speculative.check_step(draft_tokens, draft_probs, target_probs,
-                                              num_drafted)
+  gamma, num_drafted = token_verification.check_step(draft_tokens, draft_probs, target_probs,
+                                                     num_drafted)
   draft_probs = draft_probs.astype(jnp.float32)
   target_probs = target_probs.astype(jnp.float32)
   accept_rng, residual_rng = jax.random.split(rng)
@@ -137,8 +137,8 @@ def block_verification_step(rng: Array, draft_tokens: Array, draft_probs: Array,
   num_accepted = jnp.max(jnp.where(passed, position, 0)).astype(jnp.int32)
 
   # Normalised as the token-wise step normalises (same rounding).
-  residual = speculative.normalised_residual(residuals[num_accepted],
-                                             target_probs[num_accepted])
+  residual = token_verification.normalised_residual(residuals[num_accepted],
+                                                    target_probs[num_accepted])
   next_token = sampling.sample(residual_rng, residual, greedy=greedy)
   return num_accepted, next_token
 
@@ -147,6 +147,14 @@ def batched_block_verification_step(rngs: Array, draft_tokens: Array, draft_prob
                                     target_probs: Array,
                                     num_drafted: Optional[Array] = None,
                                     greedy: bool = False) -> Tuple[Array, Array]:
-  """`block_verification_step` vmapped over the batch (`speculative.batch_step`'s shapes)."""
-  return speculative.batch_step(block_verification_step, rngs, draft_tokens, draft_probs,
-                                target_probs, num_drafted, greedy)
+  """`block_verification_step` vmapped over the batch.
+
+  Args:
+    rngs: [batch] keys; draft_tokens: [batch, gamma] int32; draft_probs:
+    [batch, gamma, vocab]; target_probs: [batch, gamma + 1, vocab];
+    num_drafted: [batch] int32 or None; greedy: static.
+  Returns:
+    (num_accepted [batch] int32, next_token [batch] int32).
+  """
+  return token_verification.batch_step(block_verification_step, rngs, draft_tokens,
+                                       draft_probs, target_probs, num_drafted, greedy)

@@ -12,19 +12,23 @@ q^(j) being the exact law child j was drawn from given the earlier children:
 the current residual starts at p^(1) = p_u; x_j is accepted with probability
 min(1, p^(j)(x_j) / q^(j)(x_j)) and verification descends into it (its own
 residual restarts at p_{x_j}); on rejection p^(j+1) = norm(max(p^(j) - q^(j), 0))
-and the next child is tried. When every child is rejected the next token (the
-correction) is drawn from the last residual; at an accepted leaf it is the
-bonus token, drawn from the target there. With one child per node this is
-`speculative.speculative_step`'s chain rule.
+(`token.normalised_residual`, the chain rule's normalisation) and the next
+child is tried. When every child is rejected the next token (the correction)
+is drawn from the last residual; at an accepted leaf it is the bonus token,
+drawn from the target there. With one child per node this is
+`token.speculative_step`'s chain rule.
 
-The law of the children (`law`) decides q^(j):
-* "iid": every child drawn independently from q_u, so q^(j) = q_u (SpecInfer).
-  Siblings may repeat a token; a repeat is tried again against the residual.
-* "without_replacement": child j drawn from q_u with the earlier siblings'
-  tokens removed, renormalised (RSD, Sequoia). Siblings must be distinct.
-* "topk": the children are the draft's k most likely tokens, fixed given the
-  draft's state, so q^(j) is a point mass at x_j: x_j is accepted with
-  probability p^(j)(x_j), else x_j's mass is removed from the residual.
+The sibling law (`law`, a name in TREE_LAWS) is how the children were drawn
+and so decides q^(j); each is a `SiblingLaw` object:
+* "iid" (`IID`): every child drawn independently from q_u, so q^(j) = q_u
+  (SpecInfer). Siblings may repeat a token; a repeat is tried again against
+  the residual.
+* "without_replacement" (`WithoutReplacement`): child j drawn from q_u with
+  the earlier siblings' tokens removed, renormalised (RSD, Sequoia).
+  Siblings must be distinct.
+* "topk" (`TopK`): the children are the draft's k most likely tokens, fixed
+  given the draft's state, so q^(j) is a point mass at x_j: x_j is accepted
+  with probability p^(j)(x_j), else x_j's mass is removed from the residual.
 
 Exactness needs the draft laws to be the true laws of the candidates (the same
 sampling adjustment as the target's), fresh randomness for every decision,
@@ -38,16 +42,177 @@ which the point-mass rule verifies exactly.
 """
 
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from specdec_jax.core import sampling
+from specdec_jax.core.verification import token as token_verification
 
 Array = jax.Array
 
-LAWS = ("iid", "without_replacement", "topk")
+
+class SiblingLaw:
+  """How a node's children are drawn from the draft's law q_u [vocab] there.
+
+  A law gives the children (`draw`) and, for verification, q^(j) [vocab]:
+  the exact law child j was drawn from given its earlier siblings
+  (`child_law`), from a per-node state (`removed` [vocab] bool, the tokens
+  of the siblings tried so far where the law needs them; `after_try`), and
+  the residual after a rejection (`residual`).
+  Subclasses set `name` (their key in TREE_LAWS) and `distinct` (siblings
+  never repeat a token, so at most vocab children), and define `_sample`
+  and `child_law`.
+  """
+  name: str = ""
+  distinct: bool = True
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}()"
+
+  def draw(self, key: Array, probs: Array, k: int,
+           rank_scores: Optional[Array] = None) -> Tuple[Array, Array]:
+    """Draws k children of one node, in rank order (`draw_children`'s contract).
+
+    Args:
+      key: PRNG key (unused by "topk" and with rank_scores).
+      probs: [vocab] float32, the draft's adjusted law at the node.
+      k: static int >= 1; <= vocab when `distinct` or rank_scores is given.
+      rank_scores: optional [vocab] float scores (greedy decoding): the
+        children are then their top k, whatever the law.
+    Returns:
+      (tokens [k] int32, valid [k] bool: probs[token] > 0, or
+      rank_scores[token] > -inf when rank_scores is given). Invalid children
+      come after the valid ones.
+    """
+    vocab = probs.shape[-1]
+    if probs.shape != (vocab,):
+      raise ValueError(f"probs must be [vocab], got {probs.shape}")
+    if int(k) != k or k < 1:
+      raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if (self.distinct or rank_scores is not None) and k > vocab:
+      raise ValueError(f"k ({k}) distinct children exceed the vocabulary size ({vocab})")
+    if rank_scores is not None:
+      if rank_scores.shape != (vocab,):
+        raise ValueError(f"rank_scores must be [vocab] = {(vocab,)}, got {rank_scores.shape}")
+      scores, tokens = jax.lax.top_k(jnp.asarray(rank_scores), k)  # ties: lower index first
+      return tokens.astype(jnp.int32), scores > -jnp.inf
+    probs = jnp.asarray(probs, jnp.float32)
+    tokens = self._sample(key, probs, k).astype(jnp.int32)
+    return tokens, probs[tokens] > 0
+
+  def _sample(self, key: Array, probs: Array, k: int) -> Array:
+    """The law's k children: key a PRNG key, probs [vocab] float32. Returns [k] int."""
+    raise NotImplementedError
+
+  def child_law(self, draft_probs: Array, removed: Array, token: Array) -> Array:
+    """q^(j) [vocab] float32, the law the child `token` was drawn from.
+
+    Args:
+      draft_probs: [vocab] float32, q_u at the parent.
+      removed: [vocab] bool, the node's state (`after_try`).
+      token: int32 scalar, the child's token.
+    """
+    raise NotImplementedError
+
+  def after_try(self, removed: Array, tried: Array, token: Array) -> Array:
+    """The node's state removed [vocab] bool after trying the child `token`.
+
+    tried: bool scalar, whether the child was tried; token: int32 scalar.
+    Returns [vocab] bool. The default keeps the state unchanged: the later
+    siblings' laws do not depend on the earlier ones.
+    """
+    del tried, token
+    return removed
+
+  def residual(self, residual: Array, q: Array) -> Array:
+    """p^(j+1) = norm(max(p^(j) - q^(j), 0)) [vocab] after a rejection.
+
+    residual: [vocab] float32, p^(j); q: [vocab] float32, q^(j). No mass
+    left happens only by rounding (p^(j) == q^(j), where rejection has
+    probability zero): p^(j) itself is then the right law.
+    """
+    return token_verification.normalised_residual(jnp.maximum(residual - q, 0.0), residual)
+
+
+class IID(SiblingLaw):
+  """Every child drawn independently from q_u: q^(j) = q_u (SpecInfer); repeats possible."""
+  name = "iid"
+  distinct = False
+
+  def _sample(self, key: Array, probs: Array, k: int) -> Array:
+    """k independent draws from probs [vocab]. Returns [k] int."""
+    return jax.random.categorical(key, sampling.safe_log(probs), shape=(k,))
+
+  def child_law(self, draft_probs: Array, removed: Array, token: Array) -> Array:
+    """q_u itself: draft_probs [vocab] (removed [vocab], token scalar unused)."""
+    del removed, token
+    return draft_probs
+
+
+class WithoutReplacement(SiblingLaw):
+  """Child j drawn from q_u without the earlier siblings' tokens, renormalised (RSD, Sequoia)."""
+  name = "without_replacement"
+
+  def _sample(self, key: Array, probs: Array, k: int) -> Array:
+    """k distinct tokens [k] int: k sequential draws without replacement from probs [vocab].
+
+    In the order drawn: Gumbel-top-k (Kool et al. 2019) is exactly that law.
+    Zero-probability tokens score -inf and so come last, lowest id first.
+    """
+    perturbed = sampling.safe_log(probs) + jax.random.gumbel(key, probs.shape, jnp.float32)
+    _, tokens = jax.lax.top_k(perturbed, k)
+    return tokens
+
+  def child_law(self, draft_probs: Array, removed: Array, token: Array) -> Array:
+    """draft_probs [vocab] without the removed [vocab] tokens, renormalised (token unused).
+
+    All zeros when no mass is left (`token.normalised_residual` with a zero
+    fallback).
+    """
+    del token
+    return token_verification.normalised_residual(jnp.where(removed, 0.0, draft_probs),
+                                                  jnp.zeros_like(draft_probs))
+
+  def after_try(self, removed: Array, tried: Array, token: Array) -> Array:
+    """removed [vocab] bool plus `token` (int32 scalar) where tried (bool scalar)."""
+    vocab_ids = jnp.arange(removed.shape[-1], dtype=jnp.int32)
+    return removed | (tried & (vocab_ids == token))
+
+
+class TopK(SiblingLaw):
+  """The draft's k most likely tokens, fixed given its state: q^(j) is a point mass at x_j."""
+  name = "topk"
+
+  def _sample(self, key: Array, probs: Array, k: int) -> Array:
+    """The top k [k] int of probs [vocab], most likely first, ties to lower ids (key unused)."""
+    del key
+    _, tokens = jax.lax.top_k(probs, k)
+    return tokens
+
+  def child_law(self, draft_probs: Array, removed: Array, token: Array) -> Array:
+    """The one-hot [vocab] float32 at token (int32 scalar).
+
+    draft_probs [vocab] gives only the vocabulary size; removed [vocab] is
+    unused.
+    """
+    del removed
+    vocab_ids = jnp.arange(draft_probs.shape[-1], dtype=jnp.int32)
+    return (vocab_ids == token).astype(jnp.float32)
+
+
+# The sibling-law registry: name -> law object. LAWS are its names.
+TREE_LAWS: Dict[str, SiblingLaw] = {law.name: law for law in (IID(), WithoutReplacement(),
+                                                              TopK())}
+LAWS = tuple(TREE_LAWS)
+
+
+def tree_law(law: str) -> SiblingLaw:
+  """The SiblingLaw registered as `law` (a str in LAWS); ValueError listing LAWS otherwise."""
+  if not isinstance(law, str) or law not in TREE_LAWS:
+    raise ValueError(f"law must be one of {LAWS}, got {law!r}")
+  return TREE_LAWS[law]
 
 
 class TreeVerdict(NamedTuple):
@@ -71,18 +236,6 @@ class TreeVerdict(NamedTuple):
   next_token: Array
   rank_tried: Array
   rank_accepted: Array
-
-
-def _check_law(law: str) -> str:
-  if law not in LAWS:
-    raise ValueError(f"law must be one of {LAWS}, got {law!r}")
-  return law
-
-
-def _normalise(weights: Array, fallback: Array) -> Array:
-  """weights / sum(weights), or `fallback` when there is no mass to normalise."""
-  mass = jnp.sum(weights)
-  return jnp.where(mass > 0, weights / jnp.where(mass > 0, mass, 1.0), fallback)
 
 
 def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: Array,
@@ -116,7 +269,8 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
       under "topk" and greedy).
     target_probs: [N, vocab] float32, p_u (adjusted): the target's law of the
       token after node u.
-    law: static, one of LAWS: how the children were drawn (module docstring).
+    law: static, a name in LAWS (TREE_LAWS): how the children were drawn
+      (module docstring).
     greedy: static; True when p is the temperature-0 one-hot: from the root
       follow the lowest-rank child whose token is argmax(p_u), stop where
       none is, next token = argmax at the last node. No noise is drawn and
@@ -128,7 +282,7 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
     TreeVerdict (path [max_depth + 1], num_accepted, next_token,
     rank_tried [max_children], rank_accepted [max_children]).
   """
-  _check_law(law)
+  sibling_law = tree_law(law)
   if int(max_depth) != max_depth or max_depth < 0:
     raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
   if int(max_children) != max_children or max_children < 1:
@@ -150,7 +304,6 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
   # One independent uniform per (depth, rank): every decision is fresh.
   uniforms = jax.random.uniform(accept_rng, (max_depth, max_children), dtype=jnp.float32)
   slots = jnp.arange(n, dtype=jnp.int32)
-  vocab_ids = jnp.arange(vocab, dtype=jnp.int32)
   rank_ids = jnp.arange(max_children, dtype=jnp.int32)
 
   # lax loops rather than Python ones: the program's size, and its compile
@@ -173,22 +326,13 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
         tried = searching
         accepted = tried & (token == best)
       else:
-        if law == "iid":
-          q = q_u
-        elif law == "without_replacement":
-          q = _normalise(jnp.where(removed, 0.0, q_u), jnp.zeros_like(q_u))
-        else:  # topk
-          q = (vocab_ids == token).astype(jnp.float32)
+        q = sibling_law.child_law(q_u, removed, token)
         q_x = q[token]
         tried = searching & (q_x > 0)
         accepted = tried & (uniforms[depth, rank] * q_x < residual[token])
         rejected = tried & ~accepted
-        # No mass left happens only by rounding (p^(j) == q^(j), where
-        # rejection has probability zero): p^(j) itself is then the right law.
-        residual = jnp.where(rejected, _normalise(jnp.maximum(residual - q, 0.0), residual),
-                             residual)
-        if law == "without_replacement":
-          removed = removed | (tried & (vocab_ids == token))
+        residual = jnp.where(rejected, sibling_law.residual(residual, q), residual)
+        removed = sibling_law.after_try(removed, tried, token)
       chosen = jnp.where(accepted, slot, chosen)
       rank_tried = rank_tried.at[rank].add(tried.astype(jnp.int32))
       rank_accepted = rank_accepted.at[rank].add(accepted.astype(jnp.int32))
@@ -229,7 +373,8 @@ def batched_verify_tree(rngs: Array, tokens: Array, parents: Array, ranks: Array
     rngs: [batch] keys (one per row).
     tokens / parents / ranks / valid: [batch, N]; draft_probs / target_probs:
       [batch, N, vocab] (a `core.tree.Tree` row by row, probs its draft_probs).
-    law, greedy, max_depth, max_children: static, see `verify_tree`.
+    law, greedy, max_depth, max_children: static, see `verify_tree` (law a
+      name in LAWS).
   Returns:
     TreeVerdict with a leading [batch] on every field.
   """
@@ -242,6 +387,7 @@ def draw_children(rng: Array, probs: Array, k: int, law: str,
                   rank_scores: Optional[Array] = None) -> Tuple[Array, Array]:
   """Draws k children of one node from the draft's law there, in rank order.
 
+  `TREE_LAWS[law].draw`:
   * "iid": k independent draws from probs (repeats possible, all valid).
   * "without_replacement": k distinct tokens, distributed as k sequential
     draws without replacement, in the order drawn: Gumbel-top-k (Kool et al.
@@ -263,33 +409,10 @@ def draw_children(rng: Array, probs: Array, k: int, law: str,
     rng: PRNG key (unused for "topk" and rank_scores).
     probs: [vocab] float32, the draft's adjusted law at the node.
     k: static int >= 1; <= vocab unless law is "iid".
-    law: static, one of LAWS.
+    law: static, a name in LAWS (TREE_LAWS).
     rank_scores: optional [vocab] float scores (greedy decoding).
   Returns:
     (tokens [k] int32, valid [k] bool: probs[token] > 0, or rank_scores[token]
     > -inf when rank_scores is given).
   """
-  _check_law(law)
-  vocab = probs.shape[-1]
-  if probs.shape != (vocab,):
-    raise ValueError(f"probs must be [vocab], got {probs.shape}")
-  if int(k) != k or k < 1:
-    raise ValueError(f"k must be an int >= 1, got {k!r}")
-  if (law != "iid" or rank_scores is not None) and k > vocab:
-    raise ValueError(f"k ({k}) distinct children exceed the vocabulary size ({vocab})")
-  if rank_scores is not None:
-    if rank_scores.shape != (vocab,):
-      raise ValueError(f"rank_scores must be [vocab] = {(vocab,)}, got {rank_scores.shape}")
-    scores, tokens = jax.lax.top_k(jnp.asarray(rank_scores), k)  # ties: lower index first
-    return tokens.astype(jnp.int32), scores > -jnp.inf
-  probs = jnp.asarray(probs, jnp.float32)
-  if law == "iid":
-    tokens = jax.random.categorical(rng, sampling.safe_log(probs), shape=(k,))
-  elif law == "without_replacement":
-    # Zero-probability tokens score -inf and so come last, lowest id first.
-    perturbed = sampling.safe_log(probs) + jax.random.gumbel(rng, (vocab,), jnp.float32)
-    _, tokens = jax.lax.top_k(perturbed, k)
-  else:  # topk
-    _, tokens = jax.lax.top_k(probs, k)
-  tokens = tokens.astype(jnp.int32)
-  return tokens, probs[tokens] > 0
+  return tree_law(law).draw(rng, probs, k, rank_scores)
