@@ -41,7 +41,7 @@ def main(argv):
   ckpt_dir, out_dir, mode = argv[1:4]
   _log(f"start {mode}")
   if mode == "multihost":
-    from specdec_jax import sharding
+    from specdec_jax import multihost
     address, processes, process_id = argv[4], int(argv[5]), int(argv[6])
     # Before any other JAX call; bounded so a lost peer fails the test, not hangs it.
     multihost.initialize_distributed(address, processes, process_id, timeout_s=60)

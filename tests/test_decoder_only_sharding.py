@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from specdec_jax import generate, loading, memory, multihost, sharding
+from specdec_jax import generate, loading, memory, sharding
 from specdec_jax.families.decoder_only import sharding as dos
 from specdec_jax.families.decoder_only.config import DECODER_CONFIGS
 from specdec_jax.families.decoder_only.family import FAMILY as DECODER_ONLY

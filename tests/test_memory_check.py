@@ -8,7 +8,7 @@ import pytest
 
 import specdec_jax as sj
 from specdec_jax.programs import PROGRAMS
-from specdec_jax import memory, sharding
+from specdec_jax import memory
 from specdec_jax.perturbation import perturbed_model
 
 

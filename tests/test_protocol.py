@@ -45,15 +45,18 @@ def test_the_docs_draft_is_exact(docs_draft, path):
   draft = docs_draft.AcceptedCountsDraft(config.vocab_size, config.eos_id, config.pad_id)
   kwargs = dict(max_decode_steps=16, block_width=4)
   expected = sj.generate(pair.target, tokens, lengths, **kwargs)
-  for wrapped, options in ((draft, {}), (sj.AdaptiveGammaDraft(draft), {}),
-                           (draft, dict(verification="block"))):
+  variants = [(draft, {})]
+  if path is not None:  # the wrappers once, on the cheaper pair (compiles dominate)
+    variants += [(sj.AdaptiveGammaDraft(draft), {}), (draft, dict(verification="block"))]
+  for wrapped, options in variants:
     out = sj.generate(pair.target, tokens, lengths, draft=wrapped, gamma=3, **kwargs, **options)
     np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(expected.sequences))
     assert out.stats.iterations.sum() > 0
-  # Sampled: it runs, one law for draft and target (distributions: the verifiers' tests).
-  out = sj.generate(pair.target, tokens, lengths, draft=draft, gamma=3, temperature=1.0,
-                    rng=jax.random.PRNGKey(3), **kwargs)
-  assert out.sequences.shape == (2, 16)
+  if path is None:
+    # Sampled: it runs, one law for draft and target (distributions: the verifiers' tests).
+    out = sj.generate(pair.target, tokens, lengths, draft=draft, gamma=3, temperature=1.0,
+                      rng=jax.random.PRNGKey(3), **kwargs)
+    assert out.sequences.shape == (2, 16)
   assert draft.calls_per_proposal(3) == 1
 
 

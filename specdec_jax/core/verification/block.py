@@ -147,14 +147,7 @@ def batched_block_verification_step(rngs: Array, draft_tokens: Array, draft_prob
                                     target_probs: Array,
                                     num_drafted: Optional[Array] = None,
                                     greedy: bool = False) -> Tuple[Array, Array]:
-  """`block_verification_step` vmapped over the batch.
-
-  Args:
-    rngs: [batch] keys; draft_tokens: [batch, gamma] int32; draft_probs:
-    [batch, gamma, vocab]; target_probs: [batch, gamma + 1, vocab];
-    num_drafted: [batch] int32 or None; greedy: static.
-  Returns:
-    (num_accepted [batch] int32, next_token [batch] int32).
-  """
+  """`block_verification_step` vmapped over the batch, with the argument and result
+  shapes of `token.batched_speculative_step` (the chain verifiers' one contract)."""
   return token_verification.batch_step(block_verification_step, rngs, draft_tokens,
                                        draft_probs, target_probs, num_drafted, greedy)

@@ -248,7 +248,10 @@ def verify_tree(rng: Array, tokens: Array, parents: Array, ranks: Array, valid: 
   r * q^(j)(x_j) < p^(j)(x_j), r ~ U[0, 1), strict so that p(x) = 0 never
   accepts; one fresh uniform per decision), descends into the accepted one,
   and draws the next token where it stops. The emitted tokens are then
-  distributed exactly as the target's own samples.
+  distributed exactly as the target's own samples. (About 80 lines of code,
+  kept whole: the walk is a `fori_loop` over depths around one over sibling
+  ranks, whose carries (the node, the path, the residual law, the rank
+  counters) read best in one place, as the module docstring's recursion.)
 
   Topology is data: children of node u are the valid slots v != u with
   parents[v] == u, so every row may have its own tree. Children whose rank is
