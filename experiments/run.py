@@ -72,10 +72,10 @@ from specdec_jax import tasks
 from specdec_jax import text
 from specdec_jax.core import theory
 from specdec_jax.tools.profiling import block_step_seconds
-from specdec_jax.core.tree import TreeShape
+from specdec_jax.core.token_tree import TreeShape
 from specdec_jax.drafts import (Draft, DynamicTreeDraft, FeatureDraft, ModelDraft,
                                 NgramDraft, PromptLookupDraft, TreeDraft)
-from specdec_jax.drafts.tree import LAWS as TREE_LAWS
+from specdec_jax.drafts.tree_draft import LAWS as TREE_LAWS
 from specdec_jax.core.outputs import SpeculativeStats
 from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config

@@ -2,7 +2,7 @@ r"""Trains a draft head for a shipped demo pair: a feature head (EAGLE-style,
 `sj.FeatureDraft`) or Medusa heads (`sj.MedusaDraft`, HeadSettings.kind = 'medusa').
 
 The head reads the pair's frozen target (the shipped bf16 weights, computed
-in float32) and is trained with `specdec_jax.train.feature`'s loss (EAGLE-1
+in float32) and is trained with `specdec_jax.train.feature_heads`'s loss (EAGLE-1
 regression + cross-entropy, and with `ttt_steps` > 1 EAGLE-3's
 training-time test) on the corpus the pair was trained on: the Python
 standard library, the pair's file-hash split, training files only, cut
@@ -53,7 +53,7 @@ from experiments.train_stages import (check_stages, read_json, run_stages, selec
                                       write_json)
 from specdec_jax import data
 from specdec_jax import demo_pair as demo_pair_lib
-from specdec_jax.train import feature as feature_train
+from specdec_jax.train import feature_heads as feature_train
 from specdec_jax.train import medusa as medusa_train
 from specdec_jax.train import trainer as train
 
@@ -474,7 +474,7 @@ def model_card_section(pair, info: Dict[str, Any]) -> str:
       f"({info.get('bytes', 0) / 1e3:.0f} kB on disk).",
       f"- Data: the pair's corpus and split, training files only ({prov.get('train_files')} "
       f"files, {rows}); the target frozen, its features computed on the fly.",
-      f"- Loss (`specdec_jax.train.feature.feature_loss_fn`): SmoothL1 feature regression "
+      f"- Loss (`specdec_jax.train.feature_heads.feature_loss_fn`): SmoothL1 feature regression "
       f"(weight {st['regression_weight']:g}) + {st['ce_weight']:g} x cross-entropy against the "
       f"target's distribution, with EAGLE-3's training-time test: {st['ttt_steps']} steps "
       f"unrolled on the head's own features from {st['num_anchors']} anchors per row, step i "

@@ -7,7 +7,7 @@ On tests/test_tree_attention.py's setup (a (3, 2, 2) tree of 22 nodes after a
 in one block, then each root-to-leaf path as a plain chain of the tree's
 width (the path first, the other nodes after it, unseen by the path), and
 counts the path's non-root query rows whose logits are not bitwise equal.
-The first path must be equal on every row (by construction, core/tree.py);
+The first path must be equal on every row (by construction, core/token_tree.py);
 the others only to rounding, since their ancestors' keys sit at other cache
 indices. This is why greedy tree decoding emits only first-path decisions
 (core/tree_decoding.py).

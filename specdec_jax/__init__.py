@@ -22,7 +22,7 @@ from specdec_jax.core.verification.block import (batched_block_verification_step
                                                  block_verification_step)
 from specdec_jax.core.verification.token import batched_speculative_step, speculative_step
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
-from specdec_jax.core.tree import TreeShape
+from specdec_jax.core.token_tree import TreeShape
 from specdec_jax.drafts import (AdaptiveGammaDraft, Draft, DraftStart, FeatureDraft,
                                 MedusaDraft, ModelDraft, NgramDraft, PromptLookupDraft,
                                 ProposalPlan, Reads, TreeDraft, DynamicTreeDraft, as_draft,
@@ -56,7 +56,7 @@ from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
 from specdec_jax.train import distill
 from specdec_jax.train import trainer as train
 from specdec_jax.train.distill import distill_drafts, measure_alpha
-from specdec_jax.train.feature import feature_batch, feature_loss_fn, ttt_anchors
+from specdec_jax.train.feature_heads import feature_batch, feature_loss_fn, ttt_anchors
 from specdec_jax.train.trainer import TrainState, fit, make_optimizer, train_step
 
 __version__ = "0.2.0"

@@ -103,7 +103,7 @@ def _read_bf16_like(path: str, expected, whose: str = "the head's"):
 def load_feature_head(path: str, target):
   """The trained feature head in pair directory `path` as an `sj.FeatureDraft` for `target`
   (its params cast to the target's dtype), or None when the pair ships none."""
-  from specdec_jax.drafts.feature import FeatureDraft
+  from specdec_jax.drafts.feature_draft import FeatureDraft
   from specdec_jax.families.registry import family_of
   npz, meta = (os.path.join(path, name) for name in FEATURE_HEAD_FILES)
   if not os.path.exists(npz):

@@ -199,7 +199,7 @@ def load_feature_draft(path, target, *, dtype=None):
       the formats do not serve (`head_formats.UnsupportedHeadFormat` where no
       registered format serves the target's family).
   """
-  from specdec_jax.drafts.feature import FeatureDraft
+  from specdec_jax.drafts.feature_draft import FeatureDraft
   path = os.fspath(path)
   fmt = _head_format_for_target(path, "feature", target, "load_feature_draft")
   return FeatureDraft(target, **fmt.load(path, target, optional_dtype(dtype)))
@@ -213,7 +213,7 @@ def save_feature_draft(draft, path, format=None) -> None:
   head) or 'eagle3' (an `Eagle3Head`), or another registered feature-head
   format's name; a head cannot be written in a format that does not hold it.
   """
-  from specdec_jax.drafts.feature import FeatureDraft
+  from specdec_jax.drafts.feature_draft import FeatureDraft
   if not isinstance(draft, FeatureDraft):
     raise TypeError(f"save_feature_draft takes a FeatureDraft, got {type(draft).__name__}")
   head_formats.head_format_for(draft, "feature", format).save(draft, path)

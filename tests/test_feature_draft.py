@@ -253,7 +253,7 @@ def test_features_handed_to_the_draft_are_a_function_of_accepted_tokens(temperat
 def test_eagle1_loss_trains_the_head_and_raises_acceptance():
   import functools
   from specdec_jax.families.decoder_only.batch import lm_batch
-  from specdec_jax.train import feature as feature_train
+  from specdec_jax.train import feature_heads as feature_train
   from specdec_jax.train import trainer
   target = _target(vocab=64, seed=0)
   rng = np.random.default_rng(0)

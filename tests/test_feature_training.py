@@ -17,7 +17,7 @@ import pytest
 
 import specdec_jax as sj
 from specdec_jax.families.decoder_only.batch import lm_batch
-from specdec_jax.train import feature as feature_train
+from specdec_jax.train import feature_heads as feature_train
 from specdec_jax.train import trainer
 
 

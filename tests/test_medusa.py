@@ -141,7 +141,7 @@ def test_heads_read_the_hidden_state_before_the_last_token():
   state = medusa.init_state(medusa.params, sj.DraftStart(context, 4, 4, features=features))
   np.testing.assert_array_equal(np.asarray(state["ready"]), lengths >= 2)
   # The uncached forward's last-layer features, independently.
-  from specdec_jax.train.feature import target_features
+  from specdec_jax.train.feature_heads import target_features
   full = np.asarray(target_features(target, tokens))
   for b in np.flatnonzero(lengths >= 2):
     np.testing.assert_allclose(np.asarray(state["hidden"][b]), full[b, lengths[b] - 2],
@@ -251,7 +251,7 @@ def test_tree_levels_come_from_head_depth_plus_one_whatever_the_pending_chain():
   whole accepted path, pending tokens included): the root's children come from head 1 and a
   node at depth d's from head d + 1, for every chain length."""
   from specdec_jax.core import sampling
-  from specdec_jax.core.tree import TreeAttention
+  from specdec_jax.core.token_tree import TreeAttention
   target = _target("decoder_only", vocab=32)
   medusa = sj.MedusaDraft(target, num_heads=3, seed=6)
   expander = medusa.tree_expander(medusa.params, sj.Sampling(1.0))
@@ -275,7 +275,7 @@ def test_medusa_loss_pairs_head_k_at_t_with_the_targets_law_at_t_plus_k():
   """The Medusa-1 loss against a reference written out position by position: head k at
   position t, the target's law of token t + 1 + k (its logits at t + k), weights w_t w_{t+k},
   head k weighted decay**(k-1)."""
-  from specdec_jax.train.feature import feature_batch
+  from specdec_jax.train.feature_heads import feature_batch
   from specdec_jax.train.medusa import medusa_loss_fn
   target = _target("decoder_only", vocab=32)
   medusa = sj.MedusaDraft(target, num_heads=3, seed=2)

@@ -7,7 +7,7 @@ import pytest
 
 from experiments.paper_tables import TABLE1, TABLE2
 from specdec_jax.core import theory
-from specdec_jax.core.tree import TreeShape
+from specdec_jax.core.token_tree import TreeShape
 
 # Table 4 rounds alpha and c; from the rounded inputs Theorem 3.8 lands on the
 # printed digit except in these rows, where it is 0.1 below it:

@@ -1,6 +1,6 @@
 """Tree attention in both families: one block call scores every node of a token tree.
 
-The contract (`core/tree.py`, `families/base.py`): `block_fn(tokens, positions,
+The contract (`core/token_tree.py`, `families/base.py`): `block_fn(tokens, positions,
 cache, tree)` sets block token i's keys/values at cache index positions + i,
 puts token i at absolute position root + tree.depths[i] and lets it attend to
 the prefix and to the tree slots it sees. Checked here after a prefix already
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import specdec_jax
-from specdec_jax.core.tree import (TreeAttention, TreeShape, ancestors_from_parents,
+from specdec_jax.core.token_tree import (TreeAttention, TreeShape, ancestors_from_parents,
                                    chain_attention, whole_tree_attention)
 from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig, get_decoder_config

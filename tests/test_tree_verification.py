@@ -42,7 +42,7 @@ import pytest
 from scipy import stats as scipy_stats
 from test_speculative import chi_square_cells
 
-from specdec_jax.core import tree as tree_lib
+from specdec_jax.core import token_tree as tree_lib
 from specdec_jax.core.verification import token as speculative
 from specdec_jax.core.verification import tree as tv
 

@@ -399,7 +399,7 @@ class TargetFns(NamedTuple):
 
   block(tokens [batch, W], positions [batch], cache, tree=None) -> Scored or
     (logits, cache): scores W tokens of each row from its own position (with
-    a `core.tree.TreeAttention` for a token tree).
+    a `core.token_tree.TreeAttention` for a token tree).
   move_cache(cache, positions [batch], sources [batch, m]) -> cache: the
     family's `move_cache` (trees only; None for chains).
   """

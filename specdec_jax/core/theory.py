@@ -161,7 +161,7 @@ def tree_expected_tokens(tree, rank_acceptance: Sequence[float]) -> float:
     tree: a static shape (a `TreeShape`, or its branching: children per
       depth, e.g. (4, 2, 1)), or any topology as a pair (parents, ranks) of
       [N] int sequences: node 0 the root (parent -1), other nodes with parent
-      -1 unused (as in `core.tree.Tree`).
+      -1 unused (as in `core.token_tree.Tree`).
     rank_acceptance: (a_0, a_1, ...), with an entry for every rank the tree uses.
   Returns:
     E[tokens per iteration], between 1 and the tree's depth + 1.

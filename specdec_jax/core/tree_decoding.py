@@ -1,10 +1,10 @@
 """The tree decode loop: a draft proposes a token tree, the target scores it in one block.
 
 Each iteration, per row:
-1. the tree proposer returns a `core.tree.Tree` of W slots (slot 0 = the row's
+1. the tree proposer returns a `core.token_tree.Tree` of W slots (slot 0 = the row's
    last emitted token) in depth-first order, first path first;
 2. the target scores all W slots in one block call with the tree's attention
-   (`core.tree.whole_tree_attention`), at positions root + depth;
+   (`core.token_tree.whole_tree_attention`), at positions root + depth;
 3. `verification.tree.batched_verify_tree` keeps one root-to-node path and
    draws one more token (correction or bonus);
 4. the row emits the path's tokens and that token, and the accepted path's
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from specdec_jax.core import decoding
 from specdec_jax.core import sampling
 from specdec_jax.core.counters import LoopCounters
-from specdec_jax.core.tree import TreeAttention, whole_tree_attention
+from specdec_jax.core.token_tree import TreeAttention, whole_tree_attention
 from specdec_jax.core.verification import token as token_verification
 from specdec_jax.core.verification import tree as tree_verification
 
@@ -46,7 +46,7 @@ MoveFn = Callable[[Any, Array, Array], Any]
 
 
 class TreeProposer(NamedTuple):
-  """What a tree draft gives the loop (see `drafts.tree.TreeDraft`).
+  """What a tree draft gives the loop (see `drafts.tree_draft.TreeDraft`).
 
   init(state, batch) -> state: the state the loop carries, from the draft's
     initial state (once, before the loop).
@@ -135,7 +135,7 @@ def _count_tree(counters: LoopCounters, active: Array, tree, target_probs: Array
                 num_accepted: Array, emitted: Array, verdict) -> LoopCounters:
   """One tree iteration added to the counters.
 
-  tree: the proposal (`core.tree.Tree`, W slots); target_probs [batch, W,
+  tree: the proposal (`core.token_tree.Tree`, W slots); target_probs [batch, W,
   vocab]; path [batch, depth + 1] slots of the accepted path (-1 past it);
   num_accepted / emitted: [batch]; verdict: the tree rule's (rank counts).
   """

@@ -31,6 +31,6 @@ def as_draft(draft) -> Draft:
 from specdec_jax.drafts.adaptive import AdaptiveGammaDraft, heuristic_draft_length  # noqa: E402,F401
 from specdec_jax.drafts.ngram import NgramDraft  # noqa: E402,F401
 from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402,F401
-from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft  # noqa: E402,F401
-from specdec_jax.drafts.feature import FeatureDraft  # noqa: E402,F401
+from specdec_jax.drafts.tree_draft import DynamicTreeDraft, TreeDraft  # noqa: E402,F401
+from specdec_jax.drafts.feature_draft import FeatureDraft  # noqa: E402,F401
 from specdec_jax.drafts.medusa import MedusaDraft  # noqa: E402,F401

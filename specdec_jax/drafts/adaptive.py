@@ -51,7 +51,7 @@ class AdaptiveGammaDraft(Draft):
     for name, value in (("increase", increase), ("decrease", decrease)):
       if int(value) != value or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    from specdec_jax.drafts.tree import TreeDraft  # tree.py imports the package too
+    from specdec_jax.drafts.tree_draft import TreeDraft  # tree.py imports the package too
     self.draft = as_draft(draft)
     if isinstance(self.draft, TreeDraft):
       raise TypeError("AdaptiveGammaDraft varies a chain's length; a TreeDraft's shape is its "

@@ -184,7 +184,7 @@ class Draft(abc.ABC):
     return gamma
 
   def tree_expander(self, params: Any, sampling: Sampling):
-    """How this draft scores the nodes of a token tree (`drafts.tree.TreeExpander`).
+    """How this draft scores the nodes of a token tree (`drafts.tree_draft.TreeExpander`).
 
     Only drafts that give a distribution after any token path can grow a
     tree (`TreeDraft`): a model, an n-gram table, a feature head, Medusa

@@ -213,14 +213,14 @@ class MedusaDraft(Draft):
     return chain_proposer(propose, plan, observe=self.observer(params))
 
   def tree_expander(self, params, settings):
-    """Medusa's trees (`drafts.tree.TreeExpander`): a node at depth d below the root draws
+    """Medusa's trees (`drafts.tree_draft.TreeExpander`): a node at depth d below the root draws
     its children from head d + 1, whatever its parent. The root is the chain's end and h
     the state before it (`observe` hands over the whole accepted path, greedy pending
     tokens included), so `chain_len` shifts nothing. `start` computes every head's law once
     per proposal and keeps them in the state (`init`: laws [batch, K, vocab]); before any
     feature (`ready` false) the laws are uniform, which is still the law the children are
     drawn from. `TreeDraft` refuses trees deeper than K (`max_tree_depth`)."""
-    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    from specdec_jax.drafts.tree_draft import TreeExpander  # tree.py imports drafts
     k, vocab = self.num_heads, self.vocab_size
 
     def init(state, batch, slots):

@@ -124,14 +124,14 @@ class ModelDraft(Draft):
     return chain_proposer(propose, plan)
 
   def tree_expander(self, params, sampling):
-    """Scores tree nodes with the draft model (`drafts.tree.TreeExpander`).
+    """Scores tree nodes with the draft model (`drafts.tree_draft.TreeExpander`).
 
     `start` feeds the row's two last tokens (closing the gap a fully accepted
     leaf leaves, as `decoding.model_propose_fn` does) and the pending chain
     as one plain block; `expand` feeds one depth of the tree with its tree
     attention; `move` is the family's `move_cache`.
     """
-    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    from specdec_jax.drafts.tree_draft import TreeExpander  # tree.py imports drafts
     block = self._block_fn(params)
 
     def laws(logits):

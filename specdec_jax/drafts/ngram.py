@@ -275,7 +275,7 @@ class NgramDraft(Draft):
 
   def tree_expander(self, params, settings):
     """Scores tree nodes from the counts: a node's law depends on its own token only."""
-    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    from specdec_jax.drafts.tree_draft import TreeExpander  # tree.py imports drafts
 
     def laws(previous):
       scores = sampling.safe_log(self.probs(params, previous))

@@ -23,7 +23,7 @@ Vocabulary (shapes in every docstring):
   one. Block token i's keys/values are set at cache index positions + i.
   `tree` is None (a causal block: token i at absolute position
   positions + i; no tree masks are traced) or a
-  `core.tree.TreeAttention` (the block is nodes of a token tree: token i at
+  `core.token_tree.TreeAttention` (the block is nodes of a token tree: token i at
   position root + tree.depths[i], attending to the prefix and to the tree
   slots it sees; see its docstring). Only families with `supports_trees`
   take a tree: wrappers check with `Family.check_tree` and forward with
@@ -44,7 +44,7 @@ Vocabulary (shapes in every docstring):
   (`families.feature_head.FeatureHead`, the contract `drafts.FeatureDraft`
   drives). `Family.teacher_features` is the training side: a training
   batch's teacher-forced features, the tokens they pair with, the weights and
-  the memory (`train/feature.py` and `train/medusa.py` read nothing else of
+  the memory (`train/feature_heads.py` and `train/medusa.py` read nothing else of
   a family).
 * *head formats*: public checkpoints of trained heads (EAGLE-1, EAGLE-3,
   Medusa-1) register in `families/head_formats.py`, each naming the
@@ -236,7 +236,7 @@ class Family(abc.ABC):
     config_type: the family's frozen config dataclass.
     model_type: the family's model class, built as `model_type(config, params)`.
     supports_trees: whether the family's block callback takes a `tree`
-      (`core.tree.TreeAttention`) and the family implements
+      (`core.token_tree.TreeAttention`) and the family implements
       `self_attention_cache` (so `move_cache` works). False by default: such
       a family decodes chains only, and `check_tree` / `move_cache` refuse a
       tree for it by name.

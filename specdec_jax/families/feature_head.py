@@ -165,10 +165,10 @@ class FeatureHead(abc.ABC):
         head's own keys of pair i are set at positions + i. Without a tree it
         is also pair 0's absolute position t (pair i at t + i).
       cache: from `init_cache`.
-      tree: None, or a `core.tree.TreeAttention` (a token tree's nodes, one
+      tree: None, or a `core.token_tree.TreeAttention` (a token tree's nodes, one
         depth at a time, `FeatureDraft.tree_expander`): pair i then sits at
         absolute position root + tree.depths[i] (root = positions -
-        tree.root_offset) and sees what `core.tree.tree_positions` allows,
+        tree.root_offset) and sees what `core.token_tree.tree_positions` allows,
         as in a family's tree block.
     Returns:
       (hidden [batch, k, hidden_dim], the predicted feature_t of each pair,

@@ -23,7 +23,7 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence
 import numpy as np
 
 from specdec_jax.core import theory
-from specdec_jax.drafts.tree import DynamicTreeDraft, TreeDraft
+from specdec_jax.drafts.tree_draft import DynamicTreeDraft, TreeDraft
 
 
 class Method(NamedTuple):

@@ -11,7 +11,7 @@ accepts:
     loss = sum_k decay**(k-1) * sum_t w_t w_{t+k} CE(softmax(lm_head(h_{t+k})),
                                                      head_k(h_t))
 
-with the batch's weights w (`train.feature.feature_batch`: w_t = 1 where the
+with the batch's weights w (`train.feature_heads.feature_batch`: w_t = 1 where the
 prediction made at t is data, for both families). Medusa weighs head k by
 0.8**k; `decay` is that factor.
 
@@ -27,7 +27,7 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.train.feature import soft_cross_entropy
+from specdec_jax.train.feature_heads import soft_cross_entropy
 
 
 def medusa_loss_fn(draft, decay: float = 0.8):

@@ -1,6 +1,6 @@
 """Exact token-tree verification (recursive rejection sampling) and drawing a node's children.
 
-A tree iteration has drafted several continuations at once (`core.tree`):
+A tree iteration has drafted several continuations at once (`core.token_tree`):
 node 0 is the row's last emitted token, every other node a drafted token, and
 the target has scored every node. Verification keeps one root-to-node path
 and draws one more token, so that the emitted tokens are distributed exactly
@@ -36,7 +36,7 @@ and a set of children per node that may depend on the draft's state and on
 earlier siblings but not on a *drawn* child's own token (`draw_children`'s
 invalid children, which can never be accepted, are the exception that costs
 nothing). "topk" children are no draw: any choice among them made from the
-draft's state alone, such as `drafts.tree.DynamicTreeDraft`'s pruning by
+draft's state alone, such as `drafts.tree_draft.DynamicTreeDraft`'s pruning by
 cumulative draft probability, leaves a list fixed before the target is read,
 which the point-mass rule verifies exactly.
 """
@@ -375,7 +375,7 @@ def batched_verify_tree(rngs: Array, tokens: Array, parents: Array, ranks: Array
   Args:
     rngs: [batch] keys (one per row).
     tokens / parents / ranks / valid: [batch, N]; draft_probs / target_probs:
-      [batch, N, vocab] (a `core.tree.Tree` row by row, probs its draft_probs).
+      [batch, N, vocab] (a `core.token_tree.Tree` row by row, probs its draft_probs).
     law, greedy, max_depth, max_children: static, see `verify_tree` (law a
       name in LAWS).
   Returns:

@@ -33,7 +33,7 @@ What it computes (the public EAGLE-3 code, SafeAILab/EAGLE `eagle/model/cnets.py
   values at the drafted ids, drawn from q) stays exact and nothing outside the
   draft vocabulary is ever drafted.
 * Positions. The engine feeds pair (feature_{t-1}, token_t) at absolute
-  position t, with a zero feature at t = 0 (`drafts.feature`); queries past
+  position t, with a zero feature at t = 0 (`drafts.feature_draft`); queries past
   position 0 do not see it (`families.feature_head.pair_visible`), so a loaded
   public head sees what it was trained on.
 * Embeddings: the target's table, looked up raw (EAGLE's `nn.Embedding`; no
@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.core.tree import tree_positions
+from specdec_jax.core.token_tree import tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.model import feature_layers
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, Attention, Dense, Mlp, Norm,
@@ -148,7 +148,7 @@ class Eagle3Network(nn.Module):
       positions: [batch] int32, the cache index of each row's first pair (without
         a tree also its absolute position).
       cache: dict(self_key, self_value) [batch, max_len, kv_heads, head_dim].
-      tree: None, or a `core.tree.TreeAttention` block (`FeatureHead.apply`).
+      tree: None, or a `core.token_tree.TreeAttention` block (`FeatureHead.apply`).
     Returns:
       (out [batch, k, h] before the final norm, cache).
     """

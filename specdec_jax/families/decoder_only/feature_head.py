@@ -19,7 +19,7 @@ layout the EAGLE-1 checkpoint layout.)
 
 Attention: causal over the head's own keys, with the engine's zero first
 pair hidden from later queries (`families.feature_head.pair_visible`), as
-EAGLE-1 trains and drafts; training (`train.feature`) runs this same
+EAGLE-1 trains and drafts; training (`train.feature_heads`) runs this same
 `apply`, so the heads trained here follow the same rule.
 
 The layer: by default one of the target's own (its config); a head read
@@ -42,7 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.core.tree import tree_positions
+from specdec_jax.core.token_tree import tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.decoder_only.network import (_MASK_VALUE, DecoderLayer, DecoderOnly,
                                                        Dense, rotary_tables)
@@ -75,7 +75,7 @@ class HeadNetwork(nn.Module):
     cache dict(self_key, self_value) [batch, max_len, kv_heads, head_dim];
     learned_positions: None, or [batch, k, emb] added to fc's output (GPT-2);
     query_at [batch, k] / key_at [batch, max_len] / allowed [batch, k, max_len]: a tree
-    block's absolute positions and visibility (`core.tree.tree_positions`); None: a
+    block's absolute positions and visibility (`core.token_tree.tree_positions`); None: a
     causal block at absolute positions positions[b] + 0..k-1.
     Returns (predicted features [batch, k, emb] in config.dtype, cache)."""
     cfg = self.config

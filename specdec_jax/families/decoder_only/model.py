@@ -97,7 +97,7 @@ class DecoderOnlyModel(FamilyModel):
 
   def decode_block(self, tokens, positions, cache, tree=None):
     """Scores tokens [batch, k] starting at absolute positions [batch] from the cache
-    (with `tree`, a `core.tree.TreeAttention`: nodes of a token tree, see
+    (with `tree`, a `core.token_tree.TreeAttention`: nodes of a token tree, see
     `DecoderOnly.decode_block`).
 
     Returns logits [batch, k, vocab] float32 and the updated cache.

@@ -10,12 +10,12 @@ The block contract is the T5 decoder's (families/t5/network.py), so the decode l
   current length are never attended to (causal mask) and are overwritten
   later, so rolling a row back after a rejected draft is moving its position.
 * `decode_block(..., tree)` scores k nodes of a token tree
-  (`core.tree.TreeAttention`): keys/values are still set at cache index
+  (`core.token_tree.TreeAttention`): keys/values are still set at cache index
   positions + i, but token i sits at absolute position root + depths[i]
   (its rotary angles or learned position, for its query and its key), and
   the mask is the causal / sliding-window rule by absolute positions (a tree
   slot's key at root + its depth) AND the tree's `allowed`
-  (`core.tree.tree_positions`). Without a tree the program is unchanged.
+  (`core.token_tree.tree_positions`). Without a tree the program is unchanged.
 * `prefill(prompts [batch, P], prompt_lengths [batch], cache)` writes each
   row's right-padded prompt at positions 0..P-1 and returns the logits at each
   row's last prompt token. Padding positions get junk keys/values, which the
@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.core.tree import TreeAttention, tree_positions
+from specdec_jax.core.token_tree import TreeAttention, tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 
 Array = jax.Array
@@ -316,7 +316,7 @@ class DecoderLayer(nn.Module):
   x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
 
   input_norm: False drops input_layernorm (attention reads x itself): the
-  layer of an EAGLE-1 feature head (`drafts.feature`), whose input is
+  layer of an EAGLE-1 feature head (`drafts.feature_draft`), whose input is
   already a projection of normed features. The target's layers keep it.
   """
   config: DecoderOnlyConfig
@@ -379,7 +379,7 @@ class DecoderOnly(nn.Module):
       cache: None (the q tokens attend to each other) or a cache whose
         keys/values get the block set at rows' `positions` [batch].
       key_positions: [batch, L] int32 absolute position of each cache index
-        (a tree block: `core.tree.tree_positions`); None: the index itself.
+        (a tree block: `core.token_tree.tree_positions`); None: the index itself.
       allowed: [batch, q, L] bool, ANDed into the masks (a tree block); None:
         the masks by position alone.
       taps: None, or hidden-state indices to return as features (see
@@ -471,7 +471,7 @@ class DecoderOnly(nn.Module):
       positions: [batch] int32, the absolute position of each row's first
         token (without a tree), the cache index where the block is set.
       cache: from `init_cache`.
-      tree: None, or the block's `core.tree.TreeAttention`: token i then sits
+      tree: None, or the block's `core.token_tree.TreeAttention`: token i then sits
         at absolute position root + tree.depths[i] (root = positions -
         tree.root_offset) and attends as the tree says (module docstring).
     Returns:

@@ -50,7 +50,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.core.tree import TreeAttention, tree_positions
+from specdec_jax.core.token_tree import TreeAttention, tree_positions
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import (_ACTIVATIONS, _MASK_VALUE, _axes, _set_block,
                                    relative_position_bucket)
@@ -321,7 +321,7 @@ def position_bias(rel_embedding: Array, config: T5Config, query_positions: Array
     query_positions: [batch, q] int32.
     max_len: cache positions.
     key_positions: [batch, max_len] int32, the position of each row's key at
-      each cache index (a tree block: `core.tree.tree_positions`); None: the
+      each cache index (a tree block: `core.token_tree.tree_positions`); None: the
       index itself.
     allowed: [batch, q, max_len] bool ANDed into the causal mask (a tree
       block); None: the causal mask alone.
@@ -399,11 +399,11 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       operations, no copy of the cache; for accelerators, where a decode
       step is launch-bound) or 'dots' (batched dots: fastest with XLA CPU);
       default `default_attention()`.
-    tree: None, or the block's `core.tree.TreeAttention`: token i then sits
+    tree: None, or the block's `core.token_tree.TreeAttention`: token i then sits
       at position root + tree.depths[i] (root = positions - tree.root_offset),
       the relative position bias reads each key's own position (a tree
       slot's: root + its depth) and the causal mask is ANDed with the tree's
-      `allowed` (`core.tree.tree_positions`). Cache writes are the same.
+      `allowed` (`core.token_tree.tree_positions`). Cache writes are the same.
     taps: None, or hidden-state indices to return as features
       (`families.feature_head.feature_taps`: i < num_decoder_layers is layer
       i's input, num_decoder_layers the output after the final norm, which

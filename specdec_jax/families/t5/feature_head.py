@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.core.tree import tree_positions
+from specdec_jax.core.token_tree import tree_positions
 from specdec_jax.families.feature_head import FeatureHead
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import (_MASK_VALUE, Decoder, DecoderLayer, Dense,
@@ -62,7 +62,7 @@ class HeadNetwork(nn.Module):
   def __call__(self, embeddings: Array, features: Array, positions: Array, cache, tree=None):
     """embeddings, features [batch, k, emb], written at cache indices positions[b] + 0..k-1
     (a causal block at those positions, or a `TreeAttention` block: positions and
-    visibility from `core.tree.tree_positions`); cache: the head's
+    visibility from `core.token_tree.tree_positions`); cache: the head's
     (`T5FeatureHead.init_cache`). Returns (predicted features [batch, k, emb], cache)."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)

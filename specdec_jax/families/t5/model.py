@@ -71,7 +71,7 @@ class Model(FamilyModel):
 
   def decode_block(self, tokens, positions, cache, tree=None):
     """Scores tokens [batch, k] starting at positions [batch] from the cache (with
-    `tree`, a `core.tree.TreeAttention`: nodes of a token tree, see
+    `tree`, a `core.token_tree.TreeAttention`: nodes of a token tree, see
     `decode.decode_block`).
 
     Returns logits [batch, k, vocab] float32 and the updated cache.

@@ -3,7 +3,7 @@ EAGLE-3's training-time test.
 
 EAGLE-1 (arXiv 2401.15077) trains the head teacher-forced on the target's
 own features: at each position t the head reads the pair (feature_{t-1},
-token_t) (the decode-time pairing of `drafts.feature`; feature_{-1} = 0)
+token_t) (the decode-time pairing of `drafts.feature_draft`; feature_{-1} = 0)
 and predicts feature_t, attending as it does when drafting (decoder-only
 heads: the zero pair at position 0 hidden from later queries, EAGLE's own
 pairing). The loss per learned position is

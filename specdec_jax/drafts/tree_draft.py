@@ -8,7 +8,7 @@ Shape: static, `branching[d]` children for every node at depth d (so
 (4, 2, 2, 1) proposes 4 first tokens, 2 continuations of each, ...). The
 draft expands it breadth-first, one draft call per depth, writing depth d's
 nodes contiguously into its own cache after the earlier depths; the target
-sees it depth-first (`core.tree`), first path first. Children are drawn from
+sees it depth-first (`core.token_tree`), first path first. Children are drawn from
 the inner draft's adjusted law q: i.i.d. ('iid', SpecInfer), without
 replacement ('without_replacement', the default: distinct siblings, RSD /
 Sequoia), or the deterministic top k ('topk'). Greedy decoding takes the
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.core import decoding
-from specdec_jax.core.tree import Tree, TreeAttention, TreeShape, ancestors_from_parents
+from specdec_jax.core.token_tree import Tree, TreeAttention, TreeShape, ancestors_from_parents
 from specdec_jax.core.tree_decoding import TreeProposer
 from specdec_jax.core.sampling import Sampling
 from specdec_jax.core.verification import LAWS

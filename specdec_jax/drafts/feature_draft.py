@@ -214,7 +214,7 @@ class FeatureDraft(Draft):
     return chain_proposer(propose, plan, observe=self.observer(params))
 
   def tree_expander(self, params, settings):
-    """Scores tree nodes with the head (`drafts.tree.TreeExpander`): `TreeDraft(FeatureDraft
+    """Scores tree nodes with the head (`drafts.tree_draft.TreeExpander`): `TreeDraft(FeatureDraft
     (target), ...)` and `DynamicTreeDraft(...)` grow trees from the head's laws.
 
     `start` feeds the pairs the loop handed over (`TreeProposer.observe`: the
@@ -230,7 +230,7 @@ class FeatureDraft(Draft):
     State: the head's predicted feature at each of a tree's draft slots,
     `node_hidden` [batch, slots, h] (float32; `init`).
     """
-    from specdec_jax.drafts.tree import TreeExpander  # tree.py imports drafts
+    from specdec_jax.drafts.tree_draft import TreeExpander  # tree.py imports drafts
     head = self.head
 
     def laws(hidden):
