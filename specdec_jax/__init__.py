@@ -8,7 +8,8 @@ Layers (each a folder or module; nothing imports upward from `core/`):
   drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft,
              FeatureDraft, MedusaDraft
   generation.py (staged: settings.py, placement.py, memory.py, programs.py), loading.py,
-  sharding.py, multihost.py                the entry points
+  sharding.py, multihost.py, scaled_pair.py the entry points (scaled_pair: a trained
+                                           pair embedded at a large model's cost)
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
 
@@ -43,7 +44,9 @@ from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.families.registry import families, family_of, register
 from specdec_jax.families.t5.checkpoints import export_t5x, save_model
 from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
-from specdec_jax.families.t5.embed import EmbeddingError, embed_model
+from specdec_jax.families.kernel_layout import with_kernel_layout
+from specdec_jax.families.widen import EmbeddingError
+from specdec_jax.scaled_pair import MemoryBudgetError, ScaledPair, embed_model, scale_pair
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.generation import generate

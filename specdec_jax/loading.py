@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import jax
 
 from specdec_jax import sharding
+from specdec_jax.families.kernel_layout import with_kernel_layout
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 # Imported for its registration: the Medusa-1 head format (`head_formats`).
 from specdec_jax.drafts import medusa_checkpoints  # noqa: F401
@@ -152,6 +153,10 @@ class ShardedPlacement:
 def shard_model(model, partitioner: sharding.Partitioner):
   """The same model with its params placed by `partitioner`'s rules."""
   family = family_of(model)  # A TypeError naming the known model types, not AttributeError.
+  if getattr(model.config, "kernel_layout", "in_out") != "in_out":
+    raise ValueError("shard_model: this model stores its kernels [out, in] (kernel_layout="
+                     "'out_in', a CPU layout) and the sharding rules name [in, out] axes; "
+                     "shard sj.with_kernel_layout(model, 'in_out')")
   return family.model_type(model.config, partitioner.shard_params(model.params, family))
 
 
@@ -168,7 +173,7 @@ def export_hf(model, directory) -> None:
   family = family_of(model)
   if not is_model(model):
     raise TypeError(f"export_hf takes a model (config + params), got {type(model).__name__}")
-  family.export_hf(model, directory)
+  family.export_hf(with_kernel_layout(model, "in_out"), directory)  # checkpoints are in_out
 
 
 def _head_format_for_target(path, kind: str, target, caller: str):

@@ -6,6 +6,7 @@ written to a temporary sibling and moved into place with `os.replace`, which
 is atomic on POSIX filesystems.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -30,11 +31,14 @@ def _jsonable(value):
   return value
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
-  """Writes `data` to `path` via a temporary file in the same directory + os.replace.
+@contextlib.contextmanager
+def atomic_writer(path: str):
+  """Yields a binary file whose whole content replaces `path` on success (a temporary file
+  in the same directory, fsynced, then os.replace); on any error `path` is untouched.
 
   Readers see the old file or the whole new one, never a partial write; the
-  one place in the project that writes files atomically.
+  one place in the project that writes files atomically (`write_bytes_atomic`
+  and friends build on it; large files stream through it).
   """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
@@ -42,7 +46,7 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
                              suffix=".tmp")
   try:
     with os.fdopen(fd, "wb") as f:
-      f.write(data)
+      yield f
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -50,6 +54,12 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+  """Writes `data` to `path` atomically (`atomic_writer`)."""
+  with atomic_writer(path) as f:
+    f.write(data)
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -178,6 +178,12 @@ class Draft(abc.ABC):
     tree writes block_width slots past a row's length whatever its depth)."""
     return 0
 
+  @property
+  def max_gamma(self) -> Optional[int]:
+    """The longest chain one proposal can draft (None: any; Medusa: its heads). Tools that
+    choose gamma (`tools.speedup`) stay below it."""
+    return None
+
   def calls_per_proposal(self, gamma: int) -> int:
     """Draft calls per proposal: gamma for a drafter that feeds its own tokens back,
     1 for one that drafts a whole block at once (cost models read it)."""

@@ -132,6 +132,11 @@ class MedusaDraft(Draft):
                        "one target's hidden states (and, shared, its output projection)")
 
   @property
+  def max_gamma(self) -> int:
+    """A chain drafts one token per head."""
+    return self.num_heads
+
+  @property
   def max_tree_depth(self) -> int:
     """The deepest static tree whose every level has a head of its own."""
     return self.num_heads

@@ -330,6 +330,26 @@ class Family(abc.ABC):
     `config`; options are the head's (e.g. decoder-only `fc_bias`)."""
     raise self._no_features()
 
+  # -- Function-preserving embedding (the cost-realistic pair) --------------
+
+  def embedded_config(self, config, shape, dtype: Optional[str] = None):
+    """The large config `embed_model` would build from `config` for `shape` (a named config
+    or a config), checked; raises `widen.EmbeddingError` naming what cannot carry over."""
+    raise self._no_embedding()
+
+  def embed_params(self, params, config, large):
+    """`params` of `config` grown to `large` computing the same function (`families.widen`)."""
+    raise self._no_embedding()
+
+  def embed_feature_head_params(self, head_params, config, large):
+    """A feature head of the small target grown to drive the embedded one, same function."""
+    raise self._no_embedding()
+
+  def _no_embedding(self) -> ValueError:
+    from specdec_jax.families.widen import EmbeddingError
+    return EmbeddingError(f"the {self.name} family has no function-preserving embedding into "
+                          "a larger shape")
+
   # -- Token trees -----------------------------------------------------------
 
   def _no_trees(self, what: str) -> ValueError:

@@ -16,6 +16,7 @@ import re
 from typing import Optional, Tuple
 
 from specdec_jax.families.base import replace_config
+from specdec_jax.families.kernel_layout import check_layout
 
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "gemma", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
@@ -101,6 +102,11 @@ class DecoderOnlyConfig:
     sliding_rope_theta: rotary base of the sliding layers, which then get no
       rope scaling (Gemma 3: 10k local, rope_theta and rope_scaling on the full
       layers); None: every layer uses rope_theta and rope_scaling.
+    kernel_layout: how 2-D projection kernels are stored: 'in_out' ([in, out],
+      Flax's convention and every checkpoint reader's) or 'out_in' ([out, in],
+      HF's Linear layout), which XLA's CPU dot reads faster, both for one
+      token and for a verification block (BENCHMARKS.md, "Issue 30"); see
+      `families.kernel_layout`. The function is the same.
   """
   family: str = "llama"
   vocab_size: int = 32000
@@ -137,6 +143,7 @@ class DecoderOnlyConfig:
   sliding_window: Optional[int] = None
   layer_types: Optional[Tuple[str, ...]] = None
   sliding_rope_theta: Optional[float] = None
+  kernel_layout: str = "in_out"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -195,6 +202,7 @@ class DecoderOnlyConfig:
       if "sliding_attention" in self.layer_types and self.sliding_window is None:
         raise ValueError("DecoderOnlyConfig.layer_types has sliding_attention layers but "
                          "sliding_window is None")
+    check_layout(self.kernel_layout)
     if not self.uses_rotary and (self.qk_norm or self.sliding_rope_theta is not None):
       raise ValueError("qk_norm and sliding_rope_theta need a rotary family (not gpt2)")
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.decoder_only import batch as lm_data
-from specdec_jax.families.decoder_only import checkpoints, eagle_checkpoints
+from specdec_jax.families.decoder_only import checkpoints, eagle_checkpoints, embed
 from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
 from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
@@ -115,6 +115,16 @@ class DecoderOnlyFamily(Family):
 
   def feature_block_fn(self, config: DecoderOnlyConfig, params, layers=None):
     return absolute_feature_block_fn(config, params, layers)
+
+  def embedded_config(self, config: DecoderOnlyConfig, shape, dtype=None) -> DecoderOnlyConfig:
+    return embed.embedded_config(config, shape, dtype)
+
+  def embed_params(self, params, config: DecoderOnlyConfig, large: DecoderOnlyConfig):
+    return embed.embed_params(params, config, large)
+
+  def embed_feature_head_params(self, head_params, config: DecoderOnlyConfig,
+                                large: DecoderOnlyConfig):
+    return embed.embed_feature_head_params(head_params, config, large)
 
   def feature_head(self, config: DecoderOnlyConfig, fc_bias: bool = False):
     """The EAGLE-1 head (`feature_head.DecoderOnlyFeatureHead`): any layout, rotary or

@@ -74,6 +74,7 @@ import numpy as np
 
 from specdec_jax.core.token_tree import TreeAttention, tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.kernel_layout import kernel_shape, project
 
 Array = jax.Array
 Cache = Dict[str, Any]
@@ -149,7 +150,8 @@ def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
 
 
 class Dense(nn.Module):
-  """A projection with a 2-D `kernel` [in, out] and an optional `bias` [out]."""
+  """A projection with a 2-D `kernel` [in, out] (or [out, in]: `config.kernel_layout`) and an
+  optional `bias` [out]."""
   features: int
   config: DecoderOnlyConfig
   use_bias: bool = False
@@ -157,10 +159,12 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), jnp.float32)
     dtype = _dtype(self.config)
     out_type = jnp.float32 if self.float32_output else dtype
-    y = jnp.dot(x.astype(dtype), kernel.astype(dtype), preferred_element_type=out_type)
+    layout = self.config.kernel_layout
+    kernel = self.param("kernel", _INIT, kernel_shape(layout, x.shape[-1], self.features),
+                        jnp.float32)
+    y = project(x.astype(dtype), kernel.astype(dtype), layout, preferred_element_type=out_type)
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
       y = y + bias.astype(out_type)

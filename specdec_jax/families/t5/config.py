@@ -10,6 +10,7 @@ from typing import Tuple
 
 from specdec_jax.core.dtypes import canonical_dtype
 from specdec_jax.families.base import replace_config
+from specdec_jax.families.kernel_layout import check_layout
 
 # T5's SentencePiece vocabulary (cc_all.32000) plus 100 extra ids, padded to a
 # multiple of 128 as T5X does.
@@ -38,6 +39,8 @@ class T5Config:
       bucketed relative position bias.
     layer_norm_epsilon: RMS norm epsilon.
     pad_id / eos_id / decoder_start_id: token conventions (T5: 0, 1, 0).
+    kernel_layout: 'in_out' (T5X's [in, out] kernels) or 'out_in' ([out, in], the faster
+      dot on XLA's CPU backend; `families.kernel_layout`). The function is the same.
   """
   vocab_size: int = T5_VOCAB_SIZE
   emb_dim: int = 512
@@ -55,8 +58,10 @@ class T5Config:
   pad_id: int = 0
   eos_id: int = 1
   decoder_start_id: int = 0
+  kernel_layout: str = "in_out"
 
   def __post_init__(self):
+    check_layout(self.kernel_layout)
     for field in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim",
                   "num_encoder_layers", "num_decoder_layers",
                   "relative_attention_num_buckets"):

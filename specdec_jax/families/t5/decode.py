@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.core.token_tree import TreeAttention, tree_positions
+from specdec_jax.families.kernel_layout import project
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.families.t5.network import (_ACTIVATIONS, _MASK_VALUE, _axes, _set_block,
                                    relative_position_bucket)
@@ -88,7 +89,9 @@ def prepare_decode_params(params, config: T5Config) -> Prepared:
        'wi' [emb, len(mlp_activations), mlp]: pre_mlp_layer_norm's scale
          times wi_0, wi_1 (or wi),
        'wo' [mlp, emb]}};
-    kernels in `config.dtype` (products formed in float32, then cast).
+    kernels in `config.dtype` (products formed in float32, then cast). With
+    `config.kernel_layout == 'out_in'` every kernel is stored transposed ([out, in];
+    qkv [3, inner, emb], wi [len(mlp_activations), mlp, emb]).
   """
   dtype = jnp.dtype(config.dtype)
   decoder = params["decoder"]
@@ -97,9 +100,14 @@ def prepare_decode_params(params, config: T5Config) -> Prepared:
   if missing:
     raise ValueError(f"params['decoder'] lacks {missing} for a config with "
                      f"{config.num_decoder_layers} decoder layers")
+  # Kernels keep the stored orientation (`config.kernel_layout`): [in, out], or [out, in],
+  # which XLA's CPU dot reads faster (`families.kernel_layout`). The norm scale multiplies
+  # the `in` axis either way.
+  out_in = config.kernel_layout == "out_in"
+  stack_axis = 0 if out_in else 1
   kernel = lambda tree: jnp.asarray(tree["kernel"]).astype(dtype)
   scale = lambda tree: jnp.asarray(tree["scale"]).astype(jnp.float32)
-  fold = lambda norm, tree: (scale(norm)[:, None] *
+  fold = lambda norm, tree: ((scale(norm)[None, :] if out_in else scale(norm)[:, None]) *
                              jnp.asarray(tree["kernel"]).astype(jnp.float32)).astype(dtype)
   layers = []
   for i in range(config.num_decoder_layers):
@@ -110,12 +118,12 @@ def prepare_decode_params(params, config: T5Config) -> Prepared:
         # Stacked on a new axis rather than concatenated, so each projection's
         # output dimension (sharded over `model` under a mesh) stays whole.
         qkv=jnp.stack([fold(layer["pre_self_attention_layer_norm"], self_attn[name])
-                       for name in ("query", "key", "value")], axis=1),
+                       for name in ("query", "key", "value")], axis=stack_axis),
         self_out=kernel(self_attn["out"]),
         cross_query=fold(layer["pre_cross_attention_layer_norm"], cross_attn["query"]),
         cross_out=kernel(cross_attn["out"]),
         wi=jnp.stack([fold(layer["pre_mlp_layer_norm"], mlp[name])
-                      for name in _mlp_kernel_names(config)], axis=1),
+                      for name in _mlp_kernel_names(config)], axis=stack_axis),
         wo=kernel(mlp["wo"])))
   return dict(
       embedding=jnp.asarray(params["token_embedder"]["embedding"]).astype(dtype),
@@ -378,6 +386,17 @@ def _set_block_cpu(cache: Array, block: Array, positions: Array) -> Array:
   return _set_block(cache, block, positions)
 
 
+def _fused_projection(x: Array, kernel: Array, out_in: bool) -> Array:
+  """x [n, emb] through a stacked kernel ([emb, t, s], or [t, s, emb] out_in) -> [n, t, s]
+  float32. out_in runs as one 2-D dot over [t * s, emb] (a contiguous reshape): XLA's CPU
+  dot transposes a 3-D [t, s, emb] operand on every call (BENCHMARKS.md, "Issue 30")."""
+  if out_in:
+    t, s, emb = kernel.shape
+    flat = project(x, kernel.reshape(t * s, emb), "out_in", preferred_element_type=jnp.float32)
+    return flat.reshape(x.shape[0], t, s)
+  return jnp.einsum("ne,ets->nts", x, kernel, preferred_element_type=jnp.float32)
+
+
 def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions: Array,
                  cache: Cache, attention: Optional[str] = None,
                  tree: Optional[TreeAttention] = None, taps: Optional[Tuple[int, ...]] = None,
@@ -449,6 +468,8 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     prefix_bias = jnp.moveaxis(self_bias, 1, 3)  # [batch, heads, len, q]: once, not per layer
   cross_bias = jnp.where(cache["encoder_mask"], 0.0, _MASK_VALUE)[:, None, None, :]  # [b,1,1,len]
   activations = [_ACTIVATIONS[a] for a in config.mlp_activations]
+  layout = config.kernel_layout
+  out_in = layout == "out_in"
 
   # The residual stream is [batch * k, emb]: 2-D operands for the projections.
   x = jnp.take(prepared["embedding"], tokens.reshape(-1), axis=0)
@@ -462,7 +483,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       tapped[index] = rows(x)
     # Self-attention: one projection for query, key and value (norm scale
     # folded in; 1/rms applied to its float32 output).
-    qkv = jnp.einsum("ne,ets->nts", x, p["qkv"], preferred_element_type=f32)
+    qkv = _fused_projection(x, p["qkv"], out_in)
     qkv = (qkv * _inv_rms(x, config)[..., None]).astype(dtype)
     query, key, value = (_heads(rows(qkv[:, i]), config) for i in range(3))
     self_key = set_block(layer_cache["self_key"], key, positions)
@@ -472,11 +493,11 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       heads = _attend_dots_prefix(query, self_key, self_value, prefix_bias, filled, prefix_chunk)
     else:
       heads = attend(query, self_key, self_value, self_bias)
-    x = x + jnp.dot(heads.reshape(batch * k, -1), p["self_out"])
+    x = x + project(heads.reshape(batch * k, -1), p["self_out"], layout)
 
     # Cross-attention over the cached encoder keys/values; 1/rms scales the
     # scores rather than the query.
-    query = _heads(rows(jnp.dot(x, p["cross_query"])), config)
+    query = _heads(rows(project(x, p["cross_query"], layout)), config)
     cross_key, cross_value = layer_cache["cross_key"], layer_cache["cross_value"]
     if attention == "in_layout":
       # XLA CPU (jax 0.10.2) miscompiles this read of the loop-invariant
@@ -487,16 +508,16 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
       cross_key, cross_value = jax.lax.optimization_barrier((cross_key, cross_value))
     heads = attend(query, cross_key, cross_value, cross_bias,
                    query_scale=_inv_rms(x, config).reshape(batch, k))
-    x = x + jnp.dot(heads.reshape(batch * k, -1), p["cross_out"])
+    x = x + project(heads.reshape(batch * k, -1), p["cross_out"], layout)
 
     # Gated MLP: one projection for all input kernels.
-    wi = jnp.einsum("ne,eim->nim", x, p["wi"], preferred_element_type=f32)
+    wi = _fused_projection(x, p["wi"], out_in)
     wi = wi * _inv_rms(x, config)[..., None]
     hidden = activations[0](wi[:, 0])
     for i, act in enumerate(activations[1:], start=1):
       hidden = hidden * act(wi[:, i])
     hidden = flat(_axes(rows(hidden.astype(dtype)), ("batch", "length", "mlp")))
-    x = flat(_axes(rows(x + jnp.dot(hidden, p["wo"])), ("batch", "length", "embed")))
+    x = flat(_axes(rows(x + project(hidden, p["wo"], layout)), ("batch", "length", "embed")))
 
   h = normed = rows(_rms_norm(x, prepared["decoder_norm"], config))
   if prepared["logits"] is None:
@@ -504,7 +525,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     h = h * (config.emb_dim ** -0.5)
     logits = jnp.dot(h, prepared["embedding"].T, preferred_element_type=jnp.float32)
   else:
-    logits = jnp.dot(h, prepared["logits"]).astype(jnp.float32)
+    logits = project(h, prepared["logits"], layout).astype(jnp.float32)
   if taps is None:
     return logits, dict(cache, layers=new_layers)
   tapped[len(prepared["layers"])] = normed  # what the logits were projected from

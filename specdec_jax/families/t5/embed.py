@@ -6,11 +6,13 @@ acceptance rate meets a real XXL-sized decode step (a cost-realistic
 pair). How each part is grown:
 
 * model width emb -> r * emb (r an integer): every residual-stream vector is
-  the small one with each dimension repeated r times. The token embedding,
-  norm scales and output kernels (attention `out`, MLP `wo`) repeat their
-  emb axis; input kernels (query/key/value, wi, logits) repeat their emb axis
-  and are divided by r, so x_large . W_large = x_small . W_small. RMS norm is
-  unchanged: the mean of squares of a repeated vector is the small one's.
+  the small one with each dimension repeated r times (`families.widen`). The
+  token embedding, norm scales and output kernels (attention `out`, MLP `wo`)
+  repeat their emb axis; input kernels (query/key/value, wi, logits) keep the
+  small rows on the first copy of each dimension and zeros on the others, so
+  x_large . W_large = x_small . W_small with the same products, in any dtype.
+  RMS norm is unchanged: the mean of squares of a repeated vector is the
+  small one's.
 * heads / head_dim: new heads, and new dimensions of old heads, get zero
   query/key/value kernels and zero `out` rows: scores and outputs of the
   small heads are unchanged, new heads add nothing. New position-bias rows
@@ -36,12 +38,10 @@ from typing import Any, Dict, List, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.families import widen
+from specdec_jax.families.widen import EmbeddingError
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import CONFIGS, T5Config, get_config
-
-
-class EmbeddingError(ValueError):
-  """The small model's layout cannot be embedded function-preservingly in that shape."""
 
 
 # Fields that must be equal for the function to carry over.
@@ -100,13 +100,6 @@ def check_embeddable(config: T5Config, large: T5Config) -> int:
   return large.emb_dim // config.emb_dim
 
 
-def _grow(x: jax.Array, axis: int, size: int) -> jax.Array:
-  """Zero-pads x along axis to `size`."""
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
 class _Grower:
   """The growing rules of the module docstring, one method per kind of tensor (T5X trees)."""
 
@@ -119,26 +112,21 @@ class _Grower:
     return x.astype(self.dtype)
 
   def wide(self, x, axis):  # residual-stream axis: repeat each dimension r times
-    return jnp.repeat(jnp.asarray(x, jnp.float32), self.r, axis=axis)
+    return widen.repeat(x, axis, self.r)
 
   def input_kernel(self, kernel, out_size):  # [emb, out] -> [r emb, out_size]
-    return self.done(_grow(self.wide(kernel, 0) / self.r, 1, out_size))
+    return self.done(widen.pad(widen.first_copy(kernel, 0, self.r), 1, out_size))
+
+  def _heads(self, kernel, axis):  # the fused heads axis grown to the large heads
+    config, large = self.config, self.large
+    return widen.pad_heads(kernel, axis, config.num_heads, config.head_dim, large.num_heads,
+                           large.head_dim)
 
   def head_input_kernel(self, kernel):  # [emb, h d] -> [r emb, hl dl]
-    config, large = self.config, self.large
-    k = jnp.asarray(kernel, jnp.float32).reshape(config.emb_dim, config.num_heads,
-                                                 config.head_dim)
-    k = _grow(_grow(k, 1, large.num_heads), 2, large.head_dim).reshape(
-        config.emb_dim, large.num_heads * large.head_dim)
-    return self.done(self.wide(k, 0) / self.r)
+    return self.done(widen.first_copy(self._heads(kernel, 1), 0, self.r))
 
   def head_output_kernel(self, kernel):  # [h d, emb] -> [hl dl, r emb]
-    config, large = self.config, self.large
-    k = jnp.asarray(kernel, jnp.float32).reshape(config.num_heads, config.head_dim,
-                                                 config.emb_dim)
-    k = _grow(_grow(k, 0, large.num_heads), 1, large.head_dim).reshape(
-        large.num_heads * large.head_dim, config.emb_dim)
-    return self.done(self.wide(k, 1))
+    return self.done(self.wide(self._heads(kernel, 0), 1))
 
   def scale(self, tree):
     return {"scale": self.done(self.wide(tree["scale"], 0))}
@@ -153,8 +141,7 @@ class _Grower:
     mlp_dim = self.large.mlp_dim
     out = {name: {"kernel": self.input_kernel(k["kernel"], mlp_dim)}
            for name, k in tree.items() if name != "wo"}
-    out["wo"] = {"kernel": self.done(self.wide(
-        _grow(jnp.asarray(tree["wo"]["kernel"], jnp.float32), 0, mlp_dim), 1))}
+    out["wo"] = {"kernel": self.done(self.wide(widen.pad(tree["wo"]["kernel"], 0, mlp_dim), 1))}
     return out
 
   def layer(self, tree):
@@ -163,8 +150,8 @@ class _Grower:
             for name, sub in tree.items()}
 
   def relpos(self, tree):
-    return {"rel_embedding": self.done(_grow(jnp.asarray(tree["rel_embedding"], jnp.float32),
-                                             0, self.large.num_heads))}
+    return {"rel_embedding": self.done(widen.pad(tree["rel_embedding"], 0,
+                                                 self.large.num_heads))}
 
   def identity_layer(self, template):
     """A layer shaped like `template` (already large) that adds nothing."""
@@ -221,7 +208,8 @@ def embed_feature_head_params(head_params, config: T5Config, large: T5Config):
   grow = _Grower(config, large)
   emb = config.emb_dim
   fc = jnp.asarray(head_params["fc"]["kernel"], jnp.float32)  # [2 emb, emb]
-  halves = [grow.wide(grow.wide(fc[i * emb:(i + 1) * emb], 0) / grow.r, 1) for i in range(2)]
+  halves = [grow.wide(widen.first_copy(fc[i * emb:(i + 1) * emb], 0, grow.r), 1)
+            for i in range(2)]
   return {"fc": {"kernel": grow.done(jnp.concatenate(halves, axis=0))},
           "relpos_bias": grow.relpos(head_params["relpos_bias"]),
           "layer": grow.layer(head_params["layer"])}

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.families.base import Context, DecodeStart, Family
-from specdec_jax.families.t5 import checkpoints
+from specdec_jax.families.t5 import checkpoints, embed
 from specdec_jax.families.t5 import decode as t5_decode
 from specdec_jax.families.t5 import sharding as t5_sharding
 from specdec_jax.families.feature_head import feature_taps
@@ -131,6 +131,15 @@ class T5Family(Family):
     decoder's features `layers` names (causal or tree blocks)."""
     return t5_decode.feature_block_fn(params, config,
                                       feature_taps(config.num_decoder_layers, layers))
+
+  def embedded_config(self, config: T5Config, shape, dtype=None) -> T5Config:
+    return embed.embedded_config(config, shape, dtype)
+
+  def embed_params(self, params, config: T5Config, large: T5Config):
+    return embed.embed_params(params, config, large)
+
+  def embed_feature_head_params(self, head_params, config: T5Config, large: T5Config):
+    return embed.embed_feature_head_params(head_params, config, large)
 
   def feature_head(self, config: T5Config, fc_bias: bool = False):
     """The EAGLE-1 head for T5 (`feature_head.T5FeatureHead`: one decoder layer that

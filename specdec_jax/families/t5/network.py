@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.families.kernel_layout import kernel_shape, project
 from specdec_jax.families.t5.config import T5Config
 
 Array = jax.Array
@@ -99,7 +100,8 @@ class RMSNorm(nn.Module):
 
 
 class Dense(nn.Module):
-  """A bias-free projection with a 2-D `kernel` [in, out], as T5X stores it."""
+  """A bias-free projection with a 2-D `kernel` [in, out], as T5X stores it (or [out, in]:
+  `config.kernel_layout`, `families.kernel_layout`)."""
   features: int
   config: T5Config
   init_scale: float = 1.0
@@ -107,9 +109,11 @@ class Dense(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     init = nn.initializers.variance_scaling(self.init_scale, "fan_in", "truncated_normal")
-    kernel = self.param("kernel", init, (x.shape[-1], self.features), jnp.float32)
+    layout = self.config.kernel_layout
+    kernel = self.param("kernel", init, kernel_shape(layout, x.shape[-1], self.features),
+                        jnp.float32)
     dtype = _dtype(self.config)
-    return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+    return project(x.astype(dtype), kernel.astype(dtype), layout)
 
 
 class RelativePositionBias(nn.Module):
