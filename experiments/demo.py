@@ -1,35 +1,33 @@
-"""`make demo`: speculative decoding of a trained demo pair, end to end, offline.
+"""`make demo`: speculative decoding of the trained demo pairs, end to end, offline, in two acts.
 
-The default pair (demo_pair/MODEL_CARD.md) is a 9.7M-parameter T5 that
-completes Python code, trained on the standard library, with a distilled 1.1M
-draft; `--pair=decoder_only` runs the GPT-like pair
-(demo_pair_decoder_only/MODEL_CARD.md) the same way.
-The demo completes held-out inputs at batch 1 (the paper's setting) with the
-target alone and with the draft, prints a few completions, alpha and the
-speedup (median of paired, interleaved repeats after a compile warm-up)
-against the fastest exact target-only decoding, and checks that greedy outputs
-are identical to target-only decoding at the speculative loop's block width.
+Two pairs ship (both trained on the Python standard library): a 9.7M T5
+(demo_pair/MODEL_CARD.md) with distilled drafts, a feature head and Medusa
+heads, and a 2.2M GPT-like model (demo_pair_decoder_only/MODEL_CARD.md) with
+the same kinds of drafts. `--pair=both` (the default), t5 or decoder_only.
 
-On a CPU, verification is far from free and its cost moves between machines
-of one class, so before timing the demo measures, where it runs, the cost
-curve C(k) (one target call scoring k tokens / one token) and c (a draft step
-/ a target step), estimates alpha on the inputs, and (unless --gamma is
-given) picks gamma with the theory's optimum for that curve
-(`theory.predicted_speedup_with_cost_curve`). It prints the measured C(k) and
-c and the predicted speedups (Theorem 3.8, which assumes free verification as
-on an accelerator, and with the measured curve) beside the measured speedup.
+Act 1, the trained pair as it is: held-out inputs completed at batch 1 (the
+paper's setting) by the target alone and with the pair's first draft; alpha, c,
+gamma chosen by the theory from the cost curve C(k) measured here (one call
+scoring k tokens / one token), the predicted and measured speedup against the
+fastest exact target-only decoding, identical outputs. On a CPU these targets
+are so small that a k-token block costs several steps: near 1X, and it says why.
 
-  python -m experiments.demo [--pair=t5] [--num_inputs=6] [--gamma=0] [--draft=small]
+Act 2, the same pair at a large model's cost (`demo_act2.py`,
+`sj.scale_pair`): the target embedded function-preservingly at a memory-bound
+shape (T5 1.1 base; GPT-2 medium), built once and cached, decoded with every
+shipped draft; per draft alpha, c, gamma, predicted and measured speedup,
+identical outputs, and the paper's Table 2 row it mirrors. The last line:
 
-`--methods=chain,block,tree,dynamic` (issue 22) instead compares token-wise
-verification of a chain, block verification (Sun et al. 2025), a static
-token tree (`--tree`) and a dynamic EAGLE-2 tree (`--dynamic_tree`) side by
-side, all at one block width W (the smallest that holds the tree, or
-`--block_width`): tokens per iteration, alpha, speedup against the fastest
-exact target-only decoding (width 1 or W) and greedy identity with
-target-only decoding at width W.
+  act 2: best measured 2.31X (decoder_only, feature), predicted 2.40X, identical outputs: yes
 
-  python -m experiments.demo --methods=chain,block,tree,dynamic [--tree=2,2,1]
+  python -m experiments.demo [--pair=both] [--acts=1,2] [--decoder_only_shape=gpt2_medium]
+
+`--methods=chain,block,tree,dynamic --pair=t5 --acts=1` (issue 22) instead
+compares token-wise verification of a chain, block verification (Sun et al.
+2025), a static token tree (`--tree`) and a dynamic EAGLE-2 tree
+(`--dynamic_tree`) side by side, all at one block width W: tokens per
+iteration, alpha, speedup against the fastest exact target-only decoding
+(width 1 or W) and greedy identity with target-only decoding at width W.
 """
 
 import statistics
@@ -40,28 +38,51 @@ from absl import flags
 import jax
 import numpy as np
 
+from experiments import demo_act2 as act2
 import specdec_jax as sj
-from specdec_jax.tools import profiling
+from specdec_jax.tools import profiling, speedup
 from specdec_jax.core import theory
 from specdec_jax.families.registry import is_model
 
-PAIR = flags.DEFINE_enum("pair", "t5", ["t5", "decoder_only"], "Which shipped demo pair.")
-NUM_INPUTS = flags.DEFINE_integer("num_inputs", 6, "Held-out inputs to complete.")
-GAMMA = flags.DEFINE_integer("gamma", 0, "Tokens drafted per iteration; 0: the theory's "
+PAIR = flags.DEFINE_enum("pair", "both", ["both", "t5", "decoder_only"],
+                         "Which shipped demo pair(s): both (the default), t5 or decoder_only.")
+ACTS = flags.DEFINE_list("acts", ["1", "2"], "Which acts: 1 (the trained pair as it is), 2 (the "
+                         "same pair at a large model's cost).")
+NUM_INPUTS = flags.DEFINE_integer("num_inputs", 2, "Act 1: held-out inputs to complete.")
+GAMMA = flags.DEFINE_integer("gamma", 0, "Act 1: tokens drafted per iteration; 0: the theory's "
                              "optimum for the cost curve measured on this machine.")
-MAX_GAMMA = 5  # the cost curve is measured for k = 1 .. MAX_GAMMA + 1
-DRAFT = flags.DEFINE_string("draft", "", "Which distilled draft (T5: small or tiny; "
+MAX_GAMMA = 5  # act 1: the cost curve is measured for k = 1 .. MAX_GAMMA + 1
+DRAFT = flags.DEFINE_string("draft", "", "Act 1: which distilled draft (T5: small or tiny; "
                             "decoder-only: draft); empty: the pair's first.")
-REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per input.")
-SHOWN = flags.DEFINE_integer("shown", 2, "Completions printed as text.")
+REPEATS = flags.DEFINE_integer("repeats", 1, "Act 1: timed repeats per input.")
+SHOWN = flags.DEFINE_integer("shown", 1, "Act 1: completions printed as text, per pair.")
 METHODS = flags.DEFINE_list("methods", ["chain"], "chain (the default demo), or several of "
-                            "chain, block, tree, dynamic: compared side by side at one width.")
+                            "chain, block, tree, dynamic: compared side by side at one width "
+                            "(act 1 only, one pair).")
 TREE = flags.DEFINE_list("tree", ["2", "2", "1"], "--methods=tree: the static tree's branching.")
 DYNAMIC_TREE = flags.DEFINE_list("dynamic_tree", ["3", "4", "12"], "--methods=dynamic: "
                                  "topk, depth, node_budget of the dynamic tree.")
 BLOCK_WIDTH = flags.DEFINE_integer("block_width", 0, "--methods: the shared block width W (0: "
                                    "the smallest that holds every method).")
 METHOD_NAMES = ("chain", "block", "tree", "dynamic")
+SHAPES = {pair: flags.DEFINE_string(
+    f"{pair}_shape", default, f"Act 2: the shape the {pair} target is embedded in: a named "
+    f"config, optionally with overrides ('{example}'), see sj.scaled_pair.shape_config.")
+          for pair, default, example in (
+              ("t5", act2.DEFAULT_SHAPES["t5"], "t5_1_1_base:num_decoder_layers=24"),
+              ("decoder_only", act2.DEFAULT_SHAPES["decoder_only"], "gpt2_medium"))}
+MEMORY_BUDGET_GB = flags.DEFINE_float("memory_budget_gb", 4.0, "Act 2: the memory an embedded "
+                                      "pair may take; checked before anything is allocated.")
+CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Act 2: where embedded pairs are cached "
+                                "(default ~/.cache/specdec_jax/scaled_pairs).")
+ACT2_INPUTS = flags.DEFINE_integer("act2_inputs", 3, "Act 2: held-out inputs, each at batch 1.")
+ACT2_REPEATS = flags.DEFINE_integer("act2_repeats", 1, "Act 2: timed rounds per input.")
+ACT2_GAMMAS = flags.DEFINE_list("act2_gammas", ["4", "8", "12"], "Act 2: the gammas the "
+                                "theory chooses among (C(gamma + 1) is measured for each: a "
+                                "program each; in this regime C(k) is flat past k = 2, so "
+                                "long chains win).")
+KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "out_in", ["out_in", "in_out"],
+                                  "Act 2: how the embedded target stores its kernels.")
 
 
 def measure_costs(target, draft, inputs, lengths, max_len: int, repeats: int = 5):
@@ -82,15 +103,8 @@ def measure_costs(target, draft, inputs, lengths, max_len: int, repeats: int = 5
   return [target_ms[k] / target_ms[1] for k in ks], draft_ms / target_ms[1], target_ms[1]
 
 
-def choose_gamma(alpha: float, c: float, curve) -> int:
-  """The gamma in 1..MAX_GAMMA maximising the cost-curve prediction (smallest on ties)."""
-  return max(range(1, MAX_GAMMA + 1), key=lambda g: (
-      theory.predicted_speedup_with_cost_curve(alpha, g, c, curve), -g))
-
-
-def main(argv):
-  del argv
-  pair = sj.load_demo_pair(PAIR.value)
+def act1(pair) -> bool:
+  """Act 1, the trained pair as it is (one draft). Returns whether outputs were identical."""
   draft_name = DRAFT.value or next(iter(pair.drafts))
   if draft_name not in pair.drafts:
     raise app.UsageError(f"--draft={draft_name}: the {pair.family} pair's drafts are "
@@ -98,77 +112,73 @@ def main(argv):
   draft = pair.drafts[draft_name]
   steps = pair.max_decode_steps
   inputs, lengths = pair.inputs(NUM_INPUTS.value)
+  print(f"\n=== Act 1: the trained {pair.family} pair as it is ===")
+  if METHODS.value != ["chain"]:
+    curve, c, _ = measure_costs(pair.target, draft, inputs, lengths, steps)
+    return compare_methods(pair, draft, inputs, lengths, steps, GAMMA.value or 4, c)
 
-  # What verification and drafting cost on this machine, and alpha on these inputs.
-  # The cache the decode itself allocates (a decoder-only prompt plus twice the
-  # steps can outgrow GPT-2's learned positions), blocks scored half way in.
-  curve, c, step_ms = measure_costs(pair.target, draft, inputs, lengths, steps)
-  probe = sj.generate(pair.target, inputs, lengths, max_decode_steps=steps, draft=draft,
-                      gamma=4, block_width=5)
-  probe_alpha = probe.stats.alpha
-  compare = METHODS.value != ["chain"]
-  # At one shared width every method pays C(W): the narrow-width optimum does
-  # not apply there; --methods chains draft 4 tokens unless --gamma says otherwise.
-  gamma = GAMMA.value or (4 if compare else choose_gamma(probe_alpha, c, curve))
-  print(f"Measured here: target step {step_ms:.2f} ms; cost curve C(k) = "
-        + ", ".join(f"{v:.2f} (k={k})" for k, v in enumerate(curve, start=1) if k > 1)
-        + f"; c = {c:.3f}; alpha on these inputs {probe_alpha:.2f}.")
-  print(f"gamma = {gamma}" + (" (given)" if GAMMA.value else
-                              " (--methods: chains at one shared width)" if compare else
-                              " (the theory's optimum for this cost curve)"))
+  # What verification and drafting cost on this machine; gamma from the card's alpha.
+  costs = speedup.measure_costs(pair.target, {draft_name: draft}, inputs, lengths, steps,
+                                range(2, MAX_GAMMA + 2), repeats=5)
+  alpha = pair.card_alphas.get(draft_name, {}).get(0.0)
+  rows = speedup.measure_rows(
+      pair.target, {draft_name: draft}, inputs, lengths, steps, costs, repeats=REPEATS.value,
+      max_gamma=MAX_GAMMA, gammas={draft_name: GAMMA.value} if GAMMA.value else None,
+      alphas=None if alpha is None else {draft_name: alpha})
+  row = rows[0]
   draft_params = (draft.config.num_params if is_model(draft) else  # else a trained head
                   sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(draft.head_params)))
+  shown = min(SHOWN.value, len(inputs))
+  if shown:
+    out = sj.generate(pair.target, inputs[:shown], None if lengths is None else lengths[:shown],
+                      max_decode_steps=steps)
+    for i in range(shown):
+      context = pair.tokenizer.decode(pair.heldout[i]["input_ids"]).rstrip("\n").splitlines()
+      completion = pair.tokenizer.decode(
+          [t for t in np.asarray(out.sequences[i]).tolist() if t not in (0, 1)])
+      print(f"--- input {i} (last lines) ---\n" + "\n".join(context[-3:]))
+      print(f"--- its completion (target-only and speculative: identical) ---\n{completion}")
   print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{draft_name}' "
-        f"{draft_params / 1e6:.2f}M; {len(inputs)} held-out inputs, gamma "
-        f"{gamma}, greedy, batch 1, {steps} new tokens.")
+        f"{draft_params / 1e6:.2f}M; {len(inputs)} held-out inputs, greedy, batch 1, {steps} "
+        f"new tokens max. Measured here: target step {costs.step_ms:.2f} ms; cost curve "
+        + ", ".join(f"C({k}) {v:.2f}" for k, v in sorted(costs.curve.items()) if k > 1) + ".")
+  print(speedup.rows_table(rows))
+  print(f"Why near 1X here: this target is so small that on this CPU scoring "
+        f"{row.gamma + 1} tokens costs C({row.gamma + 1}) = {costs.curve[row.gamma + 1]:.2f} "
+        f"target steps, and a draft step {row.c:.2f} of one; the paper's T5-XXL on a TPU "
+        f"scores gamma + 1 tokens for about the price of one. Act 2 runs this pair where a "
+        f"step is memory-bound.")
+  return bool(row.identical)
 
-  if compare:
-    return compare_methods(pair, draft, inputs, lengths, steps, gamma, c)
 
-  base_kwargs = dict(max_decode_steps=steps)
-  # The narrowest exact width for this gamma: on a CPU every extra token in a
-  # block costs time, so the demo verifies gamma + 1 tokens, not the default 8,
-  # and checks identity against target-only decoding at that same width.
-  spec_kwargs = dict(max_decode_steps=steps, draft=draft, gamma=gamma, block_width=gamma + 1)
-  timing = profiling.time_generate_pairs(pair.target, inputs, REPEATS.value, base_kwargs,
-                                         spec_kwargs, prompt_lengths=lengths)
-  ratios = [b / s for b, s in zip(timing.base_seconds, timing.spec_seconds)]
-  identical = timing.identical
-  stats = [s.stats for s in timing.spec_outputs]
-  outputs = [b.sequences[0] for b in timing.reference_outputs]
-
-  for i in range(min(SHOWN.value, len(inputs))):
-    context = pair.tokenizer.decode(pair.heldout[i]["input_ids"]).rstrip("\n")
-    context = context.splitlines()[-3:]
-    completion = pair.tokenizer.decode(
-        [t for t in np.asarray(outputs[i]).tolist() if t not in (0, 1)])
-    print(f"\n--- input {i} (last lines) ---\n" + "\n".join(context))
-    print(f"--- target and speculative completion (identical) ---\n{completion}")
-
-  drafted = sum(int(s.drafted.sum()) for s in stats)
-  accepted = sum(int(s.accepted_raw.sum()) for s in stats)
-  beta = sum(float(s.beta_sum.sum()) for s in stats) / max(
-      sum(int(s.beta_count.sum()) for s in stats), 1)
-  tokens = sum(int(s.emitted.sum()) for s in stats) / max(
-      sum(int(s.iterations.sum()) for s in stats), 1)
-  print(f"\nalpha (Corollary 3.6 estimate): {beta:.3f}; acceptance rate "
-        f"{accepted / max(drafted, 1):.3f}; mean tokens per iteration {tokens:.2f}")
-  widths = ", ".join(f"width {w}: {1e3 * sum(t) / len(t):.1f} ms/input"
-                     for w, t in sorted(timing.width_seconds.items()))
-  print(f"target-only decoding ({widths}); the baseline is the fastest, width "
-        f"{timing.base_width}")
-  print(f"speedup vs the fastest exact target-only decoding (median over inputs of median "
-        f"paired times): {statistics.median(ratios):.2f}X  [min {min(ratios):.2f}, "
-        f"max {max(ratios):.2f}]")
-  if len(curve) > gamma:
-    print(f"speedup side by side (alpha {beta:.2f}, gamma {gamma}, c {c:.3f}, C({gamma + 1}) "
-          f"{curve[gamma]:.2f}): predicted {theory.walltime_improvement(beta, gamma, c):.2f}X "
-          f"by Theorem 3.8 (free verification: an accelerator's regime), "
-          f"{theory.predicted_speedup_with_cost_curve(beta, gamma, c, curve):.2f}X with this "
-          f"machine's cost curve; measured {statistics.median(ratios):.2f}X")
-  print(f"identical outputs (vs target-only decoding at block width "
-        f"{timing.reference_width}, the speculative loop's width): "
-        f"{'yes' if identical else 'NO'}")
+def main(argv):
+  del argv
+  acts = set(ACTS.value)
+  if not acts or acts - {"1", "2"}:
+    raise app.UsageError(f"--acts={','.join(ACTS.value)}: choose from 1 and 2")
+  names = ["t5", "decoder_only"] if PAIR.value == "both" else [PAIR.value]
+  if METHODS.value != ["chain"] and (len(names) > 1 or "2" in acts):
+    raise app.UsageError("--methods compares methods on one pair in act 1: add --pair=t5 (or "
+                         "decoder_only) --acts=1")
+  pairs = {name: sj.load_demo_pair(name) for name in names}
+  budget = int(MEMORY_BUDGET_GB.value * 1024 ** 3)
+  if "2" in acts:  # Every act-2 shape checked against the budget before any work.
+    try:
+      act2.plan(pairs, {n: SHAPES[n].value for n in names}, budget, KERNEL_LAYOUT.value)
+    except (sj.MemoryBudgetError, sj.EmbeddingError) as e:
+      raise app.UsageError(str(e)) from e
+  identical = True
+  if "1" in acts:
+    for name in names:
+      identical &= act1(pairs[name])
+  if "2" in acts:
+    rows = {name: act2.run(pairs[name], SHAPES[name].value,
+                           gammas=sorted(int(g) for g in ACT2_GAMMAS.value),
+                           num_inputs=ACT2_INPUTS.value, repeats=ACT2_REPEATS.value,
+                           budget_bytes=budget, kernel_layout=KERNEL_LAYOUT.value,
+                           cache_dir=CACHE_DIR.value) for name in names}
+    identical &= all(r.identical for rs in rows.values() for r in rs)
+    print("\n" + act2.summary(rows))
   if not identical:
     sys.exit(1)
 

@@ -183,6 +183,9 @@ class DemoPair:
   input_len: C, the width `inputs` pads rows to.
   max_decode_steps: new tokens per input the pair was evaluated with.
   info: the pair's config.json / info.json (settings, stats).
+  card_alphas: {draft: {temperature: alpha}} as the trainers measured them on
+    held-out prompts (config.json / info.json and the heads' .json files), for
+    choosing gamma before measuring; {} where the cards say nothing.
   """
   family: str
   tokenizer: data.Tokenizer
@@ -193,6 +196,7 @@ class DemoPair:
   input_len: int
   max_decode_steps: int
   info: Dict[str, Any]
+  card_alphas: Dict[str, Dict[float, float]] = dataclasses.field(default_factory=dict)
 
   def inputs(self, n: Optional[int] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """(tokens [n, input_len] int32, lengths [n] int32 or None) of the first n held-out rows.
@@ -219,6 +223,32 @@ class DemoPair:
     """[n, max_decode_steps] int32: each row's reference continuation, 0-padded."""
     rows = self.heldout if n is None else self.heldout[:n]
     return data.pad_rows([r["target_ids"] for r in rows], self.max_decode_steps)
+
+
+def _card_alphas(records) -> Dict[str, Dict[float, float]]:
+  """Every {draft: {temperature: alpha}} table under an "alpha" key of the cards' stats
+  (later records win: the heads' evaluations are the most recent)."""
+  found: Dict[str, Dict[float, float]] = {}
+
+  def walk(node):
+    if not isinstance(node, dict):
+      return
+    for key, value in node.items():
+      if key in ("alpha", "alpha_after") and isinstance(value, dict):
+        walk(value)  # {"alpha": {"alpha": {...}}} nests once in info.json
+        for draft, by_temp in value.items():
+          if isinstance(by_temp, dict) and all(
+              isinstance(v, (int, float)) for v in by_temp.values()):
+            try:
+              found.setdefault(draft, {}).update({float(t): float(v) for t, v in by_temp.items()})
+            except ValueError:
+              continue
+      elif key != "alpha_before":
+        walk(value)
+
+  for record in records:
+    walk(record.get("stats", {}))
+  return found
 
 
 def _detect_family(path: str) -> Optional[str]:
@@ -302,5 +332,10 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
   ngrams = {name: NgramDraft.load(os.path.join(path, f"{name}.npz")) for name in NGRAM_NAMES
             if os.path.exists(os.path.join(path, f"{name}.npz"))}
   tokenizer = data.Tokenizer.load(os.path.join(path, "tokenizer.model"))
+  records = [info]
+  for meta in (FEATURE_HEAD_FILES[1], MEDUSA_HEAD_FILES[1]):
+    if os.path.exists(os.path.join(path, meta)):
+      with open(os.path.join(path, meta)) as f:
+        records.append(json.load(f))
   return DemoPair(family, tokenizer, target, drafts, ngrams, heldout, input_len,
-                  max_decode_steps, info)
+                  max_decode_steps, info, _card_alphas(records))

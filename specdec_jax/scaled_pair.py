@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 import warnings
 import zlib
@@ -53,10 +54,13 @@ class MemoryBudgetError(ValueError):
 
 def embed_model(model, shape, dtype: Optional[str] = None):
   """`model` (any family with an embedding) in a larger `shape`: the same function at the
-  large shape's cost. shape: a named config of the model's family or a config."""
+  large shape's cost. shape: a named config of the model's family, with optional
+  overrides, or a config (`shape_config`)."""
   family = family_of(model)
   model = layouts.with_kernel_layout(model, "in_out")  # the growing rules read [in, out]
-  large = family.embedded_config(model.config, shape, dtype)
+  large = shape_config(model, shape)
+  if dtype is not None:
+    large = large.replace(dtype=dtype)
   return family.model_type(large, family.embed_params(model.params, model.config, large))
 
 
@@ -145,7 +149,46 @@ def _digest(tree) -> str:
 
 
 def _shape_name(shape) -> str:
-  return shape if isinstance(shape, str) else repr(shape)
+  return shape if isinstance(shape, str) else "custom"
+
+
+def shape_config(small_model, shape):
+  """The large config of `shape` for `small_model` (unchecked against a budget).
+
+  shape: a config; a named config of the model's family ('t5_1_1_base',
+  'gpt2_medium': `Family.embedded_config`'s reading of it); or a named config
+  with overrides, 'gpt2_medium:num_layers=12,emb_dim=1536,num_heads=24,mlp_dim=6144'
+  (num_kv_heads follows num_heads at the small model's group size unless given).
+  Raises EmbeddingError naming a field the shape cannot take.
+  """
+  family = family_of(small_model)
+  config = small_model.config
+  if not isinstance(shape, str):
+    return family.embedded_config(config, shape)
+  name, _, rest = shape.partition(":")
+  large = family.embedded_config(config, name)
+  if not rest:
+    return large
+  overrides: Dict[str, Any] = {}
+  for item in rest.split(","):
+    field, eq, value = item.partition("=")
+    field = field.strip()
+    if not eq or not hasattr(large, field):
+      raise widen.EmbeddingError(f"shape {shape!r}: {item!r} is not field=value of a "
+                                 f"{type(large).__name__}")
+    try:
+      overrides[field] = int(value)
+    except ValueError as e:
+      raise widen.EmbeddingError(f"shape {shape!r}: {field}={value!r} is not an integer") from e
+  if "num_heads" in overrides and "num_kv_heads" not in overrides and hasattr(config,
+                                                                              "num_kv_heads"):
+    overrides["num_kv_heads"] = overrides["num_heads"] // (config.num_heads //
+                                                           config.num_kv_heads)
+  if "num_layers" in overrides and getattr(large, "layer_types", None) is not None:
+    types = tuple(large.layer_types)
+    overrides["layer_types"] = (types + (types[-1],) * overrides["num_layers"])[
+        :overrides["num_layers"]]
+  return family.embedded_config(config, large.replace(**overrides))
 
 
 def plan(pair, shape, *, dtype: Optional[str] = None, kernel_layout: str = "out_in",
@@ -158,7 +201,10 @@ def plan(pair, shape, *, dtype: Optional[str] = None, kernel_layout: str = "out_
   """
   family = family_of(pair.target)
   small = layouts.with_kernel_layout(pair.target, "in_out")
-  large = family.embedded_config(small.config, shape, dtype).replace(kernel_layout=kernel_layout)
+  large = shape_config(small, shape)
+  if dtype is not None:
+    large = large.replace(dtype=dtype)
+  large = large.replace(kernel_layout=kernel_layout)
   target_shapes = jax.eval_shape(
       lambda p: family.embed_params(p, small.config, large.replace(kernel_layout="in_out")),
       small.params)
@@ -296,7 +342,8 @@ def scale_pair(pair, shape: Union[str, Any], *, dtype: Optional[str] = None,
                               memory_budget_bytes=memory_budget_bytes)
   cache_dir = cache_dir or os.environ.get("SPECDEC_JAX_SCALED_CACHE") or DEFAULT_CACHE_DIR
   key = cache_key(pair, shape, large)
-  stem = f"{pair.family}-{_shape_name(shape) if isinstance(shape, str) else 'custom'}"
+  stem = f"{pair.family}-" + "".join(ch if ch.isalnum() or ch in "_." else "-"
+                                     for ch in _shape_name(shape))
   path = os.path.join(cache_dir, f"{stem}-{key[:16]}.npz")
   small = layouts.with_kernel_layout(pair.target, "in_out")
   family = family_of(pair.target)
@@ -318,9 +365,10 @@ def scale_pair(pair, shape: Union[str, Any], *, dtype: Optional[str] = None,
       log(f"building the {pair.family} pair at {_shape_name(shape)} "
           f"({needed['target'] / 1024 ** 3:.2f} GB of target weights); cached in {path}")
     arrays = _build(pair, large, heads)
+    stale = re.compile(re.escape(stem) + r"-[0-9a-f]{16}\.npz(\.json)?")
     for old in os.listdir(cache_dir) if os.path.isdir(cache_dir) else []:
-      if old.startswith(stem + "-") and not old.startswith(os.path.basename(path)):
-        os.remove(os.path.join(cache_dir, old))  # an entry for inputs that changed
+      if stale.fullmatch(old) and not old.startswith(os.path.basename(path)):
+        os.remove(os.path.join(cache_dir, old))  # this pair and shape, inputs that changed
     _write_cache(path, key, arrays)
 
   groups: Dict[str, Dict[str, Any]] = {}

@@ -168,6 +168,22 @@ def block_step_seconds(model, inputs, k: int, max_decode_len: int, repeats: int,
   return ms["model"][k] / 1e3
 
 
+def start_ms(model, inputs, max_decode_steps: int, repeats: int, lengths=None) -> float:
+  """Median ms of the family's start at batch 1 (the prompt's prefill; T5: the encoder and
+  the cross-attention keys/values): what every decode pays once, before its first step."""
+  family, config = family_of(model), model.config
+  tokens, row_lengths = family.check_inputs(config, inputs[:1], None if lengths is None else
+                                            lengths[:1], max_decode_steps)
+  fn = _start_fn(config, max_decode_steps)
+  jax.block_until_ready(fn(model.params, tokens, row_lengths))  # Compile.
+  samples = []
+  for _ in range(repeats):
+    start_time = time.perf_counter()
+    jax.block_until_ready(fn(model.params, tokens, row_lengths))
+    samples.append((time.perf_counter() - start_time) * 1e3)
+  return statistics.median(samples)
+
+
 @dataclasses.dataclass
 class PairedTimes:
   """Per-input timings of target-only vs speculative `generate` (see time_generate_pairs).
@@ -246,7 +262,8 @@ def time_generate_pairs(target, inputs, repeats: int, base_kwargs, spec_kwargs,
 
 
 def time_generate_sides(target, inputs, repeats: int, sides: Dict[Any, Dict[str, Any]],
-                        prompt_lengths=None) -> Tuple[Dict[Any, List[float]], Dict[Any, List[Any]]]:
+                        prompt_lengths=None, warmup: str = "each"
+                        ) -> Tuple[Dict[Any, List[float]], Dict[Any, List[Any]]]:
   """Times several `generate` configurations ("sides") of one target on each input at batch 1.
 
   Per input: one untimed call of each side (compiles on the first input), then
@@ -258,6 +275,8 @@ def time_generate_sides(target, inputs, repeats: int, sides: Dict[Any, Dict[str,
     inputs: [n, C] int32 (T5: encoder tokens; decoder-only: right-padded prompts).
     sides: {name: `generate` keyword arguments}.
     prompt_lengths: [n] int32 where the family reads them, else None.
+    warmup: 'each' input runs every side once untimed first; 'first': only the first
+      input (the compile), so later inputs cost only their timed rounds (repeats >= 1).
   Returns:
     ({name: [n] median seconds per input}, {name: [n] `GenerateOutput`s of the last call}).
   """
@@ -274,7 +293,8 @@ def time_generate_sides(target, inputs, repeats: int, sides: Dict[Any, Dict[str,
   order = list(sides)
   for i in range(len(inputs)):
     x = (inputs[i:i + 1], None if prompt_lengths is None else prompt_lengths[i:i + 1])
-    outs = {side: timed(x, kwargs)[1] for side, kwargs in sides.items()}
+    outs = ({side: timed(x, kwargs)[1] for side, kwargs in sides.items()}
+            if warmup == "each" or i == 0 or not repeats else {})
     times = {side: [] for side in sides}
     for repeat in range(repeats):
       shift = repeat % len(order)

@@ -8,8 +8,10 @@ For a target and its drafts, at batch 1 (the paper's setting):
 * each draft's alpha: the Corollary 3.6 estimate pooled over probe decodes
   (`probe_alpha`; it does not depend on gamma);
 * gamma: the theory's optimum for that alpha, c and cost curve (`choose_gamma`);
-* the predicted speedup (`theory.predicted_speedup_with_cost_curve`; beside it
-  Theorem 3.8's, which assumes free verification) and the measured one: target-only
+* the predicted speedup (`theory.predicted_speedup_with_cost_curve` for the decode
+  steps; end to end, the measured target-only time with its start (the prompt's
+  prefill, T5's encoder: paid once by both sides) kept and the rest divided by it;
+  beside it Theorem 3.8's, which assumes free verification) and the measured one: target-only
   decoding at block width 1 (the fastest exact baseline wherever C(k) > 1) and every
   draft at its gamma, timed on the same inputs with the order rotating
   (`profiling.time_generate_sides`), speedup = total target-only time / total
@@ -36,19 +38,23 @@ from specdec_jax.tools import profiling
 
 @dataclasses.dataclass
 class Costs:
-  """curve: [C(1) = 1, .., C(max_k)]; step_ms: one target step (k = 1) in ms;
-  c: {draft: per-token proposal cost / step}."""
-  curve: List[float]
+  """curve: {k: C(k)} for the measured block sizes (C(1) = 1); step_ms: one target step
+  (k = 1) in ms;
+  c: {draft: per-token proposal cost / step}; start_ms: the target's start (the prompt's
+  prefill, T5's encoder) at batch 1, which target-only and speculative decoding both pay."""
+  curve: Dict[int, float]
   step_ms: float
   c: Dict[str, float]
+  start_ms: float = 0.0
 
 
 def measure_costs(target, drafts: Dict[str, Any], inputs, lengths, max_decode_steps: int,
-                  max_k: int, repeats: int = 5, calls: int = 4) -> Costs:
-  """The target's cost curve for k = 1..max_k and each draft's c, timed on the first input
-  (`repeats` samples of `calls` calls in one compiled loop, median)."""
+                  ks: Sequence[int], repeats: int = 5, calls: int = 4) -> Costs:
+  """The target's cost curve at block sizes `ks` (1 is always measured) and each draft's c,
+  timed on the first input (`repeats` samples of `calls` calls in one compiled loop, median).
+  Each k is a program of its own to compile: measure the k = gamma + 1 a run may choose."""
   first = None if lengths is None else lengths[:1]
-  ks = list(range(1, max_k + 1))
+  ks = sorted(set(ks) | {1})
   ms = profiling.time_block_calls({"target": target}, inputs[:1], max_decode_steps, ks, repeats,
                                   calls=calls, lengths=first)["target"]
   models = {n: d for n, d in drafts.items() if is_model(d)}
@@ -63,7 +69,8 @@ def measure_costs(target, drafts: Dict[str, Any], inputs, lengths, max_decode_st
     head_ms = profiling.time_proposals(target, others, inputs[:1], max_decode_steps, gamma,
                                        repeats, calls=calls, lengths=first)
     c.update({n: head_ms[n] / gamma / ms[1] for n in others})
-  return Costs(curve=[ms[k] / ms[1] for k in ks], step_ms=ms[1], c=c)
+  start = profiling.start_ms(target, inputs, max_decode_steps, repeats, lengths)
+  return Costs(curve={k: ms[k] / ms[1] for k in ks}, step_ms=ms[1], c=c, start_ms=start)
 
 
 def pooled_alpha(outputs) -> float:
@@ -82,12 +89,20 @@ def probe_alpha(target, draft, inputs, lengths, gamma: int = 4, **kwargs) -> flo
   return pooled_alpha([out])
 
 
-def choose_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int) -> int:
-  """The gamma in 1..max_gamma (and below len(curve)) maximising the cost-curve prediction;
-  the smallest on ties."""
-  top = min(max_gamma, len(curve) - 1)
-  return max(range(1, top + 1), key=lambda g: (
-      theory.predicted_speedup_with_cost_curve(min(alpha, 0.999), g, c, curve), -g))
+def predicted_decode_speedup(alpha: float, gamma: int, c: float, curve: Dict[int, float]
+                             ) -> float:
+  """Theorem 3.8 with the measured C(gamma + 1): E[tokens per iteration] / (gamma c +
+  C(gamma + 1)), per target step."""
+  return theory.predicted_speedup_with_verify_cost(min(alpha, 0.999), gamma, c, curve[gamma + 1])
+
+
+def choose_gamma(alpha: float, c: float, curve: Dict[int, float], max_gamma: int) -> int:
+  """The gamma <= max_gamma whose C(gamma + 1) was measured maximising the cost-curve
+  prediction; the smallest on ties."""
+  candidates = [k - 1 for k in curve if 1 <= k - 1 <= max_gamma]
+  if not candidates:
+    raise ValueError(f"no measured block size k = gamma + 1 <= {max_gamma + 1} in {sorted(curve)}")
+  return max(candidates, key=lambda g: (predicted_decode_speedup(alpha, g, c, curve), -g))
 
 
 def identical_outputs(spec_outputs, base_outputs, reference=None) -> bool:
@@ -110,11 +125,14 @@ def identical_outputs(spec_outputs, base_outputs, reference=None) -> bool:
 class Row:
   """One draft's measured row (speedups against target-only decoding at width 1)."""
   draft: str
-  alpha: float
+  alpha: float                # measured in the timed decodes (Corollary 3.6, pooled)
+  alpha_for_gamma: float      # the alpha gamma was chosen with (given, or probed)
   c: float
   gamma: int
   predicted_free: float       # Theorem 3.8: verification free (an accelerator's regime)
-  predicted: float            # with the measured cost curve
+  predicted_decode: float     # with the measured cost curve: the decode steps alone
+  predicted: float            # end to end: the measured target-only time, its start
+                              # (prefill) kept and its decode divided by predicted_decode
   measured: float             # total target-only time / total speculative time
   per_input: List[float]      # per-input ratios
   identical: Optional[bool]   # greedy only
@@ -127,7 +145,7 @@ def measure_rows(target, drafts: Dict[str, Any], inputs, lengths, max_decode_ste
                  costs: Costs, *, repeats: int, max_gamma: int, temperature: float = 0.0,
                  gammas: Optional[Dict[str, int]] = None, alphas: Optional[Dict[str, float]] = None,
                  side_kwargs: Optional[Dict[str, Dict[str, Any]]] = None, seed: int = 0,
-                 log=None) -> List[Row]:
+                 warmup: str = "each", log=None) -> List[Row]:
   """Every draft's row: alpha, c, gamma, predicted and measured speedup, identical outputs.
 
   Args:
@@ -137,9 +155,11 @@ def measure_rows(target, drafts: Dict[str, Any], inputs, lengths, max_decode_ste
     repeats: timed rounds per input after one untimed call of each side.
     max_gamma: the largest gamma the theory may choose.
     temperature: 0 (greedy: identity is checked) or sampling (identity n/a).
-    gammas: {draft: gamma} fixed instead of chosen; alphas: {draft: alpha} known
-      (else probed on all inputs at gamma 4).
+    gammas: {draft: gamma} fixed instead of chosen; alphas: {draft: alpha} to choose
+      gamma with (a pair's card; else probed on all inputs at gamma 4, one more program).
     side_kwargs: {draft: extra `generate` kwargs} (e.g. verification='block').
+    warmup: 'each' input's sides run once untimed first, or only the 'first' input's
+      (the compile; later inputs go straight to the timed rounds).
   """
   from specdec_jax.generation import generate
   common = dict(max_decode_steps=max_decode_steps, temperature=temperature,
@@ -157,7 +177,8 @@ def measure_rows(target, drafts: Dict[str, Any], inputs, lengths, max_decode_ste
     sides[name] = dict(common, draft=draft, gamma=gamma, block_width=gamma + 1, **extra)
     if log:
       log(f"  {name}: alpha {alpha:.2f}, c {costs.c[name]:.3f} -> gamma {gamma}")
-  seconds, outputs = profiling.time_generate_sides(target, inputs, repeats, sides, lengths)
+  seconds, outputs = profiling.time_generate_sides(target, inputs, repeats, sides, lengths,
+                                                   warmup=warmup)
   base = seconds["target"]
   rows = []
   for name in drafts:
@@ -170,14 +191,32 @@ def measure_rows(target, drafts: Dict[str, Any], inputs, lengths, max_decode_ste
         return generate(target, *x, **dict(common, block_width=width))
       identical = identical_outputs(outputs[name], outputs["target"], reference)
     c = costs.c[name]
-    predicted = (theory.predicted_speedup_with_cost_curve(min(alpha, 0.999), gamma, c, costs.curve)
-                 if gamma < len(costs.curve) else float("nan"))
+    decode = (predicted_decode_speedup(alpha, gamma, c, costs.curve)
+              if gamma + 1 in costs.curve else float("nan"))
+    start = min(costs.start_ms / 1e3 * len(base), 0.99 * sum(base))
+    predicted = sum(base) / (start + (sum(base) - start) / decode)
     rows.append(Row(
-        draft=name, alpha=alpha, c=c, gamma=gamma,
+        draft=name, alpha=pooled_alpha(outputs[name]), alpha_for_gamma=alpha, c=c, gamma=gamma,
         predicted_free=theory.walltime_improvement(min(alpha, 0.999), gamma, c),
-        predicted=predicted, measured=sum(base) / sum(spec),
+        predicted_decode=decode, predicted=predicted, measured=sum(base) / sum(spec),
         per_input=[b / s for b, s in zip(base, spec)], identical=identical,
         tokens_per_iteration=float(np.mean([o.stats.mean_tokens_per_iteration
                                             for o in outputs[name]])),
         spec_seconds=sum(spec), base_seconds=sum(base)))
   return rows
+
+
+def rows_table(rows: Sequence[Row]) -> str:
+  """The rows as a fixed-width table (one line per draft)."""
+  header = (f"{'draft':>9} {'alpha':>5} {'c':>6} {'gamma':>5} {'tok/it':>6} "
+            f"{'pred: Thm 3.8':>13} {'pred: here':>10} {'measured':>8} {'[min, max]':>13} "
+            f"{'meas/pred':>9}  identical")
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    same = {True: "yes", False: "NO", None: "n/a (sampling)"}[r.identical]
+    lines.append(
+        f"{r.draft:>9} {r.alpha:5.2f} {r.c:6.3f} {r.gamma:5d} {r.tokens_per_iteration:6.2f} "
+        f"{r.predicted_free:12.2f}X {r.predicted:9.2f}X {r.measured:7.2f}X "
+        f"{'[%.2f, %.2f]' % (min(r.per_input), max(r.per_input)):>13} "
+        f"{r.measured / r.predicted:9.2f}  {same}")
+  return "\n".join(lines)
