@@ -23,6 +23,13 @@ Timings on a CPU shared with other jobs move by a few tenths of X between runs.
   python -m experiments.mini_table2 --output_dir=results/mini_table2 [--num_inputs=12]
 
 Writes results.json and results.md (atomically) and prints the table beside the paper's.
+Resumable: each finished row is written to rows/<draft>_T<temperature>.json
+(atomically) and read back instead of measured again.
+
+`--target_shape=t5_1_1_base` (or `gpt2_medium` with `--demo_pair_dir=decoder_only`)
+first embeds the target function-preservingly in that shape (`sj.scale_pair`,
+`make demo`'s act 2): the same drafts and alpha at a large model's cost, the
+regime the paper is about.
 """
 
 from typing import Dict, List
@@ -30,6 +37,9 @@ from typing import Dict, List
 from absl import app, flags, logging
 import jax
 import numpy as np
+
+import json
+import os
 
 from experiments.paper_tables import TABLE2
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
@@ -39,6 +49,7 @@ from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs,
 from specdec_jax import results as results_lib
 from specdec_jax.core import theory
 from specdec_jax.demo_pair import load_demo_pair
+from specdec_jax.scaled_pair import scale_pair
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("demo_pair_dir", None, "Demo pair directory, or a family name (t5, "
@@ -50,6 +61,10 @@ flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures.")
 flags.DEFINE_list("gammas", ["1", "2", "3", "4", "5", "7"], "Gamma sweep for the T5 drafts.")
 flags.DEFINE_list("ngram_gammas", ["1", "2", "3"], "Gamma sweep for the n-gram drafts.")
 flags.DEFINE_integer("max_gamma", 8, "Largest gamma the theory may choose.")
+flags.DEFINE_string("target_shape", None, "Embed the pair's target function-preservingly in "
+                    "this shape first (`sj.scale_pair`: e.g. t5_1_1_base, gpt2_medium), with its "
+                    "heads grown: the same drafts and alpha at a large model's cost.")
+flags.DEFINE_float("memory_budget_gb", 4.0, "--target_shape: the embedding's memory budget.")
 
 
 def pooled_alpha(outputs) -> float:
@@ -71,8 +86,12 @@ def run(output_dir: str) -> Dict:
   inputs, lengths = pair.inputs(FLAGS.num_inputs)
   first = None if lengths is None else lengths[:1]
   steps = pair.max_decode_steps
-  target = pair.target
-  drafts = {**pair.drafts, **pair.ngrams}
+  target, model_drafts = pair.target, pair.drafts
+  if FLAGS.target_shape:
+    scaled = scale_pair(pair, FLAGS.target_shape,
+                        memory_budget_bytes=int(FLAGS.memory_budget_gb * 1024 ** 3))
+    target, model_drafts = scaled.target, scaled.drafts
+  drafts = {**model_drafts, **pair.ngrams}
   unknown = [d for d in FLAGS.drafts if d not in drafts]
   if unknown:
     raise ValueError(f"unknown drafts {unknown}; the pair has {sorted(drafts)}")
@@ -85,8 +104,8 @@ def run(output_dir: str) -> Dict:
   # Models: one k=1 call; a feature head (a Draft, not a model): a whole 4-token proposal
   # per token (`profiling.time_proposals`: its own calls and sampling).
   c = {name: block_step_seconds(m, inputs[:1], 1, steps, 20, lengths=first) / target_step[0]
-       for name, m in pair.drafts.items() if is_model(m)}
-  heads = {name: m for name, m in pair.drafts.items()
+       for name, m in model_drafts.items() if is_model(m)}
+  heads = {name: m for name, m in model_drafts.items()
            if not is_model(m) and name in FLAGS.drafts}
   if heads:
     ms = time_proposals(target, heads, inputs[:1], steps, 4, 20, lengths=first)
@@ -98,8 +117,13 @@ def run(output_dir: str) -> Dict:
     kwargs = dict(max_decode_steps=steps, temperature=temperature, rng=jax.random.PRNGKey(0))
     for name in FLAGS.drafts:
       draft = drafts[name]
+      row_path = os.path.join(output_dir, "rows", f"{name}_T{temperature:g}.json")
+      if os.path.exists(row_path):  # resumed: a finished row (written atomically)
+        with open(row_path) as f:
+          rows.append(json.load(f))
+        continue
       # Model drafts and feature heads sweep --gammas; n-gram drafts --ngram_gammas.
-      neural = name in pair.drafts
+      neural = name in model_drafts
       sweep = [int(g) for g in (FLAGS.gammas if neural else FLAGS.ngram_gammas)]
       # alpha does not depend on gamma (per-position acceptance); measure it at gamma = 4.
       probe = time_generate_pairs(target, inputs, 0, kwargs, dict(kwargs, draft=draft, gamma=4),
@@ -144,11 +168,13 @@ def run(output_dir: str) -> Dict:
                  identical_outputs=identical if temperature == 0.0 else None,
                  sweep=measured)
       rows.append(row)
+      results_lib.write_json_atomic(row_path, row)
       logging.info("%s", {k: v for k, v in row.items() if k != "sweep"})
 
   result = dict(num_inputs=len(inputs), repeats=FLAGS.repeats, max_decode_steps=steps,
                 block_cost=block_cost, target_step_seconds=target_step[0], c=c, rows=rows,
-                params=pair.info.get("params"), device=jax.devices()[0].device_kind)
+                params=pair.info.get("params"), device=jax.devices()[0].device_kind,
+                target_shape=FLAGS.target_shape, target_params=target.config.num_params)
   md = markdown(result)
   results_lib.write_json_atomic(f"{output_dir}/results.json", result)
   results_lib.write_text_atomic(f"{output_dir}/results.md", md)
@@ -157,7 +183,11 @@ def run(output_dir: str) -> Dict:
 
 
 def markdown(result: Dict) -> str:
-  lines = ["## Table 2 on the demo pair (code completion, CPU, batch 1)", "",
+  shape = result.get("target_shape")
+  title = ("## Table 2 on the demo pair (code completion, CPU, batch 1)" if not shape else
+           f"## Table 2 on the demo pair, its target embedded at {shape} "
+           f"({result['target_params'] / 1e6:.0f}M params; code completion, CPU, batch 1)")
+  lines = [title, "",
            f"{result['num_inputs']} held-out inputs, {result['max_decode_steps']} new tokens max, "
            f"median of {result['repeats']} repeats. Target step "
            f"{1e3 * result['target_step_seconds']:.2f} ms; verifying k tokens costs "

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax import scaled_pair
 from specdec_jax.core import verification
 from specdec_jax.families.kernel_layout import with_kernel_layout
 from specdec_jax.tools import speedup
@@ -29,6 +28,7 @@ def _greedy(model, pair, n, steps, **kwargs):
                                 **kwargs).sequences)
 
 
+@pytest.mark.slow  # ~65 s each (make test budget); act 2's shapes are in make test-slow too
 @pytest.mark.parametrize("family", ["decoder_only", "t5"])
 def test_embedded_target_and_drafts_keep_the_pairs_function(family, tmp_path):
   """Float32, a small grown shape: greedy outputs of the embedded target equal the shipped
