@@ -16,6 +16,8 @@ The large model reads every weight, zeros included: the cost of a step is the
 large shape's, the function the small one's.
 """
 
+from typing import List, Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,32 @@ Array = jax.Array
 
 class EmbeddingError(ValueError):
   """The small model's layout cannot be embedded function-preservingly in that shape."""
+
+
+def layout_problems(config, large, same_fields, grown_fields) -> List[str]:
+  """What stops `config` (small) from being embedded in `large`: fields that must match,
+  sizes that shrink, a width that is not a multiple. Both configs have `emb_dim`."""
+  problems = [f"{f} differs ({getattr(config, f)!r} vs {getattr(large, f)!r})"
+              for f in same_fields if getattr(config, f) != getattr(large, f)]
+  problems += [f"{f} shrinks ({getattr(config, f)} -> {getattr(large, f)})"
+               for f in grown_fields if getattr(large, f) < getattr(config, f)]
+  if large.emb_dim % config.emb_dim:
+    problems.append(f"emb_dim {large.emb_dim} is not a multiple of {config.emb_dim}")
+  return problems
+
+
+def checked_ratio(config, large, problems: List[str]) -> int:
+  """Raises EmbeddingError naming every problem; else the width ratio r."""
+  if problems:
+    raise EmbeddingError("cannot embed this model function-preservingly: " + "; ".join(problems))
+  return large.emb_dim // config.emb_dim
+
+
+def checked_config(config, large, dtype: Optional[str], check):
+  """`large` in `dtype` (None: as it is), after `check(config, large)` (raises)."""
+  large = large if dtype is None else large.replace(dtype=dtype)
+  check(config, large)
+  return large
 
 
 def repeat(x, axis: int, r: int) -> Array:

@@ -35,7 +35,7 @@ not a multiple; a tied large model.
 """
 
 import math
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -90,39 +90,26 @@ def embedded_config(config: DecoderOnlyConfig, shape: Union[str, DecoderOnlyConf
             0, named.num_layers - config.num_layers))
   else:
     large = shape
-  if dtype is not None:
-    large = large.replace(dtype=dtype)
-  check_embeddable(config, large)
-  return large
+  return widen.checked_config(config, large, dtype, check_embeddable)
 
 
 def check_embeddable(config: DecoderOnlyConfig, large: DecoderOnlyConfig) -> int:
   """Raises EmbeddingError naming every problem; returns the width ratio r."""
-  problems: List[str] = []
-  for field in _SAME_FIELDS:
-    if getattr(config, field) != getattr(large, field):
-      problems.append(f"{field} differs ({getattr(config, field)!r} vs {getattr(large, field)!r})")
+  problems = widen.layout_problems(config, large, _SAME_FIELDS, _GROWN_FIELDS)
   if config.scale_embeddings:
     problems.append("scale_embeddings: embeddings are scaled by sqrt(emb_dim), which grows "
                     "with the width (Gemma layouts cannot be embedded)")
   if large.tie_word_embeddings:
     problems.append("the large model is tied (tie_word_embeddings): its table cannot both "
                     "repeat the stream and read it once; embed into an untied shape")
-  for field in _GROWN_FIELDS:
-    if getattr(large, field) < getattr(config, field):
-      problems.append(f"{field} shrinks ({getattr(config, field)} -> {getattr(large, field)})")
   if config.num_heads * large.num_kv_heads != large.num_heads * config.num_kv_heads:
     problems.append(f"query heads per key/value head differ ({config.num_heads}/"
                     f"{config.num_kv_heads} vs {large.num_heads}/{large.num_kv_heads})")
-  if large.emb_dim % config.emb_dim:
-    problems.append(f"emb_dim {large.emb_dim} is not a multiple of {config.emb_dim}")
   small_types, large_types = config.attention_types, large.attention_types
   if tuple(large_types[:len(small_types)]) != tuple(small_types):
     problems.append(f"the first {len(small_types)} layers' attention types differ "
                     f"({small_types} vs {large_types[:len(small_types)]})")
-  if problems:
-    raise EmbeddingError("cannot embed this model function-preservingly: " + "; ".join(problems))
-  return large.emb_dim // config.emb_dim
+  return widen.checked_ratio(config, large, problems)
 
 
 class _Grower:

@@ -33,7 +33,7 @@ multiple.
                                                    # demo's 2048-token vocabulary
 """
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -74,30 +74,17 @@ def embedded_config(config: T5Config, shape: Union[str, T5Config], dtype: Option
     large = named.replace(**{f: getattr(config, f) for f in _SAME_FIELDS}, dtype=config.dtype)
   else:
     large = shape
-  if dtype is not None:
-    large = large.replace(dtype=dtype)
-  check_embeddable(config, large)
-  return large
+  return widen.checked_config(config, large, dtype, check_embeddable)
 
 
 def check_embeddable(config: T5Config, large: T5Config) -> int:
   """Raises EmbeddingError naming every problem; returns the width ratio r."""
-  problems: List[str] = []
-  for field in _SAME_FIELDS:
-    if getattr(config, field) != getattr(large, field):
-      problems.append(f"{field} differs ({getattr(config, field)!r} vs {getattr(large, field)!r})")
+  problems = widen.layout_problems(config, large, _SAME_FIELDS, _GROWN_FIELDS)
   if config.logits_via_embedding or large.logits_via_embedding:
     problems.append("tied logits (logits_via_embedding): the tied projection and its "
                     "emb_dim**-0.5 rescaling do not survive widening (logits would scale by "
                     "sqrt(r)); only untied (T5 1.1) layouts can be embedded")
-  for field in _GROWN_FIELDS:
-    if getattr(large, field) < getattr(config, field):
-      problems.append(f"{field} shrinks ({getattr(config, field)} -> {getattr(large, field)})")
-  if large.emb_dim % config.emb_dim:
-    problems.append(f"emb_dim {large.emb_dim} is not a multiple of {config.emb_dim}")
-  if problems:
-    raise EmbeddingError("cannot embed this model function-preservingly: " + "; ".join(problems))
-  return large.emb_dim // config.emb_dim
+  return widen.checked_ratio(config, large, problems)
 
 
 class _Grower:
