@@ -7,7 +7,8 @@ logits) with its projection kernels stored [in, out] (Flax's layout) and
 [out, in] (`families.kernel_layout`). The ideal is the weight read plus k rows
 of arithmetic: C(k) = 1 + (k - 1) * (2 * params / flops per second) / step.
 
-  python scripts/kernel_layout_cost.py --output=benchmarks/issue30/kernel_layout_cost.json
+  PYTHONPATH=. python scripts/kernel_layout_cost.py --ks=1,2,5,9,13 \
+    --output=benchmarks/issue30/kernel_layout_cost.json
 """
 
 import json
