@@ -11,7 +11,6 @@ of arithmetic: C(k) = 1 + (k - 1) * (2 * params / flops per second) / step.
     --output=benchmarks/issue30/kernel_layout_cost.json
 """
 
-import json
 import os
 import platform
 import sys
