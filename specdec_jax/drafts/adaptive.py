@@ -96,6 +96,10 @@ class AdaptiveGammaDraft(Draft):
   def calls_per_proposal(self, gamma: int) -> int:
     return self.draft.calls_per_proposal(gamma)
 
+  @property
+  def max_gamma(self):
+    return self.draft.max_gamma
+
   def proposer(self, params, plan):
     inner = self.draft.proposer(params, plan)
     gamma = plan.gamma
