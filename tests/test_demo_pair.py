@@ -139,6 +139,21 @@ def test_make_demo_entry_point_runs(tmp_path):
                       r"\d+\.\d\dX, identical outputs: yes", last), last
   assert " NO" not in result.stdout
 
+@pytest.mark.slow  # make test budget; runs in make test-slow
+
+def test_make_demo_methods_runs():
+  """`make demo-methods` (act 1's side-by-side methods) completes with identical outputs."""
+  import subprocess
+  import sys
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.demo", "--pair=t5", "--acts=1",
+       "--methods=chain,tree", "--num_inputs=1", "--repeats=1"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+      text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "Side by side at block width" in result.stdout
+  assert result.stdout.count(" yes (vs W=") == 2, result.stdout
+
 @pytest.mark.slow  # make test budget (CI ran it in 17 min); runs in make test-slow
 
 def test_mini_table2_smoke(tmp_path):
