@@ -85,24 +85,6 @@ KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "out_in", ["out_in", "in_out"
                                   "Act 2: how the embedded target stores its kernels.")
 
 
-def measure_costs(target, draft, inputs, lengths, max_len: int, repeats: int = 5):
-  """(cost curve [C(1) = 1, .., C(MAX_GAMMA + 1)], c, target step ms), measured here.
-
-  inputs [n, C] / lengths [n] or None: `pair.inputs(n)`; the first row is timed.
-  """
-  ks = list(range(1, MAX_GAMMA + 2))
-  first = None if lengths is None else lengths[:1]
-  target_ms = profiling.time_block_calls({"target": target}, inputs[:1], max_len, ks,
-                                         repeats, lengths=first)["target"]
-  if is_model(draft):
-    draft_ms = profiling.time_block_calls({"draft": draft}, inputs[:1], max_len, [1],
-                                          repeats, lengths=first)["draft"][1]
-  else:  # A trained head: one whole 4-token proposal, per token (its own calls and sampling).
-    draft_ms = profiling.time_proposals(target, {"draft": draft}, inputs[:1],
-                                        max_len, 4, repeats, lengths=first)["draft"] / 4
-  return [target_ms[k] / target_ms[1] for k in ks], draft_ms / target_ms[1], target_ms[1]
-
-
 def act1(pair) -> bool:
   """Act 1, the trained pair as it is (one draft). Returns whether outputs were identical."""
   draft_name = DRAFT.value or next(iter(pair.drafts))
@@ -114,8 +96,9 @@ def act1(pair) -> bool:
   inputs, lengths = pair.inputs(NUM_INPUTS.value)
   print(f"\n=== Act 1: the trained {pair.family} pair as it is ===")
   if METHODS.value != ["chain"]:
-    curve, c, _ = measure_costs(pair.target, draft, inputs, lengths, steps)
-    compare_methods(pair, draft, inputs, lengths, steps, GAMMA.value or 4, c)
+    costs = speedup.measure_costs(pair.target, {draft_name: draft}, inputs, lengths, steps,
+                                  [2], repeats=5)
+    compare_methods(pair, draft, inputs, lengths, steps, GAMMA.value or 4, costs.c[draft_name])
     return True  # compare_methods exits with status 1 on any non-identical method
 
   # What verification and drafting cost on this machine; gamma from the card's alpha.

@@ -46,6 +46,7 @@ from experiments.paper_tables import TABLE2
 from experiments.run import OUTPUT_DIR
 from specdec_jax.families.registry import is_model
 from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs, time_proposals
+from specdec_jax.tools.speedup import pooled_alpha
 from specdec_jax import results as results_lib
 from specdec_jax.core import theory
 from specdec_jax.demo_pair import load_demo_pair
@@ -65,12 +66,6 @@ flags.DEFINE_string("target_shape", None, "Embed the pair's target function-pres
                     "this shape first (`sj.scale_pair`: e.g. t5_1_1_base, gpt2_medium), with its "
                     "heads grown: the same drafts and alpha at a large model's cost.")
 flags.DEFINE_float("memory_budget_gb", 4.0, "--target_shape: the embedding's memory budget.")
-
-
-def pooled_alpha(outputs) -> float:
-  beta = sum(float(o.stats.beta_sum.sum()) for o in outputs)
-  count = sum(float(o.stats.beta_count.sum()) for o in outputs)
-  return beta / max(count, 1.0)
 
 
 def paper_rows_markdown() -> str:

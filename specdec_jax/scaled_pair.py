@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from specdec_jax.drafts import as_draft
 from specdec_jax.families import kernel_layout as layouts
 from specdec_jax.families import widen
 from specdec_jax.families.registry import family_of, is_model
@@ -64,34 +65,10 @@ def embed_model(model, shape, dtype: Optional[str] = None):
   return family.model_type(large, family.embed_params(model.params, model.config, large))
 
 
-def _grown_head_params(draft, small_target, large_config):
-  """The arrays of a feature or Medusa draft grown for the embedded target (in_out)."""
-  family = family_of(small_target)
-  kind = _head_kind(draft)
-  if kind == "feature":
-    return family.embed_feature_head_params(draft.head_params, small_target.config, large_config)
-  r = large_config.emb_dim // small_target.config.emb_dim
-  return widen.medusa_params(draft.head_params, r)
-
-
-def _head_kind(draft) -> Optional[str]:
-  from specdec_jax.drafts.feature_draft import FeatureDraft
-  from specdec_jax.drafts.medusa import MedusaDraft
-  if isinstance(draft, FeatureDraft):
-    return "feature"
-  if isinstance(draft, MedusaDraft):
-    return "medusa"
-  return None
-
-
-def _head_draft(draft, large_target, params):
-  """A draft of `draft`'s kind over `large_target` with grown `params` (in its layout)."""
-  from specdec_jax.drafts.feature_draft import FeatureDraft
-  from specdec_jax.drafts.medusa import MedusaDraft
-  if _head_kind(draft) == "feature":
-    return FeatureDraft(large_target, head_params=params, fc_bias=draft.fc_bias)
-  return MedusaDraft(large_target, num_heads=draft.num_heads, num_layers=draft.num_layers,
-                     share_lm_head=draft.share_lm_head, params=params)
+def _grown_params(draft, small_target, large_config):
+  """A shipped draft's own arrays grown for the embedded target (in_out), or None (the
+  draft's protocol: `Draft.grown_params`)."""
+  return as_draft(draft).grown_params(small_target, large_config)
 
 
 def embed_draft(draft, small_target, large_target):
@@ -101,14 +78,14 @@ def embed_draft(draft, small_target, large_target):
   target: their cost stays their own). Feature and Medusa heads are grown with
   the target: they read its (repeated) features and, shared, its LM head.
   """
-  if is_model(draft) or _head_kind(draft) is None:
-    return draft
-  params = _grown_head_params(draft, small_target, large_target.config.replace(
+  params = _grown_params(draft, small_target, large_target.config.replace(
       kernel_layout="in_out"))
+  if params is None:
+    return draft
   if large_target.config.kernel_layout != "in_out":
     params = layouts.transpose_kernels(params)
   params = jax.tree_util.tree_map(lambda x: x.astype(large_target.config.dtype), params)
-  return _head_draft(draft, large_target, params)
+  return as_draft(draft).with_grown_params(large_target, params)
 
 
 @dataclasses.dataclass
@@ -208,9 +185,12 @@ def plan(pair, shape, *, dtype: Optional[str] = None, kernel_layout: str = "out_
   target_shapes = jax.eval_shape(
       lambda p: family.embed_params(p, small.config, large.replace(kernel_layout="in_out")),
       small.params)
-  heads = {name: jax.eval_shape(lambda d=draft: _grown_head_params(
-      d, small, large.replace(kernel_layout="in_out")))
-           for name, draft in pair.drafts.items() if _head_kind(draft)}
+  heads = {}
+  for name, draft in pair.drafts.items():
+    grown = jax.eval_shape(lambda d=draft: _grown_params(
+        d, small, large.replace(kernel_layout="in_out")))
+    if grown is not None:
+      heads[name] = grown
   itemsize = jnp.dtype(large.dtype).itemsize
   target_bytes = _nbytes(target_shapes) // 4 * itemsize  # built in float32, cast to dtype
   head_bytes = sum(_nbytes(h) // 4 * itemsize for h in heads.values())
@@ -233,8 +213,8 @@ def cache_key(pair, shape, large_config) -> str:
   """sha256 of everything the embedding depends on."""
   parts = dict(format=CACHE_FORMAT, family=pair.family, shape=_shape_name(shape),
                config=repr(large_config), target=_digest(pair.target.params),
-               heads={name: _digest(d.head_params) for name, d in pair.drafts.items()
-                      if _head_kind(d)})
+               heads={name: _digest(as_draft(d).params) for name, d in pair.drafts.items()
+                      if not is_model(d)})
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -316,7 +296,7 @@ def _build(pair, large_config, heads) -> Dict[str, Any]:
 
   take("target", family.embed_params(small.params, small.config, in_out))
   for name in heads:
-    take(name, _grown_head_params(pair.drafts[name], small, in_out))
+    take(name, _grown_params(pair.drafts[name], small, in_out))
   return out
 
 
@@ -379,8 +359,8 @@ def scale_pair(pair, shape: Union[str, Any], *, dtype: Optional[str] = None,
   drafts = {}
   for name, draft in pair.drafts.items():
     if name in groups:
-      drafts[name] = _head_draft(draft, target,
-                                 traverse_util.unflatten_dict(groups.pop(name), sep="/"))
+      drafts[name] = as_draft(draft).with_grown_params(
+          target, traverse_util.unflatten_dict(groups.pop(name), sep="/"))
     else:
       drafts[name] = draft
   return ScaledPair(pair=pair, shape=_shape_name(shape), target=target, drafts=drafts,

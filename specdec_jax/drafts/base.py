@@ -178,6 +178,18 @@ class Draft(abc.ABC):
     tree writes block_width slots past a row's length whatever its depth)."""
     return 0
 
+  def grown_params(self, small_target, large_config) -> Optional[Any]:
+    """This draft's own arrays grown to drive `large_config`, a function-preserving
+    embedding of `small_target` (`sj.scale_pair`; the large layout is [in, out]), or None
+    when the draft reads nothing of the target's width (model drafts and tables drive the
+    large target as they are). Raises `EmbeddingError` for arrays with no growing rule."""
+    return None
+
+  def with_grown_params(self, large_target, params) -> "Draft":
+    """A draft of this kind over `large_target` with `grown_params`' arrays (in the large
+    target's kernel layout and dtype)."""
+    raise NotImplementedError(f"{type(self).__name__} has no grown arrays")
+
   @property
   def max_gamma(self) -> Optional[int]:
     """The longest chain one proposal can draft (None: any; Medusa: its heads). Tools that

@@ -98,6 +98,21 @@ class FeatureDraft(Draft):
     self.eos_id = self.config.eos_id
     self.pad_id = self.config.pad_id
 
+  def grown_params(self, small_target, large_config):
+    """The family's EAGLE-1 head grown with its target (`Family.embed_feature_head_params`);
+    other heads (EAGLE-3, a prebuilt head) have no growing rule."""
+    from specdec_jax.families.widen import EmbeddingError
+    family = family_of(small_target)
+    own = family.feature_head(small_target.config, **({"fc_bias": True} if self.fc_bias else {}))
+    if own.static_key() != self.head.static_key():
+      raise EmbeddingError(f"a {type(self.head).__name__} has no function-preserving growing "
+                           f"rule; only the {family.name} family's own EAGLE-1 head grows")
+    return family.embed_feature_head_params(self.head_params, small_target.config,
+                                            large_config)
+
+  def with_grown_params(self, large_target, params) -> "FeatureDraft":
+    return FeatureDraft(large_target, head_params=params, fc_bias=self.fc_bias)
+
   @property
   def fc_bias(self) -> bool:
     return bool(getattr(self.head, "fc_bias", False))

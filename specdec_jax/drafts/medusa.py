@@ -131,6 +131,15 @@ class MedusaDraft(Draft):
       raise ValueError("this MedusaDraft was built for another target config: Medusa heads read "
                        "one target's hidden states (and, shared, its output projection)")
 
+  def grown_params(self, small_target, large_config):
+    """The heads read and write a residual stream repeated r times (`widen.medusa_params`)."""
+    from specdec_jax.families import widen
+    return widen.medusa_params(self.head_params, large_config.emb_dim // self.hidden_dim)
+
+  def with_grown_params(self, large_target, params) -> "MedusaDraft":
+    return MedusaDraft(large_target, num_heads=self.num_heads, num_layers=self.num_layers,
+                       share_lm_head=self.share_lm_head, params=params)
+
   @property
   def max_gamma(self) -> int:
     """A chain drafts one token per head."""
