@@ -123,10 +123,13 @@ def act1(pair) -> bool:
     context = pair.tokenizer.decode(pair.heldout[i]["input_ids"]).rstrip("\n").splitlines()
     completion = pair.tokenizer.decode(
         [t for t in np.asarray(spec.sequences[0]).tolist() if t not in (0, 1)])
-    print(f"--- held-out input {i}, its last lines ---\n" + "\n".join(context[-3:]))
-    print("--- its speculative completion (" + ("identical to target-only decoding" if same
-                                               else "DIFFERS from target-only decoding")
-          + f") ---\n{completion}")
+    # Quoted line by line: the inputs are Python source, and an unquoted "Error" in a
+    # docstring reads like the demo failing.
+    print(f"held-out input {i} (text the models continue), its last lines:\n"
+          + _quoted(context[-3:]))
+    print("its speculative completion (" + ("identical to target-only decoding" if same
+                                           else "DIFFERS from target-only decoding")
+          + "):\n" + _quoted(completion.splitlines()))
     identical_shown &= same
   print(f"Target {pair.target.config.num_params / 1e6:.1f}M params, draft '{draft_name}' "
         f"{draft_params / 1e6:.2f}M; {len(inputs)} held-out inputs, greedy, batch 1, {steps} "
@@ -139,6 +142,10 @@ def act1(pair) -> bool:
         f"scores gamma + 1 tokens for about the price of one. Act 2 runs this pair where a "
         f"step is memory-bound.")
   return bool(row.identical) and identical_shown
+
+
+def _quoted(lines) -> str:
+  return "\n".join("    | " + line for line in lines) if lines else "    | (empty)"
 
 
 def _shown_rows(pair, count: int):
@@ -161,6 +168,7 @@ def main(argv):
   if METHODS.value != ["chain"] and (len(names) > 1 or "2" in acts):
     raise app.UsageError("--methods compares methods on one pair in act 1: add --pair=t5 (or "
                          "decoder_only) --acts=1")
+  sj.enable_compile_cache()  # A second run compiles nothing (SPECDEC_JAX_CACHE= turns it off).
   pairs = {name: sj.load_demo_pair(name) for name in names}
   budget = int(MEMORY_BUDGET_GB.value * 1024 ** 3)
   if "2" in acts:  # Every act-2 shape checked against the budget before any work.

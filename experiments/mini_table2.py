@@ -44,6 +44,7 @@ import os
 from experiments.paper_tables import TABLE2
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
 from experiments.run import OUTPUT_DIR
+from specdec_jax.compile_cache import enable_compile_cache
 from specdec_jax.families.registry import is_model
 from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs, time_proposals
 from specdec_jax.tools.speedup import pooled_alpha
@@ -197,7 +198,7 @@ def markdown(result: Dict) -> str:
            "γ (cost curve) | predicted | speed | best γ | best speed | identical |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
-    same = {True: "yes", False: "NO", None: "n/a (sampling)"}[r["identical_outputs"]]
+    same = {True: "yes", False: "NO", None: "n/a (sampling)"}[r.get("identical_outputs")]
     lines.append(
         f"| {r['draft']} | {r['temperature']:g} | {r['alpha']:.2f} | {r['c']:.3f} | "
         f"{r['gamma_theory']} | {r['predicted_theory']:.2f}X | {r['speedup_theory_gamma']:.2f}X | "
@@ -211,6 +212,7 @@ def markdown(result: Dict) -> str:
 
 def main(argv):
   del argv
+  enable_compile_cache()
   run(OUTPUT_DIR.value or "results/mini_table2")
 
 

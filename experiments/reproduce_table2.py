@@ -32,6 +32,7 @@ import gin
 
 from experiments import run as run_lib
 from experiments.paper_tables import TABLE2, Table2Row
+from specdec_jax.compile_cache import enable_compile_cache
 from specdec_jax import results as results_lib
 
 # Stand-in drafts: noisy copies of the tiny target, noisier for smaller drafts
@@ -131,6 +132,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not run_lib.OUTPUT_DIR.value:
     raise app.UsageError("--output_dir is required")
+  enable_compile_cache()
   try:
     results = run_rows(
         run_lib.OUTPUT_DIR.value, num_examples=run_lib.NUM_EXAMPLES.value, stand_in=_STAND_IN.value,

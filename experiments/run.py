@@ -61,9 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from experiments import launch_checks
+from experiments.run_progress import BatchRecord, RunProgress, describe, rows_digest
 from experiments.gin_flags import (GIN_BINDINGS, GIN_FILES, GIN_SEARCH_PATHS, parse_gin,
                                    rewrite_gin_args)
-from specdec_jax.core import decoding
+from specdec_jax.compile_cache import enable_compile_cache
 from specdec_jax import results as results_lib
 from specdec_jax.core import sampling
 from specdec_jax import multihost, sharding
@@ -71,6 +73,7 @@ from specdec_jax import settings as settings_lib
 from specdec_jax import tasks
 from specdec_jax import text
 from specdec_jax.core import theory
+from specdec_jax.core.verification import VERIFIERS
 from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.core.token_tree import TreeShape
 from specdec_jax.drafts import (Draft, DynamicTreeDraft, FeatureDraft, ModelDraft,
@@ -201,6 +204,29 @@ class ModelSpec(DraftSpec):
 
   def check(self) -> None:
     self.validate("draft")
+
+  def warn_on_other_tokenizer(self, tokenizer) -> Optional[str]:
+    """Warns (and returns the warning) when this draft checkpoint ships a tokenizer that
+    encodes text differently from the target's `tokenizer`, which the launcher feeds
+    both models: the outputs stay the target's, but the draft then guesses in another
+    vocabulary and alpha falls to about 0."""
+    if self.checkpoint is None or getattr(tokenizer, "source", None) is None:
+      return None
+    try:
+      own = text.checkpoint_tokenizer(self.checkpoint)
+    except (FileNotFoundError, ValueError, ImportError):
+      return None  # No tokenizer of its own: it is meant to read the target's.
+    if os.path.abspath(own.source) == os.path.abspath(tokenizer.source):
+      return None
+    difference = text.tokenizer_difference(tokenizer, own)
+    if difference is None:
+      return None
+    warning = (f"the draft checkpoint's tokenizer ({own.source}) encodes text differently from "
+               f"the target's ({tokenizer.source}): {difference}. Outputs stay the target's, "
+               "but the draft reads and proposes other ids, so almost nothing is accepted: use "
+               "a draft trained with the target's tokenizer")
+    logging.warning("%s", warning)
+    return warning
 
   def build(self, target, rows, tokenizer, partitioner=None) -> Draft:
     """The draft model (or the target's noisy copy), checked against the tokenizer."""
@@ -476,7 +502,7 @@ class Experiment:
   gamma: int = 4
   temperature: float = 0.0
   topk: int = 0
-  topp: float = 0.0
+  topp: Optional[float] = None
   batch_size: int = 1
   max_input_length: int = 256
   max_decode_steps: int = 128
@@ -746,6 +772,7 @@ class Plan:
   local_rows: Optional[List[List[int]]]  # this process's own, under per-host input
   partitioners: Optional[Tuple[sharding.Partitioner, sharding.Partitioner]]
   hosts: Optional[HostLayout]
+  warnings: Tuple[str, ...] = ()  # results.json's `warnings`: what may cost the speedup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -782,29 +809,57 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   `build` (the models and the draft, the settings validated, then placed),
   `measure` (both decoders, the step times) and `report` (the results). The
   files are written once every measurement succeeded, by one process.
+
+  Each finished batch is kept in output_dir/progress (`experiments.run_progress`):
+  the same experiment run again resumes where it stopped, another one in the
+  same directory is refused. Ctrl-C raises `Interrupted` (how many inputs
+  are done).
   """
   planned = plan(exp, num_examples, mesh_shape)
+  progress = open_progress(exp, planned, output_dir, num_examples, mesh_shape)
   setup = build(exp, planned)
-  measured = measure(exp, planned, setup)
+  measured = measure(exp, planned, setup, progress)
   result = report(exp, planned, setup, measured)
   if multihost.is_output_process():  # Multi-host: one writer.
     results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
     results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
                                   results_lib.TABLE2_HEADER + "\n" + result["markdown_row"] + "\n"
+                                  + "\n" + results_lib.TABLE2_LEGEND + "\n"
                                   + planned.spec.report_markdown(result)
                                   + VERIFICATION_NOTES.get(exp.verification, ""))
   logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", result["speedup"],
-               result["alpha"], result["c"], result["identical_outputs"])
+               result["alpha"], result["c"], result.get("identical_outputs", "n/a (sampled)"))
   return result
+
+
+class Interrupted(Exception):
+  """Ctrl-C (SIGINT) during the decoding: how far it got, in one line."""
+
+  def __init__(self, done: int, total: int, resumable: bool):
+    self.done, self.total = done, total
+    super().__init__(f"stopped after {done} of {total} inputs; " + (
+        "rerun the same command to resume" if resumable else "nothing was kept"))
+
+
+def open_progress(exp: Experiment, planned: Plan, output_dir: str,
+                  num_examples: Optional[int], mesh_shape: Optional[str]
+                  ) -> Optional[RunProgress]:
+  """The output directory's record of finished batches (`experiments.run_progress`),
+  keyed by everything that decides the outputs: the gin configuration, the experiment's
+  settings, the tokenized inputs. None on several processes (no resume there)."""
+  if jax.process_count() > 1:
+    return None
+  identity = dict(gin_config=gin.config_str(), experiment=describe(exp),
+                  inputs_sha256=rows_digest(planned.rows), num_examples=len(planned.rows),
+                  mesh_shape=mesh_shape, backend=jax.default_backend())
+  return RunProgress.open(output_dir, identity)
 
 
 def plan(exp: Experiment, num_examples: Optional[int] = None,
          mesh_shape: Optional[str] = None) -> Plan:
   """Everything that can fail cheaply fails before any model is loaded; then the task's
   inputs are read and tokenized (each process its own rows when the mesh spans several)."""
-  if exp.batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {exp.batch_size}")
-  decoding.check_verification(exp.verification)
+  launch_checks.raise_if_any(experiment_problems(exp))
   exp.task.validate()
   exp.target.validate("target")
   spec = draft_spec(exp.draft)
@@ -825,7 +880,11 @@ def plan(exp: Experiment, num_examples: Optional[int] = None,
         lambda: read(mine), "reading this process's inputs")
     examples, rows = hosts.gather(count, local_examples, local_rows)
   logging.info("%d examples from task %s", len(examples), exp.task.name)
-  return Plan(spec, tokenizer, examples, rows, local_rows, partitioners, hosts)
+  inner = getattr(spec, "inner", spec)  # A tree's draft model.
+  warning = (inner.warn_on_other_tokenizer(tokenizer)
+             if isinstance(inner, ModelSpec) and inner.perturb_target is None else None)
+  return Plan(spec, tokenizer, examples, rows, local_rows, partitioners, hosts,
+              tuple(w for w in [warning] if w))
 
 
 def _read_rows(exp: Experiment, tokenizer, num_examples: Optional[int], indices=None):
@@ -849,7 +908,13 @@ def build(exp: Experiment, planned: Plan) -> Setup:
   inputs, prompt_lengths = model_inputs(family, config, planned.rows, exp.max_input_length)
   # The prompt and the generated tokens must fit the cache the family builds
   # (learned positions): a clear error now, not at the first compile.
-  family.check_inputs(config, inputs, prompt_lengths, exp.max_decode_steps)
+  try:
+    family.check_inputs(config, inputs, prompt_lengths, exp.max_decode_steps)
+  except ValueError as e:
+    steps = setting_name("max_decode_steps")
+    raise ValueError(f"{e} ({setting_name('max_input_length')} is {exp.max_input_length}, "
+                     f"{steps} is {exp.max_decode_steps}: lower --gin.{steps} or shorten the "
+                     "inputs)") from None
   spec = planned.spec
   draft = spec.build(target, planned.rows, planned.tokenizer, draft_part)
   with launcher_words():
@@ -873,40 +938,75 @@ def build(exp: Experiment, planned: Plan) -> Setup:
                settings, spec.theory_gamma(draft, exp.gamma), verify_tokens)
 
 
-def measure(exp: Experiment, planned: Plan, setup: Setup) -> Measured:
+def measure(exp: Experiment, planned: Plan, setup: Setup,
+            progress: Optional[RunProgress] = None) -> Measured:
   """Both decoders on every batch, after one compile warm-up each, batches alternating
-  between them so that machine drift hits both alike; then the step times."""
-  width = setup.settings.block_width
+  between them so that machine drift hits both alike; then the step times.
+
+  With `progress`, the batches it holds are read back instead of decoded, and each
+  newly finished batch is saved at once; Ctrl-C raises `Interrupted`.
+  """
   batches = list(batch_rows(len(planned.examples), exp.batch_size))
+  done = progress.batches() if progress is not None else {}
+  if done:  # Said on stderr too: a rerun meant to measure again reads the old batches.
+    note = (f"resuming: {len(done)} of {len(batches)} batches already decoded in "
+            f"{progress.directory} (delete it to decode everything afresh)")
+    logging.info("%s", note)
+    print(note, file=sys.stderr)
+  try:
+    records = _decode_batches(exp, planned, setup, batches, done, progress)
+    times = progress.step_times() if progress is not None else None
+    if times is None:
+      times = _step_times(exp, setup, batches[0][0])
+      if progress is not None:
+        progress.save_step_times(times)
+  except KeyboardInterrupt:
+    finished = progress.batches() if progress is not None else {}
+    raise Interrupted(sum(r.rows for r in finished.values()), len(planned.examples),
+                      progress is not None) from None
+  walltime = {k: sum(r.seconds[k] for r in records) for k in records[0].seconds}
+  sequences = {k: np.concatenate([r.sequences[k] for r in records]) for k in records[0].sequences}
+  lengths = {k: np.concatenate([r.lengths[k] for r in records]) for k in records[0].lengths}
+  return Measured(sequences, lengths, _stack_stats([r.stats for r in records]), walltime,
+                  *times)
+
+
+def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
+                    done: Dict[int, BatchRecord], progress: Optional[RunProgress]
+                    ) -> List[BatchRecord]:
+  """Every batch's record: those in `done` as they are, the others decoded (and saved)."""
+  width = setup.settings.block_width
   decode = _decoder(exp, planned, setup, batches)
   rng = jax.random.PRNGKey(exp.seed)
-  logging.info("compiling (warm-up on the first batch)")
-  decode(False, width, 0, rng)
-  if width != 1:
-    decode(False, 1, 0, rng)
-  decode(True, width, 0, rng)
-
-  walltime = {"baseline": 0.0, "baseline_width_1": 0.0, "speculative": 0.0}
-  outputs = {"baseline": [], "speculative": []}  # (sequences, lengths) of each batch
-  stats_parts = []
-  for batch_index, (_, real) in enumerate(tqdm.tqdm(batches, desc="batches", unit="batch")):
+  if len(done) < len(batches):
+    logging.info("compiling (warm-up on the first batch)")
+    decode(False, width, 0, rng)
+    if width != 1:
+      decode(False, 1, 0, rng)
+    decode(True, width, 0, rng)
+  records = []
+  bar = tqdm.tqdm(batches, desc="batches", unit="batch", initial=0)
+  for batch_index, (_, real) in enumerate(bar):
+    if batch_index in done:
+      records.append(done[batch_index])
+      continue
     # Independent keys for the two decoders: the distribution check needs
     # independent samples (greedy ignores them).
     base_key = jax.random.fold_in(rng, 2 * batch_index)
     spec_key = jax.random.fold_in(rng, 2 * batch_index + 1)
     base_out, base_len, _, base_time = decode(False, width, batch_index, base_key)
-    if width != 1:
-      walltime["baseline_width_1"] += decode(False, 1, batch_index, base_key)[3]
+    width_1_time = decode(False, 1, batch_index, base_key)[3] if width != 1 else 0.0
     spec_out, spec_len, stats, spec_time = decode(True, width, batch_index, spec_key)
-    walltime["baseline"] += base_time
-    walltime["speculative"] += spec_time
-    outputs["baseline"].append((base_out[:real], base_len[:real]))
-    outputs["speculative"].append((spec_out[:real], spec_len[:real]))
-    stats_parts.append(_take_stats(stats, real))
-  sequences = {k: np.concatenate([s for s, _ in v]) for k, v in outputs.items()}
-  lengths = {k: np.concatenate([n for _, n in v]) for k, v in outputs.items()}
-  return Measured(sequences, lengths, _stack_stats(stats_parts), walltime,
-                  *_step_times(exp, setup, batches[0][0]))
+    record = BatchRecord(
+        sequences={"baseline": base_out[:real], "speculative": spec_out[:real]},
+        lengths={"baseline": base_len[:real], "speculative": spec_len[:real]},
+        stats=_take_stats(stats, real),
+        seconds={"baseline": base_time, "baseline_width_1": width_1_time,
+                 "speculative": spec_time})
+    if progress is not None:
+      progress.save_batch(batch_index, record)
+    records.append(record)
+  return records
 
 
 def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
@@ -975,6 +1075,8 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
   cost = setup.cost_model
   result = dict(
       task=exp.task.name, target=exp.target.name, draft=planned.spec.name,
+      target_checkpoint=_checkpoint_path(exp.target),
+      draft_checkpoint=_checkpoint_path(planned.spec),
       family=family_of(config).name, target_params=config.num_params,
       draft_params=None if cost is None else cost.config.num_params,
       tokenizer=getattr(planned.tokenizer, "source", type(planned.tokenizer).__name__),
@@ -1002,15 +1104,25 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       predicted_speedup=theory.walltime_improvement(alpha, gamma, c or 0.0),
       predicted_speedup_measured_verify_cost=theory.predicted_speedup_with_verify_cost(
           alpha, gamma, c or 0.0, measured.verify_cost),
-      operative_gin_config=gin.operative_config_str())
+      operative_gin_config=gin.operative_config_str(), warnings=list(planned.warnings))
   result.update(planned.spec.report(setup.draft, stats, width, exp.temperature, c,
                                     measured.verify_cost))
   result.update(_exactness(exp, setup, measured))
   result.update(_completions(planned, setup, measured))
+  # results.md's "predicted" column: Theorem 3.8 with the measured costs (c and the
+  # verification call's cost relative to one token), not free verification.
   result["markdown_row"] = results_lib.table2_row(
       result["task"], result["draft"], exp.temperature, gamma, alpha, speedup,
-      result["predicted_speedup"], c)
+      result["predicted_speedup_measured_verify_cost"], c)
   return result
+
+
+def _checkpoint_path(spec) -> Optional[str]:
+  """The checkpoint a spec reads, as an absolute path (None: random weights, or a draft
+  that is not a model)."""
+  inner = getattr(spec, "inner", spec)  # A tree's model.
+  checkpoint = getattr(inner, "checkpoint", None) or getattr(inner, "path", None)
+  return os.path.abspath(checkpoint) if isinstance(checkpoint, str) else None
 
 
 def _exactness(exp: Experiment, setup: Setup, measured: Measured) -> Dict[str, Any]:
@@ -1019,14 +1131,16 @@ def _exactness(exp: Experiment, setup: Setup, measured: Measured) -> Dict[str, A
   sequences, lengths = measured.sequences, measured.lengths
   identical_rows = np.all(sequences["baseline"] == sequences["speculative"], axis=1) & (
       lengths["baseline"] == lengths["speculative"])
-  out = dict(identical_fraction=float(identical_rows.mean()))
   if setup.settings.sampling.greedy:
-    out["identical_outputs"] = bool(identical_rows.all())
+    out = dict(identical_fraction=float(identical_rows.mean()),
+               identical_outputs=bool(identical_rows.all()))
     if not out["identical_outputs"]:
       logging.error("greedy outputs differ on %d of %d inputs", int((~identical_rows).sum()),
                     len(identical_rows))
     return out
-  out["identical_outputs"] = None  # Samples differ by design; see distribution_check.
+  # Sampled: the two decoders draw with independent keys, so their outputs differ by
+  # design and identity means nothing; distribution_check is the exactness test.
+  out = {}
   per_row = {name: dict(length=lengths[name].astype(np.float64),
                         mean_log_prob=mean_log_probs(setup.target, setup.inputs,
                                                      setup.prompt_lengths, sequences[name],
@@ -1122,25 +1236,194 @@ def prompt_experiment(prompt: str) -> Experiment:
   return Experiment(task=tasks.Task(name="prompt", source="inline", texts=(prompt,)))
 
 
+def setting_name(field: str) -> str:
+  """How the user sets an Experiment field: its macro (GAMMA) when the configuration binds
+  the field to one, else Experiment.<field>."""
+  try:
+    value = gin.query_parameter(f"Experiment.{field}")
+  except (ValueError, KeyError):
+    return f"Experiment.{field}"
+  macro = getattr(value, "scoped_selector", "")
+  if getattr(value, "selector", None) == "gin.macro":
+    return macro.rsplit("/", 1)[0]
+  return f"Experiment.{field}"
+
+
+def _int_at_least(low: int):
+  def check(value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+      raise ValueError(f"must be an int >= {low}")
+  return check
+
+
+def _optional(check):
+  def optional(value):
+    if value is not None:
+      check(value)
+  return optional
+
+
+def _non_negative_number(value):
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    raise ValueError("must be a number >= 0")
+
+
+def _mass(value):
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    raise ValueError("must be None (no top-p filtering) or a mass in (0, 1]")
+
+
+def _flag(value):
+  if not isinstance(value, bool):
+    raise ValueError("must be True or False")
+
+
+def _verification(value):
+  if value not in VERIFIERS:
+    raise ValueError(f"must be one of {sorted(VERIFIERS)}")
+
+
+# Each Experiment field's type and range: the same rules `specdec_jax.settings` applies to
+# generate's arguments, stated here once per field so that every bad one is reported.
+FIELD_CHECKS = (
+    ("gamma", _int_at_least(1)), ("max_decode_steps", _int_at_least(1)),
+    ("batch_size", _int_at_least(1)), ("max_input_length", _int_at_least(1)),
+    ("timing_repeats", _int_at_least(1)), ("seed", _int_at_least(0)),
+    ("topk", _int_at_least(0)), ("block_width", _optional(_int_at_least(1))),
+    ("temperature", _non_negative_number), ("topp", _optional(_mass)),
+    ("chat_template", _flag), ("verification", _verification),
+)
+
+
+def experiment_problems(exp: Experiment) -> List[str]:
+  """Every bad Experiment field, each naming the setting that fixes it (GAMMA, not
+  Experiment.gamma, where the gin files bind a macro), before anything loads."""
+  problems = []
+  for field, check in FIELD_CHECKS:
+    value = getattr(exp, field)
+    try:
+      check(value)
+    except ValueError as e:
+      name = setting_name(field)
+      problems.append(f"{name} {e}, got {value!r}: set --gin.{name}")
+  if problems:
+    return problems
+  with launcher_words():
+    try:  # The sampling settings together (topk and topp exclusive, ...).
+      sampling.Sampling(exp.temperature, exp.topk, exp.topp)
+    except ValueError as e:
+      problems.append(f"{e} (--gin.{setting_name('topk')} / --gin.{setting_name('topp')})")
+  spec = exp.draft if isinstance(exp.draft, DraftSpec) else None
+  if not isinstance(spec, TreeSpec) and exp.max_decode_steps < exp.gamma + 1:
+    steps, gamma = setting_name("max_decode_steps"), setting_name("gamma")
+    problems.append(f"{steps} ({exp.max_decode_steps}) must be >= {gamma} + 1 "
+                    f"({exp.gamma + 1}): the timed verification call scores gamma + 1 tokens; "
+                    f"raise --gin.{steps} or lower --gin.{gamma}")
+  return problems
+
+
+# Errors of a check that describe a bad input, not a bug: reported as problems.
+INPUT_ERRORS = (ValueError, FileNotFoundError, TypeError, ImportError)
+
+
+def input_problems(exp: Experiment, num_examples: Optional[int]) -> List[str]:
+  """The models' specs, the draft's and the task's inputs (a local file read whole:
+  its encoding and field), each problem on its own line."""
+  problems = []
+  for what, check in (("target", lambda: exp.target.validate("target")),
+                      ("draft", lambda: draft_spec(exp.draft).check()),
+                      ("task", lambda: _check_task(exp.task, num_examples))):
+    try:
+      check()
+    except INPUT_ERRORS as e:
+      problems.append(str(e))
+  return problems
+
+
+def _check_task(task: tasks.Task, num_examples: Optional[int]) -> None:
+  if not isinstance(task, tasks.Task):
+    raise TypeError(f"Experiment.task must be a Task, got {type(task).__name__}")
+  task.validate()
+  if task.source in ("local", "inline"):  # Read whole: datasets download, files do not.
+    task.load(num_examples)
+
+
+NO_INPUTS = ("no inputs: pass --prompt=TEXT, or a task gin file with its input file: "
+             "--gin_file=configs/tasks/local_file.gin --gin.INPUT_FILE=\"'inputs.jsonl'\"")
+
+
+def check_launch(pair: Optional[str], gin_files: Sequence[str], bindings: Sequence[str],
+                 search_paths: Sequence[str], output_dir: Optional[str],
+                 prompt: Optional[str] = None, num_examples: Optional[int] = None
+                 ) -> Experiment:
+  """Parses the configuration and checks everything that needs no weights; returns the
+  Experiment, or raises `launch_checks.LaunchError` listing every problem found (each
+  with the flag that fixes it). Warnings (settings nothing reads) are logged and
+  printed."""
+  problems = []
+  output_problem = launch_checks.output_dir_problem(output_dir)
+  if output_problem:
+    problems.append(output_problem)
+  if num_examples is not None and num_examples < 1:
+    problems.append(f"--num_examples must be >= 1, got {num_examples}")
+  try:
+    files = pair_gin_files(pair, gin_files)
+  except ValueError as e:
+    launch_checks.raise_if_any(problems + [str(e)])
+  binding_problems, good_bindings = launch_checks.binding_problems(bindings)
+  problems += binding_problems
+  try:
+    parse_gin(files, [], search_paths)
+    file_macros = launch_checks.defined_macros()
+    parse_gin(files, good_bindings, search_paths)
+  except ValueError as e:
+    launch_checks.raise_if_any(problems + [str(e)])
+  config_problems, warnings = launch_checks.config_problems(
+      launch_checks.selector_of(Experiment), good_bindings, file_macros, os.path.join(REPO_ROOT, "configs"),
+      provided=("task",) if prompt is not None else ())
+  rejected = {launch_checks.split_binding(b)[0] for b in bindings
+              if b not in good_bindings and launch_checks.split_binding(b)}
+  problems += [NO_INPUTS if p.startswith("Experiment.task is not set") else p
+               for p in config_problems
+               if p.split(" ", 1)[0] not in rejected]  # Its binding's problem says it all.
+  for warning in warnings:
+    logging.warning("%s", warning)
+    print(f"warning: {warning}", file=sys.stderr)
+  launch_checks.raise_if_any(problems)
+  try:
+    exp = Experiment() if prompt is None else prompt_experiment(prompt)
+  except INPUT_ERRORS as e:
+    launch_checks.raise_if_any(problems + [str(e)])
+  problems += experiment_problems(exp)
+  problems += input_problems(exp, num_examples)
+  launch_checks.raise_if_any(problems)
+  return exp
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not OUTPUT_DIR.value:
-    raise app.UsageError("--output_dir is required")
   if MULTIHOST.value:  # Before any other JAX call.
     multihost.initialize_distributed(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value,
                                     PROCESS_ID.value)
+  # Compiled programs persist across runs (~/.cache/specdec_jax/jax; SPECDEC_JAX_CACHE=
+  # turns it off): a rerun or a resumed run compiles nothing.
+  enable_compile_cache()
   try:
-    parse_gin(pair_gin_files(PAIR.value, GIN_FILES.value), GIN_BINDINGS.value,
-              GIN_SEARCH_PATHS.value)
-    exp = Experiment() if PROMPT.value is None else prompt_experiment(PROMPT.value)
+    exp = check_launch(PAIR.value, GIN_FILES.value, GIN_BINDINGS.value, GIN_SEARCH_PATHS.value,
+                       OUTPUT_DIR.value, PROMPT.value, NUM_EXAMPLES.value)
     result = run_experiment(exp, OUTPUT_DIR.value, NUM_EXAMPLES.value, MESH_SHAPE.value)
   except (ValueError, FileNotFoundError, ImportError, RuntimeError, TypeError) as e:
-    # A clean one-line error instead of a traceback for configuration and
-    # input mistakes; nothing has been written.
-    logging.error("%s", e)
+    # A clean error instead of a traceback for configuration and input
+    # mistakes; no results have been written.
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
+  except Interrupted as e:
+    print(f"\n{e}", file=sys.stderr)
+    sys.exit(130)
+  except KeyboardInterrupt:
+    print("\nstopped before any input was decoded; no results were written", file=sys.stderr)
+    sys.exit(130)
   if PROMPT.value is not None and multihost.is_output_process():
     # The completion itself, as the speculative decoder produced it (greedy: the
     # target's own; it equals result['completions'][0]['baseline']).

@@ -390,7 +390,7 @@ def model_card(info) -> str:
               "| measured | best gamma | best measured | greedy output identical |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table["rows"]:
-      same = {True: "yes", False: "NO", None: "n/a"}[r["identical_outputs"]]
+      same = {True: "yes", False: "NO", None: "n/a"}[r.get("identical_outputs")]
       g = str(r["gamma_theory"])
       curve = theory_on_curve(r["alpha"], r["gamma_theory"], r["c"], table["block_cost"])
       lines.append(f"| {r['draft']} | {r['temperature']:g} | {r['alpha']:.2f} | {r['c']:.3f} | "

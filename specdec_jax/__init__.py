@@ -14,6 +14,7 @@ Layers (each a folder or module; nothing imports upward from `core/`):
 """
 
 from specdec_jax import data, memory, multihost, sharding
+from specdec_jax.compile_cache import enable_compile_cache
 from specdec_jax.core import theory
 from specdec_jax.core.decoding import DecodingState, speculative_sample, temperature_sample
 from specdec_jax.core.outputs import GenerateOutput, SpeculativeStats
@@ -53,7 +54,7 @@ from specdec_jax.generation import generate
 from specdec_jax.loading import (export_hf, load_feature_draft, load_medusa_draft, load_model,
                                  load_sharded_model, save_feature_draft, save_medusa_draft,
                                  shard_model)
-from specdec_jax.memory import plan_memory, plan_speculative_memory
+from specdec_jax.memory import InsufficientMemory, plan_memory, plan_speculative_memory
 from specdec_jax.sharding import Partitioner, make_partitioners
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
 from specdec_jax.train import distill

@@ -7,14 +7,18 @@ Four stages, each a function of its own:
     check_memory(...)                                    memory.py: a cache that cannot fit
     program   = PROGRAMS.get(key, build_program(...))    programs.py: the compiled decode
 
-then the program runs and its outputs are read back. The family of the target
-(`families.registry.family_of`) says how a decode starts and scores blocks;
-the draft says what it reads, its state and its proposer (`drafts.base`).
+then the program runs and its outputs are read back (a new program's first
+call, which traces and compiles it, is logged at INFO with its seconds). The
+family of the target (`families.registry.family_of`) says how a decode
+starts and scores blocks; the draft says what it reads, its state and its
+proposer (`drafts.base`).
 """
 
 import dataclasses
+import time
 from typing import Optional
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +31,8 @@ from specdec_jax.families.base import check_tokens
 from specdec_jax.families.registry import family_of, is_model
 from specdec_jax.placement import plan_placement
 from specdec_jax.programs import PROGRAMS, build_program, program_key
-from specdec_jax.settings import check_draft, check_steps, plan_settings, platform_of
+from specdec_jax.settings import (check_draft, check_steps, plan_settings, platform_of, sampled,
+                                  warn_once)
 
 Array = jax.Array
 
@@ -39,7 +44,7 @@ def compile_count() -> int:
 
 def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
              temperature: float = 0.0,
-             topk: int = 0, topp: float = 0.0, eos_id: Optional[int] = None,
+             topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
              rng: Optional[Array] = None, draft=None, gamma: int = 4,
              verification: str = "token", block_width: Optional[int] = None,
              matmul_precision: Optional[str] = None, batch_invariant: bool = False,
@@ -54,12 +59,16 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
     inputs: [batch, C] int32. T5: encoder tokens, 0-padded on the right.
       Decoder-only: the prompts, right-padded (row b is inputs[b, :L[b]]).
     prompt_lengths: decoder-only: [batch] prompt lengths L in [1, C] (None:
-      every row is C long). T5 takes none.
+      every row is C long; then a row that ends in the pad id is an error, as
+      right padding without its lengths would be decoded as text). T5 takes
+      none. L + max_decode_steps - 1 must not exceed the model's positions.
     max_decode_steps: tokens to generate per row (>= 1).
-    temperature / topk / topp: sampling (temperature 0 = greedy); the draft is
-      adjusted the same way, so outputs are distributed exactly as without it.
+    temperature / topk / topp: sampling (temperature 0 = greedy; topk 0 and
+      topp None: no truncation, topp a mass in (0, 1]); the draft is adjusted
+      the same way, so outputs are distributed exactly as without it.
     eos_id: defaults to the model's (a model without one never stops early).
-    rng: PRNG key (default PRNGKey(0)).
+    rng: PRNG key (default PRNGKey(0): sampling without one returns the same
+      sample every call, which warns once per process).
     draft: a smaller model of the target's family, or any
       `specdec_jax.drafts.Draft` (n-gram, prompt lookup, adaptive, ...). A
       `TreeDraft` / `DynamicTreeDraft` proposes a token tree each iteration,
@@ -121,6 +130,11 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
   family = family_of(model)
   if not is_model(model):
     raise TypeError(f"generate takes a model (config + params), got {type(model).__name__}")
+  if rng is None and sampled(temperature):
+    warn_once("generate: sampling without rng",
+              f"generate(temperature={temperature}) without rng samples with PRNGKey(0), so "
+              "every call returns the same sample; pass rng=jax.random.PRNGKey(seed), a new "
+              "key per call, for fresh samples")
   if batch_invariant:
     if process_local:
       raise ValueError("batch_invariant decodes rows one at a time on one device; it does not "
@@ -146,13 +160,37 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
                                    process_local=process_local)
   key = program_key(config, draft_obj, settings, precision, placement)
   _check_memory(family, config, draft_obj, settings, placement, key)
-  program = PROGRAMS.get(("program", key), lambda: build_program(family, config, draft_obj, settings,
-                                                     placement))
+  built = []
+
+  def build():
+    built.append(True)
+    return build_program(family, config, draft_obj, settings, placement)
+
+  program = PROGRAMS.get(("program", key), build)
   args = placement.place(args)
+  if built:
+    # The first call traces and compiles (seconds to minutes for a large model): say so
+    # before it starts and after, so a long first call is not mistaken for a hang.
+    shape = _describe_program(config, draft_obj, settings, placement)
+    logging.info("compiling decode for %s", shape)
+    start = time.perf_counter()
   with matmul_precision_scope(precision):
     sequences, counters = placement.read_back(program(*args))
+  if built:
+    logging.info("compiling decode for %s: first call (compile) took %.2f s", shape,
+                 time.perf_counter() - start)
   output = make_output(sequences, counters, settings.eos_id, settings.gamma)
   return placement.finish(output, global_outputs)
+
+
+def _describe_program(config, draft, settings, placement) -> str:
+  """What a new program is built for, in the log line of its compile."""
+  batch, width = placement.global_shape
+  kind = ("no draft" if draft is None else
+          f"{type(draft).__name__} draft, gamma {settings.gamma}")
+  return (f"batch {batch}, input width {width}, max_decode_steps "
+          f"{settings.max_decode_steps}, {kind}, block width {settings.block_width}, "
+          f"{config.dtype}")
 
 
 def _check_memory(family, config, draft, settings, placement, key) -> None:

@@ -8,12 +8,14 @@ layout). A checkpoint no family recognises is an error naming every
 supported architecture.
 """
 
+import difflib
 import json
 import os
 from typing import Optional, Tuple
 
 import jax
 
+from specdec_jax import memory
 from specdec_jax import sharding
 from specdec_jax.families.kernel_layout import with_kernel_layout
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
@@ -48,16 +50,18 @@ def _resolve(source, dtype, overrides) -> Tuple[Family, object, Optional[str]]:
   if not isinstance(source, str):
     raise TypeError(f"load_model takes a config name, a config or a path, got "
                     f"{type(source).__name__}")
+  if source.startswith("~"):
+    source = os.path.expanduser(source)
   if not os.path.exists(source) and "://" not in source:
     named = _named(source)
     if named is not None:
       family, config = named
       config = config.replace(**overrides) if overrides else config
       return family, config.replace(dtype=dtype or default_dtype()), None
+    if _looks_like_path(source):
+      raise FileNotFoundError(f"checkpoint not found: {source!r} (no such file or directory)")
     if not looks_like_hub_id(source):
-      names = "; ".join(f"{f.name}: {', '.join(sorted(f.named_configs()))}" for f in families())
-      raise ValueError(f"Unknown model config {source!r} (and no such checkpoint path). "
-                       f"Named configs: {names}")
+      raise ValueError(_unknown_config(source))
     source = download_from_hub(source)
   for family in families():
     if family.detect(source):
@@ -65,6 +69,33 @@ def _resolve(source, dtype, overrides) -> Tuple[Family, object, Optional[str]]:
   raise UnsupportedCheckpoint(f"{source}: no model family reads this checkpoint"
                               f"{_what_it_holds(source)}. Supported architectures: "
                               f"{supported_architectures()}")
+
+
+def _looks_like_path(source: str) -> bool:
+  """Whether a string that is not a named config means a file: it starts with '/', '.' or
+  '~', or holds a path separator and is not a hub id ('org/name')."""
+  separators = (os.sep, os.altsep or os.sep, "/")
+  return (source.startswith(("/", ".", "~")) or
+          (any(sep in source for sep in separators) and not looks_like_hub_id(source)))
+
+
+def _unknown_config(name: str) -> str:
+  """The error for a name that is no named config, no path and no hub id: the nearest
+  names first, then every family's."""
+  known = sorted(n for f in families() for n in f.named_configs())
+  near = difflib.get_close_matches(name.lower().replace("-", "_").replace(".", "_"), known,
+                                   n=3, cutoff=0.6)
+  hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else "."
+  names = "; ".join(f"{f.name}: {', '.join(sorted(f.named_configs()))}" for f in families())
+  return (f"Unknown model config {name!r} (and no such checkpoint path){hint} "
+          f"Named configs: {names}")
+
+
+def _check_params_memory(family, config, source) -> None:
+  """Random weights: the parameter count and bytes logged, and an error before any
+  allocation when they cannot fit (`memory.check_params_memory`)."""
+  what = source if isinstance(source, str) else f"this {type(config).__name__}"
+  memory.check_params_memory(family, config, what)
 
 
 def _what_it_holds(path: str) -> str:
@@ -94,11 +125,19 @@ def load_model(source, *, dtype=None, seed: int = 0, **config_overrides):
     seed: init seed for random weights.
     **config_overrides: config fields to change (random init; T5X checkpoints
       also take a few, e.g. relative_attention_max_distance).
+  Raises:
+    FileNotFoundError: a path (a string with a path separator that is not a
+      hub id, or starting with '/', '.' or '~') that does not exist.
+    ValueError: a name that is no named config (the nearest names first).
+    memory.InsufficientMemory: random weights larger than the memory available
+      (checked from shapes, before allocating; the count and bytes are logged
+      at INFO either way).
   """
   dtype = optional_dtype(dtype)
   family, config, path = _resolve(source, dtype, config_overrides)
   if path is not None:
     return family.load(path, dtype=dtype, **config_overrides)
+  _check_params_memory(family, config, source)
   return family.model_type(config, family.init_params(config, seed))
 
 

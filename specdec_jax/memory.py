@@ -4,14 +4,17 @@
 config, dtype, batch, lengths and mesh without allocating anything (the
 layout of `sharding.Partitioner`'s rules); `check_decode_memory` compares a
 decode's parts with what the devices have free and raises an error naming
-the bytes before anything is allocated.
+the bytes before anything is allocated; `check_params_memory` does the same
+for the random weights `load_model` is about to create.
 """
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -19,6 +22,11 @@ from jax.sharding import PartitionSpec
 from specdec_jax.families.registry import family_of
 from specdec_jax.sharding import (DEFAULT_RULES, DRAFT_RULES, MESH_AXES, _tree_specs,
                                   normalize_rules, params_logical_axes, parse_mesh_shape)
+
+
+class InsufficientMemory(MemoryError):
+  """What a call would allocate does not fit the memory available; raised from shapes,
+  before anything is allocated, naming the bytes and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +152,8 @@ def _gib(n: int) -> str:
 
 
 def check_decode_memory(parts: Mapping[str, int], devices: Sequence[Any], what: str) -> None:
-  """Raises MemoryError, before anything is allocated, if `parts` cannot fit.
+  """Raises `InsufficientMemory` (a MemoryError), before anything is allocated, if
+  `parts` cannot fit.
 
   Args:
     parts: {name: bytes per device} of what a decode will allocate (caches,
@@ -165,11 +174,48 @@ def check_decode_memory(parts: Mapping[str, int], devices: Sequence[Any], what: 
            f"free on {device.device_kind} {device.id}")
   detail = ", ".join(f"{name} {_gib(n * (len(devices) if shared else 1))}"
                      for name, n in parts.items())
-  raise MemoryError(
+  raise InsufficientMemory(
       f"{what} needs {needed} bytes ({_gib(needed)}: {detail}) before any activation, but "
       f"only {available} bytes ({_gib(available)}) are {where}. Lower max_decode_steps or "
       "the batch, use a narrower dtype, or shard the cache over more devices "
       "(plan_memory gives the bytes per device for a mesh).")
+
+
+@functools.lru_cache(maxsize=256)
+def params_size(family, config) -> Tuple[int, int]:
+  """(parameter count, bytes in config.dtype) of `config`'s params, from the family's
+  abstract params (shapes only; cached per config, as models are built many times)."""
+  leaves = jax.tree_util.tree_leaves(family.abstract_params(config))
+  return sum(math.prod(x.shape) for x in leaves), tree_bytes(leaves)
+
+
+def check_params_memory(family, config, what: str, device=None) -> int:
+  """Logs the parameter count and bytes of random weights of `config` at INFO, and
+  raises `InsufficientMemory` when they exceed what `device` (default: JAX's first
+  device, where initialisation puts them) has available; returns the bytes.
+
+  Unknown available memory (`available_memory_bytes` None) skips the check.
+  These are the weights themselves: random initialisation needs more for a
+  while (the families initialise in float32, with XLA temporaries: about 3x
+  the float32 bytes at its peak for qwen2_0_5b on CPU), so passing is
+  necessary, not sufficient.
+  """
+  count, needed = params_size(family, config)
+  logging.info("%s: %s parameters, %d bytes (%s) in %s", what, f"{count:,}", needed,
+               _gib(needed), config.dtype)
+  device = jax.devices()[0] if device is None else device
+  available = available_memory_bytes(device)
+  if available is None or needed <= available:
+    return needed
+  where = ("host memory available" if device.platform == "cpu" else
+           f"free on {device.device_kind} {device.id}")
+  narrower = count * jnp.dtype(jnp.bfloat16).itemsize
+  fix = (f"load it with dtype='bfloat16' ({narrower} bytes, {_gib(narrower)}) or pick a "
+         "smaller config" if narrower < needed else "pick a smaller config")
+  raise InsufficientMemory(
+      f"{what} has {count:,} parameters: {needed} bytes ({_gib(needed)}) in {config.dtype}, "
+      f"but only {available} bytes ({_gib(available)}) are {where}: {fix} (nothing was "
+      "allocated)")
 
 
 def device_bytes(tree, device=None) -> int:

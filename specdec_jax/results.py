@@ -31,6 +31,12 @@ def _jsonable(value):
   return value
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str):
   """Yields a binary file whose whole content replaces `path` on success (a temporary file
@@ -45,6 +51,9 @@ def atomic_writer(path: str):
   fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
                              suffix=".tmp")
   try:
+    # mkstemp creates 0600; a results file reads like any other file (0644 under the
+    # usual umask 022), for the group that shares the experiments.
+    os.fchmod(fd, 0o666 & ~_umask())
     with os.fdopen(fd, "wb") as f:
       yield f
       f.flush()
@@ -82,6 +91,19 @@ def read_json(path: str) -> Optional[Dict[str, Any]]:
 
 TABLE2_HEADER = ("| task | draft | temp | γ | α | speed | predicted | c |\n"
                  "|---|---|---|---|---|---|---|---|")
+
+
+# What each column of TABLE2_HEADER means (results.md prints it under the table).
+TABLE2_LEGEND = (
+    "Columns: **temp** the sampling temperature (0: greedy); **γ** draft tokens per "
+    "iteration (a token tree: its depth); **α** the estimate of E[Σ min(p, q)] over every "
+    "verified position (Corollary 3.6); **speed** the walltime of the fastest exact "
+    "target-only decoding (block width W or 1) over the speculative decoding's, on the same "
+    "inputs in the same process; **predicted** Theorem 3.8's speedup from α, γ, c and the "
+    "measured cost of the verification call relative to a one-token call (results.json's "
+    "predicted_speedup assumes free verification, as the paper does); **c** the draft "
+    "model's one-token step over the target's (n/a: the draft is not a model and its cost "
+    "is taken as 0).")
 
 
 def _fmt(value, spec: str) -> str:

@@ -10,14 +10,41 @@ plan of a decode; equal settings share a compiled program.
 """
 
 import dataclasses
+import threading
+import warnings
 from typing import Optional
 
 import numpy as np
 
 from specdec_jax.core import decoding
-from specdec_jax.core.sampling import Sampling
+from specdec_jax.core.sampling import MIN_TEMPERATURE, Sampling
 from specdec_jax.drafts import Draft, as_draft
 from specdec_jax.families.registry import family_of
+
+
+# Keys of the warnings `warn_once` has given in this process.
+_WARNED = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+  """`warnings.warn(message)` the first time `key` is seen in this process: a
+  setting that is legal but probably not meant is worth one line, not one per
+  call of a loop."""
+  with _WARNED_LOCK:
+    if key in _WARNED:
+      return
+    _WARNED.add(key)
+  warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def sampled(temperature) -> bool:
+  """Whether `temperature` samples (>= MIN_TEMPERATURE); False for greedy and for values
+  that `Sampling` will reject by name."""
+  try:
+    return float(temperature) >= MIN_TEMPERATURE
+  except (TypeError, ValueError):
+    return False
 
 
 def check_steps(max_decode_steps) -> int:
@@ -56,7 +83,7 @@ class DecodeSettings:
 
 
 def plan_settings(config, draft: Optional[Draft], *, max_decode_steps, temperature=0.0, topk=0,
-                  topp=0.0, eos_id: Optional[int] = None, gamma=4, verification: str = "token",
+                  topp=None, eos_id: Optional[int] = None, gamma=4, verification: str = "token",
                   block_width: Optional[int] = None, platform: Optional[str] = None
                   ) -> DecodeSettings:
   """Validates a decode's settings for a target of `config` and a `Draft` (or None).
@@ -65,12 +92,17 @@ def plan_settings(config, draft: Optional[Draft], *, max_decode_steps, temperatu
   draft's slots on CPU float32, else DEFAULT_BLOCK_WIDTH; a proposal wider
   than it is an error naming the width to pass (the draft's words,
   `Draft.describe_slots`). `platform`: the devices' ('cpu', 'gpu', 'tpu';
-  default: JAX's backend).
+  default: JAX's backend). topp: None for no top-p filtering, else a mass in
+  (0, 1]; an explicit 0 still means none, with a warning once per process
+  when sampling (it reads like "keep nothing").
   """
   family = family_of(config)
   steps = None if max_decode_steps is None else check_steps(max_decode_steps)
   decoding.check_verification(verification)
   sampling = Sampling(temperature, topk, topp).check_vocab(config.vocab_size)
+  if topp is not None and float(topp) == 0.0 and not sampling.greedy:
+    warn_once("topp=0", "topp=0 is read as no top-p filtering; pass topp=None for that, or a "
+              "mass in (0, 1]")
   eos = family.eos_id(config) if eos_id is None else int(eos_id)
   if draft is None:
     if verification != "token":

@@ -122,8 +122,23 @@ def count_local(path: str) -> int:
   """How many examples (non-blank lines) a JSONL / TSV file holds, none parsed."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"input file not found: {path!r}")
-  with open(path, encoding="utf-8") as f:
+  with open(path, "rb") as f:
     return sum(1 for line in f if line.strip())
+
+
+def _text_lines(path: str):
+  """Yields (line number, text) of a UTF-8 file; a line that is not UTF-8 is a
+  ValueError naming the file, the line and the fix (not a UnicodeDecodeError from deep
+  inside a loop)."""
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      try:
+        yield number, raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}:{number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}): "
+            "input files must be UTF-8; convert it, e.g. iconv -f latin1 -t utf-8 "
+            f"{os.path.basename(path)} > fixed{os.path.splitext(path)[1]}") from None
 
 
 def load_local(path: str, input_field: str = "inputs",
@@ -146,34 +161,35 @@ def load_local(path: str, input_field: str = "inputs",
   wanted = None if indices is None else set(int(i) for i in indices)
   examples = []
   positions = []
-  with open(path, encoding="utf-8") as f:
-    count = -1
-    for number, line in enumerate(f, start=1):
-      line = line.rstrip("\n").rstrip("\r")
-      if not line.strip():
-        continue
-      count += 1
-      if wanted is not None and count not in wanted:
-        continue
-      positions.append(count)
-      where = f"{path}:{number}"
-      if is_json:
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{where}: malformed JSON line ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(input_field), str):
-          raise ValueError(f"{where}: expected an object with a string field {input_field!r}")
-        target = record.get(target_field)
-        if target is not None and not isinstance(target, str):
-          raise ValueError(f"{where}: field {target_field!r} must be a string")
-        examples.append(Example(record[input_field], target))
-      else:
-        columns = line.split("\t")
-        if len(columns) > 2:
-          raise ValueError(f"{where}: expected 'input' or 'input<TAB>target', "
-                           f"got {len(columns)} tab-separated columns")
-        examples.append(Example(columns[0], columns[1] if len(columns) == 2 else None))
+  count = -1
+  for number, line in _text_lines(path):
+    line = line.rstrip("\n").rstrip("\r")
+    if not line.strip():
+      continue
+    count += 1
+    if wanted is not None and count not in wanted:
+      continue
+    positions.append(count)
+    where = f"{path}:{number}"
+    if is_json:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: malformed JSON line ({e.msg})") from None
+      if not isinstance(record, dict) or not isinstance(record.get(input_field), str):
+        fields = f" (its fields: {sorted(record)})" if isinstance(record, dict) else ""
+        raise ValueError(f"{where}: expected an object with a string field {input_field!r}"
+                         f"{fields}; another field name: set Task.input_field")
+      target = record.get(target_field)
+      if target is not None and not isinstance(target, str):
+        raise ValueError(f"{where}: field {target_field!r} must be a string")
+      examples.append(Example(record[input_field], target))
+    else:
+      columns = line.split("\t")
+      if len(columns) > 2:
+        raise ValueError(f"{where}: expected 'input' or 'input<TAB>target', "
+                         f"got {len(columns)} tab-separated columns")
+      examples.append(Example(columns[0], columns[1] if len(columns) == 2 else None))
   if wanted is None:
     if not examples:
       raise ValueError(f"{path}: no examples")

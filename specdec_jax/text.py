@@ -213,6 +213,26 @@ def checkpoint_tokenizer(checkpoint: Optional[str], vocabulary: Optional[str] = 
         "--gin.VOCABULARY to a tokenizer file or directory)") from None
 
 
+# Text that exercises words, numbers, code and punctuation: two tokenizers that encode it
+# alike are, for drafting purposes, the same.
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. In 2026, 3.14 * r**2 = area; "
+              "def f(x): return x + 1  # über naïve café")
+
+
+def tokenizer_difference(target: tasks.Tokenizer, draft: tasks.Tokenizer,
+                         texts: Sequence[str] = ()) -> Optional[str]:
+  """How `draft` encodes text differently from `target` (None when the probe text and
+  `texts` give the same ids): a draft that reads other ids for the same text proposes
+  tokens the target almost never accepts. Outputs stay exact; only the speedup is lost."""
+  for text in [PROBE_TEXT, *texts[:3]]:
+    want, got = target.encode(text), draft.encode(text)
+    if want != got:
+      shown = text if len(text) <= 40 else text[:37] + "..."
+      return (f"{shown!r} is {want[:8]}{'...' if len(want) > 8 else ''} for the target and "
+              f"{got[:8]}{'...' if len(got) > 8 else ''} for the draft")
+  return None
+
+
 def check_vocab_size(tokenizer: tasks.Tokenizer, config, model_source: str) -> None:
   """ValueError naming the tokenizer file and the checkpoint when the tokenizer can
   emit an id the model has no embedding for."""

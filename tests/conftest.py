@@ -5,6 +5,12 @@ import pytest
 # Tests run on CPU in float32; keep XLA from grabbing every core for one test.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# JAX's persistent compilation cache, as the launcher and the demo use it (`make test`
+# points it at SPECDEC_JAX_CACHE through JAX_COMPILATION_CACHE_DIR, which wins).
+from specdec_jax.compile_cache import enable_compile_cache  # noqa: E402
+
+enable_compile_cache()
+
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: long statistical / method suites, run by `make test-slow`")

@@ -323,6 +323,10 @@ def test_decoder_only_tree_drafts(pairs, tmp_path, name, gin_file, bindings, dra
   assert result["block_width"] == tree["num_nodes"] == tree["block_width"]
   assert sum(result["depth_histogram"]) > 0
   assert len(result["depth_histogram"]) == tree["max_depth"] + 1
+  # One gamma convention: a tree's gamma is its depth; the loop's deepest node (pending
+  # tokens included) is max_depth, in results.json and in stats.summary() alike.
+  assert result["gamma"] == tree["depth"] and tree["max_depth"] >= tree["depth"]
+  assert result["operative_gin_config"]
   assert len(result["per_rank_acceptance"]) == 2 and result["mean_tokens_per_iteration"] >= 1
   if tree["kind"] == "dynamic_tree":
     assert tree["law"] == "topk" and result["expected_tokens_per_iteration"] is None
@@ -418,9 +422,11 @@ def test_mismatched_tokenizer_names_both_files(pairs, tmp_path):
     # A prompt wider than the inputs: cutting it would change what it continues.
     ("llama", ["MAX_INPUT_LENGTH = 4"], r"input \d has \d+ tokens, more than the inputs' "
      r"width 4: MAX_INPUT_LENGTH is 4"),
-    # GPT-2's learned positions: 32 + 100 - 1 positions > 128.
-    ("gpt2", ["MAX_DECODE_STEPS = 100"], r"need 131 positions, more than this gpt2 model's "
-     r"128 learned positions"),
+    # GPT-2's learned positions: the longest prompt's L + 128 - 1 > 128 (real tokens; the
+    # padded width 32 does not count).
+    ("gpt2", ["MAX_DECODE_STEPS = 128"], r"the longest prompt \(\d+ tokens\) plus "
+     r"max_decode_steps \(128\) needs \d+ positions .*this gpt2 model has 128 learned "
+     r"positions"),
 ])
 def test_prompt_longer_than_the_cache(pairs, tmp_path, name, bindings, message):
   target_dir, draft_dir = pairs[name]
@@ -472,10 +478,112 @@ def test_padded_draft_vocabulary_keeps_outputs_exact(pairs):
   prompts = np.zeros((BATCH, WIDTH), np.int32)
   prompts[0, :4], prompts[1, :2] = [1, 5, 6, 7], [1, 9]
   lengths = np.array([4, 2], np.int32)
-  with pytest.raises(ValueError, match="vocabulary size 90 differs from the target's 97"):
+  with pytest.raises(ValueError, match=r"the draft's vocabulary size 90 is smaller than the "
+                     r"target's 97: .* pass draft=sj.ModelDraft\(draft, target_vocab_size=97\)"):
     sj.generate(target, prompts, lengths, max_decode_steps=STEPS, draft=draft)
   padded = sj.ModelDraft(draft, target_vocab_size=97)
   base = sj.generate(target, prompts, lengths, max_decode_steps=STEPS)
   spec = sj.generate(target, prompts, lengths, max_decode_steps=STEPS, draft=padded,
                      gamma=GAMMA)
   np.testing.assert_array_equal(np.asarray(base.sequences), np.asarray(spec.sequences))
+
+
+# Fields that depend on the machine's timing: equal between runs only when read back.
+TIMINGS = {"walltime_baseline_s", "walltime_speculative_s", "walltime_target_only_s", "speedup",
+           "speedup_baseline_block_width", "target_step_ms", "draft_step_ms", "c",
+           "target_verify_cost", "predicted_speedup", "predicted_speedup_measured_verify_cost",
+           "markdown_row"}
+
+
+def _counting_generate(monkeypatch, interrupt_at=None):
+  """Counts generate's speculative calls; at call `interrupt_at` the process sends itself
+  SIGINT (Ctrl-C) first."""
+  import signal
+  import threading
+  import time
+  calls = []
+  real = run_lib.generate
+
+  def generate(*args, **kwargs):
+    if kwargs.get("draft") is not None:
+      calls.append(1)
+      if len(calls) == interrupt_at:
+        if threading.current_thread() is threading.main_thread():
+          os.kill(os.getpid(), signal.SIGINT)
+          time.sleep(5)  # The signal arrives as KeyboardInterrupt in here.
+        raise AssertionError("SIGINT was not delivered")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(run_lib, "generate", generate)
+  return calls
+
+
+def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeypatch):
+  """Ctrl-C after the first batch: a one-line message, no results, the batch kept; the same
+  command then decodes only the missing batches and writes what an uninterrupted run
+  writes (greedy); a finished run read again decodes nothing; another configuration in
+  that directory is refused before any model loads."""
+  target_dir, draft_dir = pairs["llama"]
+  prompts = PROMPTS + ["the dog sat on the log", "hello again"]  # 3 batches of 2.
+  files = ["configs/pairs/local.gin", "configs/tasks/local_file.gin"]
+  bindings = [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
+              f"INPUT_FILE = '{_input_file(tmp_path, prompts)}'"]
+  out = tmp_path / "out"
+  # Speculative calls: the warm-up, batch 0, then batch 1 (interrupted).
+  _counting_generate(monkeypatch, interrupt_at=3)
+  with pytest.raises(run_lib.Interrupted) as stopped:
+    _run(files, bindings, out)
+  assert str(stopped.value) == "stopped after 2 of 5 inputs; rerun the same command to resume"
+  assert not (out / "results.json").exists()
+  assert sorted(os.listdir(out / "progress")) == ["batch_00000.npz", "identity.json"]
+
+  calls = _counting_generate(monkeypatch)
+  resumed = _run(files, bindings, out)
+  assert len(calls) == 1 + 2  # The warm-up and the two missing batches.
+  _check_results(resumed, out, prompts)
+
+  whole = _run(files, bindings, tmp_path / "whole")
+  assert {k: v for k, v in resumed.items() if k not in TIMINGS} == {
+      k: v for k, v in whole.items() if k not in TIMINGS}
+
+  calls = _counting_generate(monkeypatch)
+  again = _run(files, bindings, out)
+  assert calls == [] and again == resumed  # Every batch and timing read back.
+
+  with pytest.raises(ValueError, match=r"holds a run of another configuration \("
+                     r"experiment.gamma: 3 before, 2 now; gin: 'GAMMA = 3' before; "
+                     r"gin: 'GAMMA = 2' now\): results of two configurations are never mixed"):
+    _run(files, bindings + ["GAMMA = 2"], out)
+
+
+def test_results_name_checkpoints_explain_columns_and_warn_on_another_tokenizer(pairs, tmp_path):
+  """results.json names the checkpoints; results.md has a legend; a draft checkpoint whose
+  own tokenizer encodes text differently is warned about (outputs stay exact)."""
+  target_dir, draft_dir = pairs["llama"]
+  other = tmp_path / "other_draft"
+  import shutil
+  shutil.copytree(draft_dir, other)
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(
+      vocab_size=90, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False))
+  tok.save(str(other / "tokenizer.json"))
+  out = tmp_path / "out"
+  run_lib.parse_gin(["configs/pairs/local.gin"], SMALL + [
+      f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{other}'"])
+  try:
+    exp = run_lib.prompt_experiment("the cat sat on the mat")
+    result = run_lib.run_experiment(exp, str(out))
+  finally:
+    gin.clear_config()
+  assert result["target_checkpoint"] == str(target_dir)
+  assert result["draft_checkpoint"] == str(other)
+  assert result["identical_outputs"] is True
+  [warning] = result["warnings"]
+  assert warning.startswith(f"the draft checkpoint's tokenizer ({other}/tokenizer.json) encodes "
+                            f"text differently from the target's ({target_dir}/tokenizer.json)")
+  assert "use a draft trained with the target's tokenizer" in warning
+  markdown = (out / "results.md").read_text()
+  assert "Columns: **temp** the sampling temperature" in markdown
+  assert "**predicted** Theorem 3.8's speedup" in markdown

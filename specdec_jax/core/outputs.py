@@ -82,7 +82,11 @@ class SpeculativeStats:
     return self.rank_accepted.sum(0) / np.maximum(self.rank_tried.sum(0), 1)
 
   def summary(self) -> Dict[str, Any]:
-    out = dict(gamma=self.gamma, iterations=int(self.iterations.sum()),
+    # A tree's `gamma` field is the loop's deepest node (pending tokens included): named
+    # max_depth here, as results.json names it; a tree's gamma is its depth (draft calls).
+    depth = dict(gamma=self.gamma) if self.depth_histogram is None else dict(
+        max_depth=self.gamma)
+    out = dict(**depth, iterations=int(self.iterations.sum()),
                drafted=int(self.drafted.sum()), accepted=int(self.accepted.sum()),
                emitted=int(self.emitted.sum()), acceptance_rate=self.acceptance_rate,
                alpha=self.alpha, mean_tokens_per_iteration=self.mean_tokens_per_iteration,

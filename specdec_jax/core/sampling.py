@@ -6,6 +6,7 @@ both go through `adjust_probs`, and every decoder samples with `sample`.
 """
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,8 @@ class Sampling:
   temperature: 0 (or below MIN_TEMPERATURE) means greedy, a one-hot on the
     first maximum.
   topk: keep exactly the k most likely tokens (0 = off).
-  topp: keep the smallest set of most likely tokens with mass >= topp (0 = off).
+  topp: keep the smallest set of most likely tokens with mass >= topp, a mass
+    in (0, 1] (None = off; 0 is also read as off and stored as None).
 
   The target and every draft use the same object, so q and p are adjusted
   alike (the condition for exactness). Hashable: equal settings share a
@@ -72,14 +74,16 @@ class Sampling:
   """
   temperature: float = 0.0
   topk: int = 0
-  topp: float = 0.0
+  topp: Optional[float] = None
 
   def __post_init__(self):
     validate_sampling(self.temperature, self.topk, self.topp)
-    # Canonical types, so Sampling(1, 0, 0) and Sampling(1.0, 0, 0.0) share a compile.
+    # Canonical types, so Sampling(1, 0, 0), Sampling(1.0, 0, 0.0) and Sampling(1.0) share
+    # a compile. (The user-facing settings warn about an explicit topp=0:
+    # `settings.plan_settings`; this is also built from internal defaults.)
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "topk", int(self.topk))
-    object.__setattr__(self, "topp", float(self.topp))
+    object.__setattr__(self, "topp", None if topp_off(self.topp) else float(self.topp))
 
   @property
   def greedy(self) -> bool:
@@ -99,28 +103,34 @@ class Sampling:
     return sample(rng, probs, greedy=self.greedy)
 
 
+def topp_off(topp) -> bool:
+  """Whether a (validated) topp means no top-p filtering: None, or 0."""
+  return topp is None or float(topp) == 0.0
+
+
 def validate_sampling(temperature, topk, topp, vocab_size=None):
   """Raises ValueError for settings that have no meaning."""
   if temperature is None or not float(temperature) >= 0.0:
     raise ValueError(f"temperature must be >= 0, got {temperature!r}")
   if int(topk) != topk or topk < 0:
     raise ValueError(f"topk must be a non-negative int, got {topk!r}")
-  if not 0.0 <= float(topp) <= 1.0:
-    raise ValueError(f"topp must lie in [0, 1], got {topp!r}")
-  if topk > 0 and topp > 0.0:
+  if topp is not None and (isinstance(topp, bool) or not 0.0 <= float(topp) <= 1.0):
+    raise ValueError(f"topp must be None (no top-p filtering) or a mass in (0, 1], got "
+                     f"{topp!r}")
+  if topk > 0 and not topp_off(topp):
     raise ValueError(f"topk ({topk}) and topp ({topp}) are exclusive: set one of them")
   if vocab_size is not None and topk > vocab_size:
     raise ValueError(f"topk ({topk}) exceeds the vocabulary size ({vocab_size})")
 
 
 def adjust_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
-                 topp: float = 0.0) -> Array:
+                 topp: Optional[float] = None) -> Array:
   """Turns logits [..., vocab] into adjusted probabilities [..., vocab] float32.
 
   Greedy (temperature < 1e-4) returns a one-hot on the first maximum. Otherwise
   logits are divided by the temperature, then truncated to the top k tokens
-  (exactly k, ties broken towards lower ids) or to the nucleus of mass topp,
-  and renormalised. Settings are static Python numbers.
+  (exactly k, ties broken towards lower ids) or to the nucleus of mass topp
+  (None or 0: no nucleus), and renormalised. Settings are static Python numbers.
   """
   validate_sampling(temperature, topk, topp, logits.shape[-1])
   logits = logits.astype(jnp.float32)
@@ -133,7 +143,7 @@ def adjust_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
     keep = jnp.sum(jax.nn.one_hot(top_ids, vocab, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
     logits = jnp.where(keep, logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
-  if 0.0 < topp < 1.0:
+  if not topp_off(topp) and topp < 1.0:
     order = jnp.argsort(-probs, axis=-1, stable=True)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs

@@ -10,6 +10,7 @@ from typing import Any, Hashable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specdec_jax.core import decoding
 from specdec_jax.drafts.base import Draft, chain_proposer
@@ -72,16 +73,30 @@ class ModelDraft(Draft):
       raise ValueError(f"a {self.family.name} draft cannot serve a {target_family.name} target: "
                        "a model draft must be of the target's family (n-gram and prompt-lookup "
                        "drafts serve every family)")
-    if self.padding and target_config.vocab_size != self.vocab_size:
+    own, target_vocab = self.model.config.vocab_size, target_config.vocab_size
+    if self.padding and target_vocab != self.vocab_size:
       raise ValueError(f"this draft's logits are padded to {self.vocab_size} ids, the target "
-                       f"has {target_config.vocab_size}")
+                       f"has {target_vocab}: pass target_vocab_size={target_vocab}")
+    if not self.padding and own < target_vocab:
+      # The common case of one tokenizer whose embedding tables were padded to different
+      # sizes: the fix is one argument, so name it.
+      raise ValueError(f"the draft's vocabulary size {own} is smaller than the target's "
+                       f"{target_vocab}: if its ids are the target's first {own} (one "
+                       "tokenizer, tables padded to different sizes), pass draft="
+                       f"sj.ModelDraft(draft, target_vocab_size={target_vocab}), which gives "
+                       "the missing ids probability 0 and keeps the outputs the target's")
     # Padded logits make the vocabularies equal; the family checks the rest.
     config = self.model.config
     self.family.check_draft(config.replace(vocab_size=self.vocab_size) if self.padding else
                             config, target_config)
 
   def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
-    """The draft's own limits on the inputs (e.g. its learned positions)."""
+    """The draft's own limits on the inputs (e.g. its positions, its vocabulary)."""
+    if lengths is None and self.family.context(None, None).continued:
+      # Whether rows are padding is the target's check (its pad id); the draft reads the
+      # rows the target accepted, full width.
+      shape = np.shape(tokens)
+      lengths = np.full(shape[:1], shape[1] if len(shape) == 2 else 1, np.int32)
     self.family.check_inputs(self.model.config, tokens, lengths, max_decode_steps)
 
   def param_shardings(self, partitioner):

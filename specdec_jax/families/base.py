@@ -274,8 +274,10 @@ class Family(abc.ABC):
   def check_inputs(self, config, tokens: Array, lengths, max_decode_steps: int
                    ) -> Tuple[Array, Array]:
     """Validates a decode's inputs on the host; returns (tokens [batch, C] int32,
-    lengths [batch] int32). Raises ValueError naming the problem (ids outside
-    the vocabulary, bad lengths, a cache longer than the positions allow)."""
+    lengths [batch] int32). Raises ValueError naming the problem and the fix
+    (ids outside the vocabulary, bad or missing lengths, real tokens, the
+    longest row's not the padded width, past the positions the model has),
+    in one sentence a caller may extend."""
 
   @abc.abstractmethod
   def context(self, tokens: Array, lengths: Array) -> Context:

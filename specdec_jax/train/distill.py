@@ -55,7 +55,7 @@ def distill_temperature(temperature: float) -> float:
 
 
 def divergence_sum(teacher_probs: Array, draft_logits: Array, mask: Array, kind: str,
-                   temperature: float, topk: int = 0, topp: float = 0.0) -> Array:
+                   temperature: float, topk: int = 0, topp: Optional[float] = None) -> Array:
   """Summed per-token divergence between the teacher's p and the draft's q.
 
   Args:
@@ -82,7 +82,7 @@ def divergence_sum(teacher_probs: Array, draft_logits: Array, mask: Array, kind:
 
 
 def distill_loss_fn(draft_configs: Dict[str, Any], divergence: str, temperature: float,
-                    topk: int = 0, topp: float = 0.0) -> train.LossFn:
+                    topk: int = 0, topp: Optional[float] = None) -> train.LossFn:
   """Loss over params {name: draft params} on the family's batches plus 'teacher_probs'.
 
   The batch is what the drafts' family reads (`Family.token_logits`: T5
@@ -122,11 +122,11 @@ def _teacher_fn(config, temperature: float, topk: int, topp: float):
   return jax.jit(probs)
 
 
-def teacher_probs(target, batch, temperature: float, topk: int = 0, topp: float = 0.0) -> Array:
+def teacher_probs(target, batch, temperature: float, topk: int = 0, topp: Optional[float] = None) -> Array:
   """The target's adjusted distributions [batch, L, vocab] float32, teacher-forced on the
   family's `batch` and aligned with the targets `Family.token_logits` returns."""
   batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "teacher_probs"}
-  return _teacher_fn(target.config, float(temperature), int(topk), float(topp))(
+  return _teacher_fn(target.config, float(temperature), int(topk), None if topp is None else float(topp))(
       target.params, batch)
 
 
@@ -148,7 +148,7 @@ def _row(batch: Dict[str, np.ndarray], indices) -> Dict[str, np.ndarray]:
 
 
 def generate_targets(model, prompts, *, max_decode_steps: int, temperature: float = 0.0,
-                     topk: int = 0, topp: float = 0.0, seed: int = 0, batch_size: int = 64
+                     topk: int = 0, topp: Optional[float] = None, seed: int = 0, batch_size: int = 64
                      ) -> Dict[str, np.ndarray]:
   """The family's training batch of `model`'s own outputs for `prompts`, via `generate`.
 
@@ -260,7 +260,7 @@ def _check_drafts(target, drafts) -> None:
 def distill_drafts(target, drafts: Dict[str, Any], train_data, *, steps: int,
                    batch_size: int = 32, learning_rate: float = 5e-3,
                    optimizer: str = "adafactor", divergence: str = "forward_kl",
-                   temperature: float = 0.0, topk: int = 0, topp: float = 0.0,
+                   temperature: float = 0.0, topk: int = 0, topp: Optional[float] = None,
                    source: str = "target", seed: int = 0, workdir: Optional[str] = None,
                    eval_prompts=None, max_decode_steps: int = 32,
                    alpha_temperatures: Sequence[float] = (0.0, 1.0), gamma: int = 4,

@@ -55,10 +55,12 @@ class DecoderOnlyConfig:
       attention when smaller; must divide num_heads).
     head_dim: width of one head.
     mlp_dim: hidden width of the feed-forward block (HF intermediate_size).
-    max_positions: GPT-2: rows of the learned position table, the hard limit
-      on a cache's length (prompt + generated tokens). Rotary families: HF
-      max_position_embeddings, the context the model was trained for; kept for
-      reference and not enforced (rotary positions extend past it, as in HF).
+    max_positions: GPT-2: rows of the learned position table (HF n_positions).
+      Rotary families: HF max_position_embeddings, the context the model was
+      trained for. Either way `generate` refuses a decode whose real positions
+      (the longest prompt + max_decode_steps - 1) exceed it; the padded prompt
+      width does not count. (Rotary positions would extend past it, untrained:
+      raise it with `replace` to decode there on purpose.)
     norm_epsilon: RMSNorm / LayerNorm epsilon.
     activation: MLP activation ('silu' for Llama/Qwen2/Mistral, 'gelu_new' =
       tanh GELU for GPT-2 and (gated) Gemma, HF's gelu_pytorch_tanh, 'gelu' =

@@ -71,18 +71,43 @@ class DecoderOnlyFamily(Family):
 
   def check_inputs(self, config: DecoderOnlyConfig, tokens, lengths, max_decode_steps: int
                    ) -> Tuple[Array, Array]:
-    """prompts [batch, P] right-padded, lengths [batch] in [1, P] (None: all P)."""
+    """prompts [batch, P] right-padded, lengths [batch] in [1, P] (None: all P).
+
+    Without lengths, a row that ends in `config.pad_id` is an error: it is
+    almost always right padding, which would be decoded as text. Real
+    positions (the longest row's L + max_decode_steps - 1) beyond
+    `config.max_positions` are an error for every layout: GPT-2's learned
+    table ends there, and a rotary model was not trained past it. The padded
+    width P does not count: the cache is P + N - 1 long whatever the model's
+    positions, and padding slots are masked and overwritten.
+    """
     tokens = check_tokens(tokens, "prompts")
+    if lengths is None:
+      last = np.asarray(tokens)[:, -1]
+      padded = np.flatnonzero(last == config.pad_id)
+      if padded.size:
+        batch, width = tokens.shape
+        raise ValueError(
+            f"prompts row {int(padded[0])} ends in the pad id {config.pad_id} and no "
+            "prompt_lengths were given, so its padding would be decoded as text: pass "
+            "prompt_lengths=[...] (each row's real length); if the pad id is genuinely part "
+            f"of the text, pass prompt_lengths=np.full({batch}, {width})")
     lengths = check_prompt_lengths(lengths, tokens)
     real = np.arange(tokens.shape[1])[None] < np.asarray(lengths)[:, None]
     ids = np.asarray(tokens)[real]
     if ids.min() < 0 or ids.max() >= config.vocab_size:
       raise ValueError(f"prompts hold ids outside [0, {config.vocab_size})")
-    cache_len = self.cache_length(config, tokens.shape[1], max_decode_steps)
-    if not config.uses_rotary and cache_len > config.max_positions:
-      raise ValueError(f"prompts of width {tokens.shape[1]} plus {max_decode_steps} new tokens "
-                       f"need {cache_len} positions, more than this {config.family} model's "
-                       f"{config.max_positions} learned positions")
+    longest = int(np.max(np.asarray(lengths)))
+    # The last loop input sits at position L + N - 2: the N-th new token is never fed back.
+    needed = longest + int(max_decode_steps) - 1
+    if needed > config.max_positions:
+      what = ("learned positions (n_positions)" if not config.uses_rotary else
+              "positions (max_position_embeddings)")
+      raise ValueError(f"the longest prompt ({longest} tokens) plus max_decode_steps "
+                       f"({max_decode_steps}) needs {needed} positions (the last new token is "
+                       f"never fed back), but this {config.family} model has "
+                       f"{config.max_positions} {what}: shorten the prompts or lower "
+                       "max_decode_steps")
     return tokens, lengths
 
   def context(self, tokens: Array, lengths: Array) -> Context:

@@ -65,7 +65,11 @@ class T5Family(Family):
 
   def check_inputs(self, config: T5Config, tokens, lengths, max_decode_steps: int
                    ) -> Tuple[Array, Array]:
-    """encoder tokens [batch, enc_len], `pad_id`-padded on the right; no lengths."""
+    """encoder tokens [batch, enc_len], `pad_id`-padded on the right; no lengths.
+
+    No position limit to check: T5's relative position buckets cover any
+    length (distances past relative_attention_max_distance share a bucket),
+    and padding is 0 by design, read from the tokens."""
     if lengths is not None:
       raise ValueError("prompt_lengths is for decoder-only models; a T5 model reads "
                        f"{config.pad_id}-padded encoder_tokens")

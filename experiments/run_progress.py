@@ -1,0 +1,191 @@
+"""A launcher run's finished batches on disk, so that an interrupted run resumes.
+
+`experiments.run` decodes its inputs batch by batch. Each finished batch (both
+decoders' outputs, the speculative statistics, the three timings) is written
+atomically to `<output_dir>/progress/batch_NNNNN.npz`; the step timings go to
+`step_times.json` once measured. A run started again with the same
+configuration on the same inputs reads them back and decodes only what is
+missing, so Ctrl-C (or a killed job) costs at most the batch in flight. A
+different configuration in the same directory is refused, naming what
+differs: results of two configurations are never mixed.
+
+    progress = RunProgress.open(output_dir, identity)   # ValueError on a mismatch
+    done = progress.batches()                             # {index: BatchRecord}
+    progress.save_batch(index, record)
+"""
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from specdec_jax import results as results_lib
+from specdec_jax.core.outputs import SpeculativeStats
+
+PROGRESS_DIR = "progress"
+IDENTITY_FILE = "identity.json"
+STEP_TIMES_FILE = "step_times.json"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRecord:
+  """One finished batch, padding rows dropped.
+
+  sequences / lengths: {'baseline', 'speculative'} -> [real, steps] int32 / [real].
+  stats: the speculative decoder's statistics of the real rows.
+  seconds: {'baseline', 'baseline_width_1', 'speculative'} walltimes.
+  """
+  sequences: Dict[str, np.ndarray]
+  lengths: Dict[str, np.ndarray]
+  stats: SpeculativeStats
+  seconds: Dict[str, float]
+
+  @property
+  def rows(self) -> int:
+    return int(len(self.lengths["speculative"]))
+
+
+def describe(value) -> Any:
+  """A JSON-able description of a configuration value that is stable across processes
+  (dataclasses by field, other objects by type: never a memory address)."""
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return {"type": type(value).__name__,
+            **{f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+  if isinstance(value, (list, tuple)):
+    return [describe(v) for v in value]
+  if isinstance(value, dict):
+    return {str(k): describe(v) for k, v in value.items()}
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, np.generic):
+    return value.item()
+  return {"type": type(value).__name__, "source": getattr(value, "source", None)}
+
+
+def rows_digest(rows: List[List[int]]) -> str:
+  """sha256 of the tokenized inputs: the same text through another tokenizer differs."""
+  digest = hashlib.sha256()
+  for row in rows:
+    digest.update(np.asarray(row, np.int64).tobytes())
+    digest.update(b"|")
+  return digest.hexdigest()
+
+
+def _flat(value, prefix: str = "") -> Dict[str, Any]:
+  """Nested dicts as {'a.b.c': leaf}."""
+  if not isinstance(value, dict):
+    return {prefix: value}
+  out = {}
+  for key, item in value.items():
+    out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+  return out
+
+
+def _differences(old: Dict[str, Any], new: Dict[str, Any], limit: int = 4) -> List[str]:
+  """The first `limit` settings (or gin lines) in which two identities differ."""
+  out = []
+  gin_key = "gin_config"
+  old = {**_flat({k: v for k, v in old.items() if k != gin_key}), gin_key: old.get(gin_key)}
+  new = {**_flat({k: v for k, v in new.items() if k != gin_key}), gin_key: new.get(gin_key)}
+  for key in sorted(set(old) | set(new)):
+    if old.get(key) == new.get(key):
+      continue
+    if key == gin_key and isinstance(old.get(key), str) and isinstance(new.get(key), str):
+      before, after = set(old[key].splitlines()), set(new[key].splitlines())
+      out += [f"gin: {line!r} before" for line in sorted(before - after)]
+      out += [f"gin: {line!r} now" for line in sorted(after - before)]
+    else:
+      out.append(f"{key}: {json.dumps(old.get(key))[:120]} before, "
+                 f"{json.dumps(new.get(key))[:120]} now")
+  return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+class RunProgress:
+  """The progress directory of one output directory (see the module docstring)."""
+
+  def __init__(self, directory: str, identity: Dict[str, Any]):
+    self.directory = directory
+    self.identity = identity
+
+  def _record_identity(self) -> None:
+    path = os.path.join(self.directory, IDENTITY_FILE)
+    if not os.path.exists(path):
+      results_lib.write_json_atomic(path, self.identity)
+
+  @classmethod
+  def open(cls, output_dir: str, identity: Dict[str, Any]) -> "RunProgress":
+    """The progress of `output_dir` for a run of `identity`: created when new; resumed
+    when it records the same identity; a ValueError naming the differences when it
+    records another, or when the directory holds results of a run without a record."""
+    directory = os.path.join(output_dir, PROGRESS_DIR)
+    identity = dict(identity, format_version=FORMAT_VERSION)
+    path = os.path.join(directory, IDENTITY_FILE)
+    recorded = results_lib.read_json(path)
+    if recorded is None:
+      if os.path.exists(os.path.join(output_dir, "results.json")):
+        raise ValueError(f"--output_dir={output_dir} holds the results.json of an earlier run "
+                         "without its progress record, so this run could not tell whether it "
+                         "is the same: choose another --output_dir (or delete that results.json)")
+      pass  # Written with the first finished batch: a run that fails before leaves nothing.
+    elif results_lib._jsonable(identity) != recorded:  # pylint: disable=protected-access
+      raise ValueError(
+          f"--output_dir={output_dir} holds a run of another configuration ("
+          + "; ".join(_differences(recorded, results_lib._jsonable(identity)))  # pylint: disable=protected-access
+          + "): results of two configurations are never mixed; choose another --output_dir, "
+          f"or delete {directory} to start this one afresh")
+    return cls(directory, identity)
+
+  def _batch_path(self, index: int) -> str:
+    return os.path.join(self.directory, f"batch_{index:05d}.npz")
+
+  def save_batch(self, index: int, record: BatchRecord) -> None:
+    """Writes one finished batch atomically."""
+    self._record_identity()
+    arrays = {}
+    for name in ("baseline", "speculative"):
+      arrays[f"sequences_{name}"] = np.asarray(record.sequences[name])
+      arrays[f"lengths_{name}"] = np.asarray(record.lengths[name])
+    for field in dataclasses.fields(SpeculativeStats):
+      value = getattr(record.stats, field.name)
+      if value is not None:
+        arrays[f"stats_{field.name}"] = np.asarray(value)
+    arrays["seconds"] = np.asarray([record.seconds[k] for k in sorted(record.seconds)])
+    arrays["seconds_keys"] = np.asarray(sorted(record.seconds))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    results_lib.write_bytes_atomic(self._batch_path(index), buffer.getvalue())
+
+  def batches(self) -> Dict[int, BatchRecord]:
+    """{batch index: record} of every finished batch."""
+    out = {}
+    if not os.path.isdir(self.directory):
+      return out
+    for name in sorted(os.listdir(self.directory)):
+      if not (name.startswith("batch_") and name.endswith(".npz")):
+        continue
+      with np.load(os.path.join(self.directory, name)) as data:
+        stats = {f.name: (data[f"stats_{f.name}"] if f"stats_{f.name}" in data else None)
+                 for f in dataclasses.fields(SpeculativeStats)}
+        stats["gamma"] = int(stats["gamma"])
+        out[int(name[len("batch_"):-len(".npz")])] = BatchRecord(
+            sequences={k: data[f"sequences_{k}"] for k in ("baseline", "speculative")},
+            lengths={k: data[f"lengths_{k}"] for k in ("baseline", "speculative")},
+            stats=SpeculativeStats(**stats),
+            seconds=dict(zip([str(k) for k in data["seconds_keys"]],
+                             [float(s) for s in data["seconds"]])))
+    return out
+
+  def step_times(self) -> Optional[List[Optional[float]]]:
+    """[target step, verify cost, draft step] once measured, else None."""
+    if not os.path.isdir(self.directory):
+      return None
+    return results_lib.read_json(os.path.join(self.directory, STEP_TIMES_FILE))
+
+  def save_step_times(self, times) -> None:
+    self._record_identity()
+    results_lib.write_json_atomic(os.path.join(self.directory, STEP_TIMES_FILE), list(times))
