@@ -18,11 +18,11 @@ onto the tree of `families/decoder_only/network.py`:
                                                -> layers_{i}/mlp/{gate,up,down}_proj/{kernel,bias}
     model.norm.weight                          -> norm/scale
     lm_head.weight                             -> lm_head/kernel (untied only)
-  Mistral / Gemma (`MistralForCausalLM`, `GemmaForCausalLM`,
+  Qwen3 / Mistral / Gemma (`Qwen3ForCausalLM`, `MistralForCausalLM`, `GemmaForCausalLM`,
   `Gemma2ForCausalLM`, `Gemma3ForCausalLM`): the same names, plus
     model.layers.{i}.{pre,post}_feedforward_layernorm.weight (Gemma 2/3)
                                                -> layers_{i}/{pre,post}_feedforward_layernorm/scale
-    model.layers.{i}.self_attn.{q,k}_norm.weight (Gemma 3)
+    model.layers.{i}.self_attn.{q,k}_norm.weight (Qwen3, Gemma 3)
                                                -> layers_{i}/self_attn/{q,k}_norm/scale
   Gemma norm weights are stored around 0 (HF computes 1 + w) and copied as
   they are; `norm_offset` adds the 1. A multimodal
@@ -71,12 +71,14 @@ from specdec_jax.families.decoder_only.network import DecoderOnly
 
 # HF architecture class -> our family; model_type is the fallback.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3",
                  "GPT2LMHeadModel": "gpt2", "MistralForCausalLM": "mistral",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                  "Gemma3ForCausalLM": "gemma3",
                  # Multimodal Gemma 3: its text model only.
                  "Gemma3ForConditionalGeneration": "gemma3"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "mistral": "mistral",
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+               "mistral": "mistral",
                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 # transformers' config-class defaults for the fields a config.json may omit
@@ -99,6 +101,9 @@ _HF_DEFAULTS = {
                    max_position_embeddings=131072, query_pre_attn_scalar=256,
                    sliding_window=4096, final_logit_softcapping=None),
     "mistral": dict(sliding_window=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+    # Qwen3Config's head_dim defaults to 128, not hidden_size / heads.
+    "qwen3": dict(head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, attention_bias=False),
 }
 
 # HF activation names -> ours. HF's "gelu" is the exact erf GELU; "gelu_new"
@@ -275,13 +280,18 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
                     max_positions=int(hf.get("max_position_embeddings", 2048)),
                     norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
                     tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                    # Qwen2 always has q/k/v biases and no output bias.
+                    # Qwen2 always has q/k/v biases and no output bias; Qwen3's
+                    # attention_bias, like Llama's, covers q/k/v and o.
                     qkv_bias=family == "qwen2" or attention_bias,
                     out_bias=family != "qwen2" and attention_bias,
                     mlp_bias=bool(hf.get("mlp_bias", False)),
                     **(_gemma3_rope_fields(hf, origin) if family == "gemma3" else
                        _rope_fields(hf, origin)))
-      if family not in ("llama", "qwen2"):
+      if family in ("llama", "qwen2", "qwen3"):
+        # Qwen3: its q/k norms. Its sliding_window / max_window_layers mean
+        # nothing without use_sliding_window (refused above), as for Qwen2.
+        fields.update(FAMILY_CONVENTIONS[family])
+      else:
         fields.update(_layout_fields(family, hf, origin))
   except KeyError as e:
     raise CheckpointError(f"{origin}: missing field {e.args[0]!r} for a {family} config") from None
@@ -532,12 +542,19 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
       raise ValueError("Qwen2 has q/k/v biases only: qkv_bias must be True, out_bias and "
                        "mlp_bias False to export as Qwen2ForCausalLM")
     bias_fields = {}
+  elif config.family == "qwen3":
+    if config.qkv_bias != config.out_bias or config.mlp_bias:
+      raise ValueError("Qwen3's attention_bias covers q/k/v and o together and its MLP has no "
+                       "biases: qkv_bias must equal out_bias and mlp_bias be False to export as "
+                       "Qwen3ForCausalLM")
+    bias_fields = dict(attention_bias=config.qkv_bias, use_sliding_window=False)
   else:
     if config.qkv_bias != config.out_bias:
       raise ValueError("Llama's attention_bias covers q/k/v and o together: qkv_bias and "
                        "out_bias must be equal to export as LlamaForCausalLM")
     bias_fields = dict(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
-  hf = dict(architectures=[f"{'Llama' if config.family == 'llama' else 'Qwen2'}ForCausalLM"],
+  architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[config.family]
+  hf = dict(architectures=[f"{architecture}ForCausalLM"],
             model_type=config.family, hidden_size=config.emb_dim,
             intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
             num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,

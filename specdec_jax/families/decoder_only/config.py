@@ -1,4 +1,4 @@
-"""Decoder-only (GPT-2, Llama, Qwen2, Mistral, Gemma 1/2/3) size configurations as data.
+"""Decoder-only (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 1/2/3) size configurations as data.
 
 `DecoderOnlyConfig` holds every field that determines a parameter shape or a
 numerical convention of `families/decoder_only/network.py`; named configs are plain
@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 from specdec_jax.families.base import replace_config
 from specdec_jax.families.kernel_layout import check_layout
 
-FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "gemma", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
 ROPE_SCALINGS = (None, "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -35,6 +35,8 @@ FAMILY_CONVENTIONS = {
 _PLAIN = dict(norm_offset=0.0, scale_embeddings=False, sandwich_norms=False, qk_norm=False)
 FAMILY_CONVENTIONS.update({family: dict(_PLAIN) for family in ("llama", "qwen2", "gpt2",
                                                                 "mistral")})
+# Qwen3: Llama's plain RMSNorm (x * w), plus per-head q/k norms (also x * w).
+FAMILY_CONVENTIONS["qwen3"] = dict(_PLAIN, qk_norm=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,7 @@ class DecoderOnlyConfig:
   """Shapes and conventions of a decoder-only Transformer.
 
   Attributes:
-    family: 'llama', 'qwen2', 'mistral', 'gemma', 'gemma2', 'gemma3' (RMSNorm,
+    family: 'llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3' (RMSNorm,
       rotary positions, gated MLP gate/up/down) or 'gpt2' (LayerNorm with
       bias, learned positions, plain MLP up/down). Names the Hugging Face
       layout the loader reads and the exporter writes; the numerical
@@ -62,7 +64,7 @@ class DecoderOnlyConfig:
       width does not count. (Rotary positions would extend past it, untrained:
       raise it with `replace` to decode there on purpose.)
     norm_epsilon: RMSNorm / LayerNorm epsilon.
-    activation: MLP activation ('silu' for Llama/Qwen2/Mistral, 'gelu_new' =
+    activation: MLP activation ('silu' for Llama/Qwen2/Qwen3/Mistral, 'gelu_new' =
       tanh GELU for GPT-2 and (gated) Gemma, HF's gelu_pytorch_tanh, 'gelu' =
       exact erf GELU, 'relu').
     rope_theta: rotary base (rotary families only).
@@ -71,8 +73,8 @@ class DecoderOnlyConfig:
       rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions).
     tie_word_embeddings: logits = hidden @ embedding.T (no lm_head kernel).
     qkv_bias / out_bias / mlp_bias: biases on the q/k/v projections (Qwen2,
-      GPT-2, Llama with attention_bias), on the attention output projection
-      (GPT-2, Llama with attention_bias) and on the MLP projections (GPT-2,
+      GPT-2, Llama / Qwen3 with attention_bias), on the attention output projection
+      (GPT-2, Llama / Qwen3 with attention_bias) and on the MLP projections (GPT-2,
       Llama with mlp_bias).
     dtype: compute dtype, and the dtype weights are stored in.
     bos_id / eos_id / pad_id: token conventions; eos_id None means no token
@@ -95,7 +97,8 @@ class DecoderOnlyConfig:
       pre_feedforward_layernorm(x))). False: the pre-norm layer, whose
       post_attention_layernorm is the norm before the MLP.
     qk_norm: RMSNorm (q_norm, k_norm, [head_dim] scales) on each query and key
-      head after the projection and before rotary (Gemma 3).
+      head after the projection and before rotary (Gemma 3, whose scales are
+      (1 + w) like its other norms, and Qwen3, w).
     sliding_window: W; a layer of type 'sliding_attention' lets the query at
       absolute position i see keys j with i - W < j <= i. None: no window.
     layer_types: per layer 'full_attention' or 'sliding_attention' (len =
@@ -267,6 +270,11 @@ class DecoderOnlyConfig:
 _LLAMA = dict(family="llama", activation="silu")
 _QWEN2 = dict(family="qwen2", activation="silu", qkv_bias=True, norm_epsilon=1e-6,
               rope_theta=1000000.0, bos_id=None, eos_id=151643, pad_id=151643)
+# Qwen3: the Qwen/Qwen3-* config.json conventions (no biases, q/k norms, 40k context;
+# BOS/EOS of the released post-trained models, <|endoftext|> / <|im_end|>).
+_QWEN3 = dict(family="qwen3", activation="silu", norm_epsilon=1e-6, rope_theta=1000000.0,
+              max_positions=40960, vocab_size=151936, bos_id=151643, eos_id=151645,
+              pad_id=151643, **FAMILY_CONVENTIONS["qwen3"])
 _GPT2 = dict(family="gpt2", activation="gelu_new", vocab_size=50257, max_positions=1024,
              qkv_bias=True, out_bias=True, mlp_bias=True, tie_word_embeddings=True,
              bos_id=50256, eos_id=50256, pad_id=50256, norm_epsilon=1e-5)
@@ -333,6 +341,17 @@ def _named_configs():
         vocab_size=vocab, emb_dim=emb, num_layers=layers, num_heads=heads, num_kv_heads=kv,
         head_dim=emb // heads, mlp_dim=mlp, max_positions=32768, tie_word_embeddings=tied,
         **_QWEN2)
+  # Qwen3: Qwen/Qwen3-{0.6B,1.7B,4B,8B} config.json (Apr 2025 release):
+  # (emb, layers, heads, kv heads, mlp, tied); head_dim 128 for all (0.6B: 16 x 128
+  # = 2048 query width over a 1024 stream).
+  for name, (emb, layers, heads, kv, mlp, tied) in {
+      "qwen3_0_6b": (1024, 28, 16, 8, 3072, True),
+      "qwen3_1_7b": (2048, 28, 16, 8, 6144, True),
+      "qwen3_4b": (2560, 36, 32, 8, 9728, True),
+      "qwen3_8b": (4096, 36, 32, 8, 12288, False)}.items():
+    configs[name] = DecoderOnlyConfig(
+        emb_dim=emb, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=128,
+        mlp_dim=mlp, tie_word_embeddings=tied, **_QWEN3)
   # Gemma 1: google/gemma-2b and gemma-7b config.json (Feb 2024 release):
   # (emb, layers, heads, kv heads, mlp); head_dim 256 for both.
   for name, (emb, layers, heads, kv, mlp) in {"gemma_2b": (2048, 18, 8, 1, 16384),
@@ -373,7 +392,8 @@ def _named_configs():
       vocab_size=32000, emb_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
       head_dim=128, mlp_dim=14336, max_positions=32768, norm_epsilon=1e-5, **_MISTRAL)
   # Test shapes: a small shared vocabulary per family, every layout feature on
-  # (GQA, untied head for Llama; biases, tied head for Qwen2).
+  # (GQA, untied head for Llama; biases, tied head for Qwen2; q/k norms and head_dim
+  # != emb / heads for Qwen3).
   tiny = dict(vocab_size=97, max_positions=128, bos_id=1, eos_id=2, pad_id=0)
   configs["llama_tiny"] = DecoderOnlyConfig(emb_dim=64, num_layers=2, num_heads=4,
                                             num_kv_heads=2, head_dim=16, mlp_dim=128,
@@ -383,6 +403,9 @@ def _named_configs():
                                                   **_LLAMA, **tiny)
   configs["qwen2_tiny"] = DecoderOnlyConfig(**{**_QWEN2, **tiny}, emb_dim=64, num_layers=2,
                                             num_heads=4, num_kv_heads=2, head_dim=16,
+                                            mlp_dim=128, tie_word_embeddings=True)
+  configs["qwen3_tiny"] = DecoderOnlyConfig(**{**_QWEN3, **tiny}, emb_dim=64, num_layers=2,
+                                            num_heads=4, num_kv_heads=2, head_dim=24,
                                             mlp_dim=128, tie_word_embeddings=True)
   configs["gpt2_tiny"] = DecoderOnlyConfig(**{**_GPT2, **tiny}, emb_dim=64, num_layers=2,
                                            num_heads=4, num_kv_heads=4, head_dim=16,

@@ -140,7 +140,7 @@ class _Grower:
     if parent == "down_proj":
       return widen.repeat(widen.pad(x, 0, mlp), 1, r) if name == "kernel" else (
           widen.repeat(x, 0, r))
-    if parent in ("q_norm", "k_norm"):  # per head_dim: unchanged
+    if parent in ("q_norm", "k_norm"):  # per head_dim (Gemma 3, Qwen3; head_dim kept): unchanged
       return jnp.asarray(x, jnp.float32)
     if parent.endswith("layernorm") or parent == "norm":
       return widen.repeat(x, 0, r)

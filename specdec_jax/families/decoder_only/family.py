@@ -217,8 +217,8 @@ class DecoderOnlyFamily(Family):
     return checkpoints.load_hf_decoder_only(path, dtype=dtype, place=place)
 
   def export_hf(self, model, directory) -> None:
-    """A `LlamaForCausalLM` / `Qwen2ForCausalLM` / `GPT2LMHeadModel` directory, by
-    `config.family`."""
+    """A `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `GPT2LMHeadModel`
+    (or Mistral / Gemma) directory, by `config.family`."""
     checkpoints.export_hf_decoder_only(model, directory)
 
 

@@ -1,5 +1,5 @@
-"""A decoder-only Transformer (Llama / Qwen2 / Mistral / Gemma 1-3 / GPT-2 layouts) scoring token
-blocks from a KV cache.
+"""A decoder-only Transformer (Llama / Qwen2 / Qwen3 / Mistral / Gemma 1-3 / GPT-2 layouts)
+scoring token blocks from a KV cache.
 
 The block contract is the T5 decoder's (families/t5/network.py), so the decode loops in
 `specdec_jax.core.decoding` run either family unchanged:
@@ -29,6 +29,9 @@ Layouts (`DecoderOnlyConfig.family`):
 * llama / qwen2: RMSNorm, rotary positions (HF `rotate_half` convention:
   the two halves of each head are the rotated pairs), grouped-query attention,
   SwiGLU MLP, tied or untied output; Qwen2 adds q/k/v biases.
+* qwen3: the Llama layout (biases only with attention_bias) plus per-head
+  q/k norms: RMSNorm x * w over head_dim (the `qk_norm` path Gemma 3 uses,
+  without Gemma's 1 + w), after the projection and before rotary.
 * gpt2: LayerNorm with bias, learned absolute positions, GELU (tanh) MLP,
   biases everywhere, tied output.
 * mistral: the Llama layout with a sliding window on every layer.
@@ -47,7 +50,7 @@ their transpose; `checkpoints_decoder_only` holds the name mapping):
   layers_{i}/self_attn/k_proj/kernel (+ bias)  [emb, kv_heads * head_dim]
   layers_{i}/self_attn/v_proj/kernel (+ bias)  [emb, kv_heads * head_dim]
   layers_{i}/self_attn/o_proj/kernel (+ bias)  [heads * head_dim, emb]
-  layers_{i}/self_attn/{q,k}_norm/scale        [head_dim]             qk_norm (Gemma 3) only
+  layers_{i}/self_attn/{q,k}_norm/scale        [head_dim]             qk_norm (Gemma 3, Qwen3) only
   layers_{i}/post_attention_layernorm/scale (+ bias)
   layers_{i}/{pre,post}_feedforward_layernorm/scale [emb]             sandwich_norms (Gemma 2/3)
   layers_{i}/mlp/gate_proj/kernel (+ bias)     [emb, mlp]             gated (Llama, Qwen2) only
@@ -278,7 +281,7 @@ class Attention(nn.Module):
     query = self._split(self.q_proj(x), cfg.num_heads)
     key = self._split(self.k_proj(x), cfg.num_kv_heads)
     value = self._split(self.v_proj(x), cfg.num_kv_heads)
-    if cfg.qk_norm:  # Per head, over head_dim, before rotary (HF Gemma 3).
+    if cfg.qk_norm:  # Per head, over head_dim, before rotary (HF Gemma 3, Qwen3).
       query = self.q_norm(query)
       key = self.k_norm(key)
     if rotary is not None:
@@ -358,7 +361,7 @@ def init_cache(config: DecoderOnlyConfig, batch: int, max_len: int) -> Cache:
 
 
 class DecoderOnly(nn.Module):
-  """A decoder-only language model (Llama, Qwen2, Mistral, Gemma or GPT-2 layout, by config)."""
+  """A decoder-only language model (Llama, Qwen2/3, Mistral, Gemma or GPT-2 layout, by config)."""
   config: DecoderOnlyConfig
 
   def setup(self):

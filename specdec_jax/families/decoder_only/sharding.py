@@ -41,7 +41,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
   if leaf == "embedding":
     axes = ("vocab", "embed") if parent == "embed_tokens" else (None, "embed")
   elif leaf == "scale" and parent in ("q_norm", "k_norm"):
-    axes = ("kv",)  # Gemma 3's per-head q/k norms lie along head_dim.
+    axes = ("kv",)  # Gemma 3's and Qwen3's per-head q/k norms lie along head_dim.
   elif leaf == "scale":
     axes = ("embed",)
   elif parent in _KERNEL_AXES and leaf == "kernel":
