@@ -20,7 +20,7 @@ from specdec_jax import sharding
 from specdec_jax.families.kernel_layout import with_kernel_layout
 from specdec_jax.core.dtypes import default_dtype, optional_dtype
 # Imported for its registration: the Medusa-1 head format (`head_formats`).
-from specdec_jax.drafts import medusa_checkpoints  # noqa: F401
+from specdec_jax.drafts import dflash_checkpoints, medusa_checkpoints  # noqa: F401
 from specdec_jax.families import head_formats
 from specdec_jax.families.base import Family
 from specdec_jax.families.hub import download_from_hub, looks_like_hub_id
@@ -282,6 +282,98 @@ def load_medusa_draft(path, target, dtype=None):
   path = os.fspath(path)
   fmt = _head_format_for_target(path, "medusa", target, "load_medusa_draft")
   return MedusaDraft(target, **fmt.load(path, target, optional_dtype(dtype)))
+
+
+def load_dflash_draft(path, target, dtype=None):
+  """Reads a public DFlash drafter directory (z-lab's format: a Qwen3-style config.json with
+  `dflash_config` {block_size, mask_token_id, target_layer_ids} and safetensors) as a
+  `DFlashDraft` for `target` (decoder-only: Qwen3, Llama, ...; the drafter shares its
+  embedding and LM head).
+
+  Args:
+    path: the directory (`drafts/dflash_checkpoints.py` lists the tensor names).
+    target: the model the drafter was trained on (hidden size, vocabulary and layer ids
+      are checked).
+    dtype: the drafter's params dtype; default the target's.
+  Raises:
+    CheckpointError: naming the file, key or tensor at fault (DFlash-2 drafters and
+      sliding-window drafters are refused by name).
+  """
+  from specdec_jax.drafts.dflash import DFlashDraft
+  path = os.fspath(path)
+  fmt = _head_format_for_target(path, "dflash", target, "load_dflash_draft")
+  return DFlashDraft(target, **fmt.load(path, target, optional_dtype(dtype)))
+
+
+def save_dflash_draft(draft, path) -> None:
+  """Writes a decoder-only `DFlashDraft` as a z-lab directory that `load_dflash_draft` and
+  z-lab's `DFlashDraftModel` read."""
+  from specdec_jax.drafts.dflash import DFlashDraft
+  if not isinstance(draft, DFlashDraft):
+    raise TypeError(f"save_dflash_draft takes a DFlashDraft, got {type(draft).__name__}")
+  head_formats.head_format_for(draft, "dflash").save(draft, path)
+
+
+def mask_token_of(path) -> int:
+  """The mask id a PARD directory was trained with: config.json's `pard_token` (AMD's
+  checkpoints) or `mask_token_id`, else the tokenizer's mask token (tokenizer_config.json's
+  `mask_token` looked up in tokenizer.json / added_tokens). CheckpointError naming the
+  files looked at when none is found."""
+  path = os.fspath(path)
+  looked = []
+  config_path = os.path.join(path, "config.json")
+  looked.append(f"{config_path} (pard_token, mask_token_id)")
+  try:
+    with open(config_path) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    hf = {}
+  for key in ("pard_token", "mask_token_id"):
+    value = hf.get(key)
+    if isinstance(value, list) and value:
+      value = value[0]
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+  tok_config = os.path.join(path, "tokenizer_config.json")
+  looked.append(f"{tok_config} (mask_token) with tokenizer.json's added tokens")
+  try:
+    with open(tok_config) as f:
+      mask = json.load(f).get("mask_token")
+    if isinstance(mask, dict):
+      mask = mask.get("content")
+    with open(os.path.join(path, "tokenizer.json")) as f:
+      tokenizer = json.load(f)
+    for token in tokenizer.get("added_tokens", []):
+      if mask is not None and token.get("content") == mask:
+        return int(token["id"])
+    vocab = tokenizer.get("model", {}).get("vocab", {})
+    if isinstance(vocab, dict) and mask in vocab:
+      return int(vocab[mask])
+  except (OSError, ValueError, AttributeError):
+    pass
+  raise CheckpointError(f"{path}: no mask token found (looked in {'; '.join(looked)}); a "
+                        "PARD drafter names the mask it was trained with: pass "
+                        "mask_token_id=... to load_parallel_draft")
+
+
+def load_parallel_draft(path, gamma: int = 4, mask_token_id: Optional[int] = None,
+                        target_vocab_size: Optional[int] = None, **load_kwargs):
+  """Reads a public PARD drafter (an ordinary HF causal LM whose config.json names its mask
+  token, `pard_token`) as a `ParallelDraft` drafting `gamma` tokens per call.
+
+  Args:
+    path: the directory (`load_model` reads the model; `mask_token_of` the mask id).
+    gamma: K, the most tokens one call drafts.
+    mask_token_id: overrides the directory's mask id.
+    target_vocab_size: as `ModelDraft`'s (tables padded to different sizes).
+    **load_kwargs: `load_model`'s (dtype, ...).
+  """
+  from specdec_jax.drafts.pard import ParallelDraft
+  path = os.fspath(path)
+  mask = mask_token_of(path) if mask_token_id is None else mask_token_id
+  model = load_model(path, **load_kwargs)
+  return ParallelDraft(model, mask_token_id=mask, gamma=gamma,
+                       target_vocab_size=target_vocab_size)
 
 
 def save_medusa_draft(draft, path) -> None:

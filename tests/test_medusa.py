@@ -259,7 +259,9 @@ def test_tree_levels_come_from_head_depth_plus_one_whatever_the_pending_chain():
   state = expander.init(dict(hidden=hidden, ready=jnp.array([True, True])), 2, 8)
   laws = np.asarray(sampling.adjust_probs(medusa.head_logits(medusa.params, hidden, 3)))
   chain_len = jnp.array([2, 0], jnp.int32)  # a row with two pending tokens, a row with none
-  _, root_probs, state = expander.start(state, None, None, None, chain_len)
+  rows = jnp.zeros((2, 6), jnp.int32)
+  _, root_probs, state = expander.start(state, rows, jnp.array([3, 3], jnp.int32),
+                                        jnp.zeros((2, 2), jnp.int32), chain_len)
   np.testing.assert_allclose(np.asarray(root_probs), laws[:, 0], rtol=1e-6, atol=1e-7)
   depths = jnp.array([[1, 2, 2], [2, 1, 1]], jnp.int32)
   attention = TreeAttention(jnp.zeros((2,), jnp.int32), depths, jnp.ones((2, 3, 3), bool),

@@ -11,6 +11,10 @@
   driving any family's `families.feature_head.FeatureHead`.
 * `MedusaDraft`: K Medusa heads on the target's last hidden state, every token of a
   proposal (chain or tree level) from one call.
+* `ParallelDraft`: PARD, a small model of the target's vocabulary run once over the
+  context plus K - 1 mask tokens (`drafts.parallel`: the base of one-call drafters).
+* `DFlashDraft`: DFlash, a few non-causal layers over the target's features that fill a
+  block of masks in one call (both families; T5's also cross-attends to the encoder).
 """
 
 from specdec_jax.drafts.base import (NOTHING, Draft, DraftStart, ProposalPlan, Reads,  # noqa: F401
@@ -34,3 +38,6 @@ from specdec_jax.drafts.prompt_lookup import PromptLookupDraft  # noqa: E402,F40
 from specdec_jax.drafts.tree_draft import DynamicTreeDraft, TreeDraft  # noqa: E402,F401
 from specdec_jax.drafts.feature_draft import FeatureDraft  # noqa: E402,F401
 from specdec_jax.drafts.medusa import MedusaDraft  # noqa: E402,F401
+from specdec_jax.drafts.pard import ParallelDraft  # noqa: E402,F401
+from specdec_jax.drafts.parallel import ParallelDrafter  # noqa: E402,F401
+from specdec_jax.drafts.dflash import DFlashDraft  # noqa: E402,F401

@@ -211,6 +211,12 @@ class Draft(abc.ABC):
     raise TypeError(f"a {type(self).__name__} gives no distribution at every tree node, so it "
                     "cannot grow a TreeDraft: use a ModelDraft or an NgramDraft")
 
+  def tree_expander_for(self, params: Any, plan: ProposalPlan):
+    """`tree_expander` for one decode's plan (what `TreeDraft` calls): the default passes
+    the sampling; a draft whose expander needs more of the plan (a parallel drafter with
+    a cache of its own: the block width) overrides this."""
+    return self.tree_expander(params, plan.sampling)
+
   # -- host-side checks -------------------------------------------------------
 
   def check_verification(self, verification: str) -> None:

@@ -46,13 +46,14 @@ from typing import Any, Hashable, Optional
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.drafts.base import Draft, chain_proposer, target_features
+from specdec_jax.drafts.base import target_features
+from specdec_jax.drafts.parallel import ParallelDrafter
 from specdec_jax.families.registry import family_of
 
 Array = jax.Array
 
 
-class MedusaDraft(Draft):
+class MedusaDraft(ParallelDrafter):
   """Medusa-1 heads drafting for their target, chain or tree, in one call per proposal.
 
   Args:
@@ -141,13 +142,8 @@ class MedusaDraft(Draft):
                        share_lm_head=self.share_lm_head, params=params)
 
   @property
-  def max_gamma(self) -> int:
-    """A chain drafts one token per head."""
-    return self.num_heads
-
-  @property
-  def max_tree_depth(self) -> int:
-    """The deepest static tree whose every level has a head of its own."""
+  def num_positions(self) -> int:
+    """One law per head: the longest chain, the deepest tree level with a head of its own."""
     return self.num_heads
 
   # -- the heads --------------------------------------------------------------
@@ -171,7 +167,7 @@ class MedusaDraft(Draft):
     (refs: `projection_refs`)."""
     return self._projection.logits(None, refs, hidden.astype(self.dtype)).astype(jnp.float32)
 
-  def _check_gamma(self, gamma: int) -> None:
+  def check_gamma(self, gamma: int) -> None:
     if gamma > self.num_heads:
       raise ValueError(f"gamma={gamma} drafts {gamma} tokens from one hidden state, one head "
                        f"each; this MedusaDraft has {self.num_heads} heads (gamma <= "
@@ -203,63 +199,7 @@ class MedusaDraft(Draft):
       return dict(state, hidden=hidden, ready=jnp.ones_like(state["ready"]))
     return observe
 
-  def calls_per_proposal(self, gamma: int) -> int:
-    return 1  # every head from one hidden state, in one batched call
-
-  def proposer(self, params, plan):
-    gamma, settings = plan.gamma, plan.sampling
-    self._check_gamma(gamma)
-
-    def propose(rng, state, sequences, lengths, max_drafted=None):
-      del sequences, lengths
-      batch = state["hidden"].shape[0]
-      probs = settings.probs(self.head_logits(params, state["hidden"], gamma))
-      keys = jax.random.split(rng, gamma)  # probs: [batch, gamma, vocab]
-      tokens = jnp.stack([settings.draw(keys[i], probs[:, i]) for i in range(gamma)],
-                         axis=1).astype(jnp.int32)
-      limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
-               jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
-      num_drafted = jnp.where(state["ready"], limit, 0)
-      keep = jnp.arange(gamma)[None] < num_drafted[:, None]
-      return (jnp.where(keep, tokens, 0), jnp.where(keep[..., None], probs, 0.0), num_drafted,
-              state)
-
-    return chain_proposer(propose, plan, observe=self.observer(params))
-
-  def tree_expander(self, params, settings):
-    """Medusa's trees (`drafts.tree_draft.TreeExpander`): a node at depth d below the root draws
-    its children from head d + 1, whatever its parent. The root is the chain's end and h
-    the state before it (`observe` hands over the whole accepted path, greedy pending
-    tokens included), so `chain_len` shifts nothing. `start` computes every head's law once
-    per proposal and keeps them in the state (`init`: laws [batch, K, vocab]); before any
-    feature (`ready` false) the laws are uniform, which is still the law the children are
-    drawn from. `TreeDraft` refuses trees deeper than K (`max_tree_depth`)."""
-    from specdec_jax.drafts.tree_draft import TreeExpander  # tree.py imports drafts
-    k, vocab = self.num_heads, self.vocab_size
-
-    def init(state, batch, slots):
-      del slots
-      return dict(state, tree_scores=jnp.zeros((batch, k, vocab), jnp.float32),
-                  tree_probs=jnp.zeros((batch, k, vocab), jnp.float32))
-
-    def head_at(table, depth):  # table [batch, K, vocab], depth [batch, n]: head depth + 1
-      return jnp.take_along_axis(table, jnp.clip(depth, 0, k - 1)[:, :, None], axis=1)
-
-    def start(state, sequences, lengths, chain, chain_len):
-      del sequences, lengths, chain, chain_len
-      logits = self.head_logits(params, state["hidden"], k)
-      ready = state["ready"][:, None, None]
-      scores = jnp.where(ready, jax.nn.log_softmax(logits, axis=-1), -jnp.log(vocab))
-      probs = jnp.where(ready, settings.probs(logits), 1.0 / vocab)
-      return scores[:, 0], probs[:, 0], dict(state, tree_scores=scores, tree_probs=probs)
-
-    def expand(state, lengths, chain_len, tokens, attention, block_offset):
-      del lengths, chain_len, tokens, block_offset
-      return (head_at(state["tree_scores"], attention.depths),
-              head_at(state["tree_probs"], attention.depths), state)
-
-    def move(state, lengths, sources):
-      return state
-
-    return TreeExpander(start, expand, move, init)
-
+  def block_laws(self, params, state, sequences, lengths, num, window):
+    """Heads 1..num on h, the state before the row's last token (one batched call)."""
+    del sequences, lengths, window  # h already holds the accepted path (`observe`)
+    return self.head_logits(params, state["hidden"], num), state["ready"], state

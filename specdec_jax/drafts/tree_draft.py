@@ -257,7 +257,7 @@ class TreeDraft(Draft):
     decoding.resolve_block_width(width, slots=self.num_nodes, what=self.describe_slots(0))
     greedy = plan.sampling.greedy
     depth = self.proposal_depth(plan.sampling, plan.gamma, width)
-    expander = self.inner.tree_expander(params, plan.sampling)
+    expander = self.inner.tree_expander_for(params, plan)
 
     def propose(rng, state, sequences, lengths, pending, num_pending):
       batch = sequences.shape[0]
@@ -342,7 +342,7 @@ class TreeDraft(Draft):
 
   def room(self, width: int) -> int:
     """Positions past the decode that a tree iteration writes into the draft's cache."""
-    return width + self.shape.max_depth + 2
+    return width + self.shape.max_depth + 2 + self.inner.room(width)
 
   def target_room(self, width: int) -> int:
     return width
@@ -402,7 +402,7 @@ class DynamicTreeDraft(TreeDraft):
     return ("dynamic_tree", self.topk, self._depth, self.node_budget, self.inner.static_key())
 
   def room(self, width: int) -> int:
-    return width + self._depth * self.topk + 2
+    return width + self._depth * self.topk + 2 + self.inner.room(width)
 
   def _grow(self, rng, expander, inner, lengths, chain_len, root_token, root_scores, root_probs,
             greedy):

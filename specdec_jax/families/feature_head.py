@@ -175,6 +175,13 @@ class FeatureHead(abc.ABC):
       in config.dtype or float32; cache).
     """
 
+  def token_embeddings(self, refs, ids: Array) -> Array:
+    """The target's raw input embedding rows of ids [...] -> [..., emb] (the table itself,
+    no family scaling): what drafts that embed tokens with the target's table read
+    (`drafts.DFlashDraft`). refs: `target_refs`."""
+    raise NotImplementedError(f"{type(self).__name__} does not expose the target's token "
+                              "embedding")
+
   @abc.abstractmethod
   def logits(self, params, refs, hidden: Array) -> Array:
     """hidden [..., hidden_dim] -> logits [..., vocab_size] float32 over the target's

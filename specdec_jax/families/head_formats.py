@@ -9,7 +9,8 @@ reader registers Medusa-1 (`drafts/medusa_checkpoints.py`). The loaders
 a format here by name or by detection and never name one themselves.
 
 Formats are grouped by the draft they hold (`HeadFormat.kind`): 'feature'
-(a `FeatureDraft`'s head) or 'medusa' (a `MedusaDraft`'s heads). This module
+(a `FeatureDraft`'s head), 'medusa' (a `MedusaDraft`'s heads) or 'dflash' (a
+`DFlashDraft`'s layers: z-lab's format, `drafts/dflash_checkpoints.py`). This module
 builds no draft and imports no family: it reads a target's family from the
 caller, so the registry of families and the families themselves may import it.
 """
@@ -20,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from specdec_jax.families.base import Family
 from specdec_jax.families.tensor_io import CheckpointError
 
-KINDS = ("feature", "medusa")
+KINDS = ("feature", "medusa", "dflash")
 
 
 class UnsupportedHeadFormat(CheckpointError):

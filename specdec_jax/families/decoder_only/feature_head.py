@@ -171,6 +171,9 @@ class DecoderOnlyFeatureHead(FeatureHead):
       x = x * jnp.asarray(config.emb_dim ** 0.5, x.dtype)
     return x
 
+  def token_embeddings(self, refs, ids: Array) -> Array:
+    return jnp.take(refs["embed_tokens"]["embedding"], ids, axis=0, mode="clip")
+
   def apply(self, params, refs, tokens, features, positions, cache, tree=None):
     query_at = key_at = allowed = None
     if tree is not None:

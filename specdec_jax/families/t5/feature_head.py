@@ -164,6 +164,9 @@ class T5FeatureHead(FeatureHead):
     """The target decoder's input embedding of ids (T5: the shared table, unscaled)."""
     return jnp.take(refs["token_embedder"]["embedding"], ids, axis=0).astype(self.config.dtype)
 
+  def token_embeddings(self, refs, ids: Array) -> Array:
+    return jnp.take(refs["token_embedder"]["embedding"], ids, axis=0, mode="clip")
+
   def apply(self, params, refs, tokens, features, positions, cache, tree=None):
     return self.network.apply({"params": params}, self.embed(refs, tokens), features,
                               positions, cache, tree)
