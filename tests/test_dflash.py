@@ -317,3 +317,50 @@ def test_bad_dflash_directories_get_clear_errors(tmp_path):
     sj.load_dflash_draft(tmp_path / "d", sj.load_model("tiny", vocab_size=40))
   with pytest.raises(sj.CheckpointError, match="no such directory"):
     sj.load_dflash_draft(tmp_path / "nowhere", target)
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+def test_grown_drafter_drives_the_embedded_target_to_the_same_laws(family):
+  """`sj.scale_pair`'s rule for DFlash: a drafter grown with its target (stream r times
+  wider, r times the heads and MLP units, zeros where new) gives the same laws over the
+  embedded target's features, and the same greedy decode."""
+  from specdec_jax.scaled_pair import embed_draft
+  vocab = 16
+  small = _target(family, vocab)
+  config = small.config
+  if family == "t5":
+    large_config = config.replace(emb_dim=2 * config.emb_dim,
+                                  num_decoder_layers=config.num_decoder_layers + 1,
+                                  num_encoder_layers=config.num_encoder_layers + 1)
+  else:
+    large_config = config.replace(emb_dim=2 * config.emb_dim, num_layers=config.num_layers + 1)
+  large = sj.embed_model(small, large_config)
+  taps = (1, _depth(small))
+  draft = sj.DFlashDraft(small, block_size=4, num_layers=2, feature_layers=taps, seed=6)
+  draft = sj.DFlashDraft(small, config=draft.config, params=_sharp(draft, 20.0))
+  grown = embed_draft(draft, small, large)
+  assert grown.config.taps == (taps[0], _depth(large))
+  tokens, lengths = _inputs(family, vocab)
+  kwargs = dict(gamma=3, max_decode_steps=10, eos_id=-1, block_width=4)
+  a = sj.generate(small, tokens, lengths, draft=draft, **kwargs)
+  b = sj.generate(large, tokens, lengths, draft=grown, **kwargs)
+  np.testing.assert_array_equal(np.asarray(a.sequences), np.asarray(b.sequences))
+  np.testing.assert_array_equal(a.stats.position_accepted, b.stats.position_accepted)
+  # The laws themselves, at the decode's start.
+  laws = []
+  for model, use in ((small, draft), (large, grown)):
+    fam = family_of(model)
+    lens = jnp.asarray(lengths if lengths is not None else np.sum(tokens != 0, 1), jnp.int32)
+    _, features, memory = fam.start_features(model.config, model.params, jnp.asarray(tokens),
+                                             lens, 12, use.config.taps)
+    context = sj.Context(jnp.asarray(tokens), lens, continued=family != "t5")
+    state = use.init_state(use.params, sj.DraftStart(context, 12, 3, features, memory))
+    first = jnp.asarray(tokens[np.arange(len(tokens)), np.asarray(lens) - 1][:, None]
+                        if family != "t5" else np.zeros((len(tokens), 1), np.int32))
+    laws.append(use.block_laws(use.params, state, first, jnp.zeros(len(tokens), jnp.int32),
+                               3, 4)[0])
+  np.testing.assert_allclose(np.asarray(laws[0]), np.asarray(laws[1]), rtol=1e-4, atol=1e-4)
+
+
+def _depth(model):
+  return getattr(model.config, "num_layers", None) or model.config.num_decoder_layers

@@ -160,7 +160,7 @@ class DFlashDraft(ParallelDrafter):
                                                                       else 1):
           raise ValueError(f"{name} must be an int >= {2 if name == 'block_size' else 1}, "
                            f"got {value!r}")
-      depth = getattr(tc, "num_layers", None) or tc.num_decoder_layers
+      depth = _depth(tc)
       taps = (tuple(int(i) for i in feature_layers) if feature_layers is not None else
               default_taps(depth))
       mask = tc.vocab_size - 1 if mask_token_id is None else mask_token_id
@@ -245,6 +245,81 @@ class DFlashDraft(ParallelDrafter):
   @property
   def num_positions(self) -> int:
     return self.config.block_size - 1
+
+  # -- growing with the target (`sj.scale_pair`) -------------------------------------
+
+  def grown_config(self, large_config) -> DFlashConfig:
+    """This drafter's shape over a target embedded function-preservingly at large_config:
+    the stream r times wider, r times the heads (the same head width, so q/k norms and
+    rotations see the same vectors) and MLP units; taps at the same layers, the last state
+    (after the final norm) at the large target's last."""
+    from specdec_jax.families.widen import EmbeddingError
+    c = self.config
+    if large_config.emb_dim % c.hidden:
+      raise EmbeddingError(f"emb_dim {large_config.emb_dim} is not a multiple of the drafter's "
+                           f"{c.hidden}")
+    r = large_config.emb_dim // c.hidden
+    small_depth = _depth(self.target_config)
+    taps = tuple(_depth(large_config) if t == small_depth else t for t in c.taps)
+    return dataclasses.replace(c, hidden=c.hidden * r, num_heads=c.num_heads * r,
+                               num_kv_heads=c.num_kv_heads * r, intermediate=c.intermediate * r,
+                               taps=taps, dtype=str(large_config.dtype))
+
+  def grown_params(self, small_target, large_config):
+    """The drafter's arrays over a stream repeated r times (`families.widen`): kernels that
+    read the stream keep their rows on each dimension's first copy, kernels that write it
+    repeat their outputs, new heads and MLP units are zero (they add nothing), norms repeat.
+    The grown drafter computes the same laws over the grown target's features."""
+    from specdec_jax.families import widen
+    c = self.config
+    r = self.grown_config(large_config).hidden // c.hidden
+    own = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), self.head_params)
+    taps = len(c.taps)
+    fc = own["fc"]["kernel"].reshape(taps, c.hidden, c.hidden)
+    out = dict(fc=dict(kernel=widen.repeat(widen.first_copy(fc, 1, r), 2, r).reshape(
+                   taps * c.hidden * r, c.hidden * r)),
+               hidden_norm=widen.repeat(own["hidden_norm"], 0, r),
+               norm=widen.repeat(own["norm"], 0, r), layers={})
+
+    def heads(x, axis, kv=False):
+      n = c.num_kv_heads if kv else c.num_heads
+      return widen.pad_heads(x, axis, n, c.head_dim, n * r, c.head_dim)
+
+    def attention(a):
+      grown = {name: dict(kernel=heads(widen.first_copy(a[name]["kernel"], 0, r), 1,
+                                       kv=name != "q_proj"))
+               for name in ("q_proj", "k_proj", "v_proj")}
+      grown["o_proj"] = dict(kernel=widen.repeat(heads(a["o_proj"]["kernel"], 0), 1, r))
+      if c.attention_bias:
+        for name in ("q_proj", "k_proj", "v_proj"):
+          grown[name]["bias"] = heads(a[name]["bias"], 0, kv=name != "q_proj")
+        grown["o_proj"]["bias"] = widen.repeat(a["o_proj"]["bias"], 0, r)
+      grown["q_norm"], grown["k_norm"] = a["q_norm"], a["k_norm"]
+      return grown
+
+    units = c.intermediate * r
+    for i, layer in own["layers"].items():
+      mlp = layer["mlp"]
+      grown = dict(
+          self_attn=attention(layer["self_attn"]),
+          input_layernorm=widen.repeat(layer["input_layernorm"], 0, r),
+          post_attention_layernorm=widen.repeat(layer["post_attention_layernorm"], 0, r),
+          mlp=dict(gate_proj=dict(kernel=widen.pad(widen.first_copy(
+                       mlp["gate_proj"]["kernel"], 0, r), 1, units)),
+                   up_proj=dict(kernel=widen.pad(widen.first_copy(
+                       mlp["up_proj"]["kernel"], 0, r), 1, units)),
+                   down_proj=dict(kernel=widen.repeat(widen.pad(
+                       mlp["down_proj"]["kernel"], 0, units), 1, r))))
+      if c.cross_attention:
+        grown["cross_attn"] = attention(layer["cross_attn"])
+        grown["cross_layernorm"] = widen.repeat(layer["cross_layernorm"], 0, r)
+      out["layers"][i] = grown
+    return out
+
+  def with_grown_params(self, large_target, params) -> "DFlashDraft":
+    config = self.grown_config(large_target.config)
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, config.dtype), params)
+    return DFlashDraft(large_target, config=config, params=params)
 
   # -- the network ---------------------------------------------------------------
 
@@ -425,6 +500,11 @@ def param_shapes(c: DFlashConfig, feature_dim: int) -> dict:
       shapes.update(attention(f"{p}/cross_attn"))
       shapes[f"{p}/cross_layernorm"] = (h,)
   return shapes
+
+
+def _depth(target_config) -> int:
+  """The target's (decoder) layer count."""
+  return getattr(target_config, "num_layers", None) or target_config.num_decoder_layers
 
 
 def default_taps(num_layers: int) -> Tuple[int, ...]:
