@@ -50,6 +50,7 @@ from specdec_jax.loading import load_model
 from specdec_jax.core.dtypes import default_dtype
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.t5.config import CONFIGS
+from specdec_jax.drafts import as_draft
 from specdec_jax.families.registry import is_model
 from specdec_jax.tools.profiling import time_block_calls, time_proposals
 from specdec_jax.tools import methods as methods_lib
@@ -454,7 +455,9 @@ def method_rows(target, draft, draft_name: str, inputs, lengths, batch: int, gam
   ks = sorted({1, width} | {m.nodes for m in methods})
   draft_model = draft.model if hasattr(draft, "model") else draft
   timed = {"target": target}
-  if is_model(draft_model):
+  # A model stepped once per drafted token: c is its one-token call. A drafter that fills
+  # the proposal in one call (PARD's model over context plus masks) is timed by proposal.
+  if is_model(draft_model) and as_draft(draft).calls_per_proposal(gamma) == gamma:
     timed["draft"] = draft_model
   # Target and draft in one call: their samples interleave, so a shared
   # machine's load hits c's numerator and denominator alike.

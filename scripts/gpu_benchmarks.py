@@ -41,7 +41,11 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
     against the embedded 'small' draft: c per drafted token (whole gamma-token
     proposals, `profiling.time_proposals`), then chain gamma = 4 and a static
     and a dynamic tree of the head at W = 16: alpha, tokens per iteration,
-    speedup against the fastest exact baseline, greedy identity.
+    speedup against the fastest exact baseline, greedy identity. With them
+    (issue 32) the pair's one-call drafters, where it ships them: Medusa heads
+    and the DFlash drafter grown with the target, the PARD drafter's model
+    embedded at the 'small' draft's shape; c per drafted token, a chain and a
+    tree of each.
 
   scripts/gpu_benchmarks.sh               # on the GPU machine (<= 6 minutes)
   scripts/gpu_benchmarks.sh --dry_run     # CPU, tiny shapes, seconds (tested)
@@ -425,11 +429,15 @@ def run_features() -> Dict[str, Any]:
                                       min_length=ENC_LEN.value)
   gamma = 4
   max_len = 128 if not DRY_RUN.value else 16
+  # Issue 32: the one-call drafters the pair ships, at the large cost: Medusa heads and the
+  # DFlash drafter grown with the target (`Draft.grown_params`), the PARD drafter's model
+  # embedded at the 'small' draft's shape (it reads nothing of the target).
+  parallel = _grown_parallel_drafts(pair, target, small.config)
+  proposal_ms = profiling.time_proposals(
+      target, {"feature head": head, "small": small, **parallel}, enc, max_len, gamma,
+      max(REPEATS.value, 3))
   target_ms = profiling.time_block_calls({"target": target}, enc, max_len, [1],
                                          max(REPEATS.value, 3))["target"][1]
-  proposal_ms = profiling.time_proposals(
-      target, {"feature head": head, "small": small}, enc, max_len, gamma,
-      max(REPEATS.value, 3))
   c = {name: ms / gamma / target_ms for name, ms in proposal_ms.items()}
   log(f"built; target step {target_ms:.3f} ms; c per drafted token {c}")
   inputs = pair.heldout_inputs(METHOD_INPUTS.value)
@@ -451,6 +459,11 @@ def run_features() -> Dict[str, Any]:
                                 f"feature dynamic tree k={topk} d={depth} n={budget}"), width,
        c["feature head"]),
   ]
+  for name, draft in parallel.items():
+    methods.append((methods_lib.chain(draft, gamma, name=f"{name} chain gamma={gamma}"),
+                    gamma + 1, c[name]))
+    methods.append((methods_lib.tree(draft, (2, 2, 1, 1)[:min(4, draft.max_tree_depth)],
+                                     name=f"{name} tree"), width, c[name]))
   rows = {}
   for method, block_width, cost in methods:
     timing = profiling.time_generate_pairs(
@@ -467,6 +480,28 @@ def run_features() -> Dict[str, Any]:
               target_step_ms=target_ms, proposal_ms=proposal_ms, c=c, width=width,
               verify_cost=verify_cost, inputs=len(inputs), new_tokens=steps, rows=rows,
               seconds=time.perf_counter() - wall)
+
+
+def _grown_parallel_drafts(pair, target, small_config) -> Dict[str, Any]:
+  """The pair's shipped one-call drafters (issue 32) fit to drive the embedded target:
+  {name: draft} for those it ships ('medusa', 'dflash', 'parallel')."""
+  import jax
+  import specdec_jax as sj
+  from specdec_jax.families.t5 import embed
+  from specdec_jax.scaled_pair import embed_draft
+  out = {}
+  for name in ("medusa", "dflash"):
+    if name in pair.drafts:
+      out[name] = embed_draft(pair.drafts[name], pair.target, target)
+  if "parallel" in pair.drafts:
+    pard = pair.drafts["parallel"]
+    config = small_config.replace(vocab_size=pard.model.config.vocab_size)
+    model = sj.Model(config, embed.embed_params(pard.model.params, pard.model.config, config))
+    model = sj.Model(config.replace(dtype=target.config.dtype), jax.tree_util.tree_map(
+        lambda x: x.astype(target.config.dtype), model.params))
+    out["parallel"] = sj.ParallelDraft(model, mask_token_id=pard.mask_token_id,
+                                       gamma=pard.gamma)
+  return out
 
 
 # ---------------------------------------------------------------------------
