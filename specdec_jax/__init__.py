@@ -51,6 +51,7 @@ from specdec_jax.scaled_pair import MemoryBudgetError, ScaledPair, embed_model, 
 from specdec_jax.families.t5.model import Model
 from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.generation import generate
+from specdec_jax.slots import ManyOutput, SlotStats, generate_many
 from specdec_jax.loading import (export_hf, load_dflash_draft, load_feature_draft,
                                  load_medusa_draft, load_model, load_parallel_draft,
                                  load_sharded_model, save_dflash_draft, save_feature_draft,

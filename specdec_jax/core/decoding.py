@@ -241,7 +241,7 @@ def temperature_sample(inputs: Array,
 
   def body(carry):
     step, index, seqs, ended, log_prob, cache, rng = carry
-    rng, step_rng = jax.random.split(rng)
+    rng, step_rng = sampling.split_keys(rng, 2)
     state = DecodingState(index, seqs, seqs[row_ids, index], cache)
     if state_callback_fn is not None:
       state = state_callback_fn(state)
@@ -339,7 +339,7 @@ def model_propose_fn(draft_tokens_to_logits: BlockFn, gamma: int, temperature: f
     logits, cache = draft_tokens_to_logits(block, start, cache)
     # At length 0 the block is [BOS, padding]: read the BOS logits.
     logits = logits[row_ids, lengths - start]
-    rngs = jax.random.split(rng, gamma)
+    rngs = sampling.split_keys(rng, gamma)
     token, probs = draw(logits, rngs[0])
     draft_tokens = jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(token)
     draft_probs = jnp.zeros((batch, gamma) + probs.shape[-1:], jnp.float32).at[:, 0].set(probs)
@@ -471,6 +471,13 @@ class ChainProposer(NamedTuple):
         gamma=self.gamma, temperature=sampling_settings.temperature,
         topk=sampling_settings.topk, topp=sampling_settings.topp, block_width=block_width,
         verification=verification, proposer=self)
+
+  def parts(self, inputs: Array, cache: Any, target: TargetFns, draft_state: Any, eos_id: int,
+            rng: Array, sampling_settings: sampling.Sampling, block_width: int,
+            verification: str) -> "LoopParts":
+    """The chain loop as `LoopParts` (`chain_parts`), for loops run in segments."""
+    return chain_parts(inputs, cache, target.block, draft_state, eos_id, rng, self,
+                       sampling_settings, block_width, verification)
 
 
 class SpeculativeCarry(NamedTuple):
@@ -608,25 +615,52 @@ def speculative_sample(inputs: Array,
   check_loop_inputs(inputs)
   if int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
-  gamma = int(gamma)
+  settings = sampling.Sampling(temperature, topk, topp)
+  proposer = _as_proposer(proposer, propose_fn, observe_fn, draft_tokens_to_logits, int(gamma),
+                          settings)
+  parts = chain_parts(inputs, cache, tokens_to_logits, draft_cache, eos_id,
+                      jax.random.PRNGKey(0) if decode_rng is None else decode_rng, proposer,
+                      settings, block_width, verification, max_decode_steps)
+  return run_parts(parts)
+
+
+class LoopParts(NamedTuple):
+  """A decode loop as pure parts, for loops run whole (`run_parts`) or in segments
+  (`sj.generate_many`, which stops the loop when a row ends and refills the row).
+
+  init: the carry before the first iteration (a NamedTuple with `sequences` [batch,
+    len + 1], `lengths` [batch], `done` [batch] bool and `counters`; every leaf has a
+    batch axis).
+  body: carry -> carry, one iteration (rows that are done emit nothing).
+  """
+  init: Any
+  body: Callable
+
+
+def run_parts(parts: LoopParts) -> Tuple[Array, Dict[str, Array]]:
+  """Iterates `parts` until every row is done: (decodes [batch, len], counters dict)."""
+  final = jax.lax.while_loop(lambda carry: ~jnp.all(carry.done), parts.body, parts.init)
+  return final.sequences[:, 1:], final.counters.as_dict()
+
+
+def chain_parts(inputs: Array, cache: Any, tokens_to_logits: BlockFn, draft_state: Any,
+                eos_id: int, rng: Array, proposer: ChainProposer, settings: sampling.Sampling,
+                block_width: Optional[int], verification: str = "token",
+                max_decode_steps: Optional[int] = None) -> LoopParts:
+  """`speculative_sample`'s loop as `LoopParts` (arguments as there; rng: a key, or row
+  keys [batch] so that each row draws from its own, `sampling.split_keys`)."""
+  check_loop_inputs(inputs)
+  gamma = proposer.gamma
   width = resolve_block_width(block_width, gamma)
   verify = VERIFIERS[check_verification(verification)]
-  settings = sampling.Sampling(temperature, topk, topp)
   batch, length = inputs.shape
   limit = step_limit(length, max_decode_steps)
-  if decode_rng is None:
-    decode_rng = jax.random.PRNGKey(0)
-  proposer = _as_proposer(proposer, propose_fn, observe_fn, draft_tokens_to_logits, gamma,
-                          settings)
   row_ids = jnp.arange(batch)
   offsets = jnp.arange(gamma + 1)
   target_extra = lambda cache: dict(target_cache=cache) if proposer.reads_cache else {}  # noqa
 
-  def cond(carry: SpeculativeCarry):
-    return ~jnp.all(carry.done)
-
   def body(carry: SpeculativeCarry):
-    rng, propose_rng, accept_rng = jax.random.split(carry.rng, 3)
+    rng, propose_rng, accept_rng = sampling.split_keys(carry.rng, 3)
     lengths = carry.lengths
     draft_tokens, draft_probs, num_drafted, draft_state = proposer.propose(
         propose_rng, carry.draft_state, carry.sequences, lengths, **target_extra(carry.cache))
@@ -635,7 +669,7 @@ def speculative_sample(inputs: Array,
     scored = as_scored(tokens_to_logits(block, lengths, carry.cache))
     target_probs = settings.probs(scored.logits[:, :gamma + 1])
     num_accepted, next_token = verify(
-        jax.random.split(accept_rng, batch), draft_tokens, draft_probs, target_probs,
+        sampling.row_keys(accept_rng, batch), draft_tokens, draft_probs, target_probs,
         num_drafted, greedy=settings.greedy)
 
     # The n accepted drafts, then the new token, then nothing.
@@ -659,10 +693,42 @@ def speculative_sample(inputs: Array,
 
   sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
   init = SpeculativeCarry(sequences, jnp.zeros((batch,), jnp.int32),
-                          jnp.zeros((batch,), jnp.bool_), cache, draft_cache, decode_rng,
+                          jnp.zeros((batch,), jnp.bool_), cache, draft_state, rng,
                           LoopCounters.zeros(batch, gamma))
-  final = jax.lax.while_loop(cond, body, init)
-  return final.sequences[:, 1:], final.counters.as_dict()
+  return LoopParts(init, body)
+
+
+def target_parts(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: int, rng: Array,
+                 settings: sampling.Sampling, block_width: Optional[int],
+                 max_decode_steps: Optional[int] = None) -> LoopParts:
+  """Target-only decoding as `LoopParts` whose rows keep their own lengths (so a row can
+  restart while others continue, `sj.generate_many`): each iteration scores each row's
+  last token as the first slot of a `block_width` block at the row's own position, as
+  `temperature_sample` with `block_to_state_fn` does (greedy outputs agree bit for bit),
+  and draws one token. The carry is a `SpeculativeCarry` (no draft state; counters unused)."""
+  check_loop_inputs(inputs)
+  width = resolve_block_width(block_width)
+  batch, length = inputs.shape
+  limit = step_limit(length, max_decode_steps)
+  row_ids = jnp.arange(batch)
+
+  def body(carry: SpeculativeCarry):
+    rng, step_rng = sampling.split_keys(carry.rng, 2)
+    block = pad_block(carry.sequences[row_ids, carry.lengths][:, None], width)
+    scored = as_scored(tokens_to_logits(block, carry.lengths, carry.cache))
+    token = settings.draw(step_rng, settings.probs(scored.logits[:, 0]))
+    sequences, lengths, done, _ = emit(carry.sequences, carry.lengths, carry.done,
+                                       token[:, None], jnp.ones((batch,), jnp.int32), eos_id,
+                                       limit)
+    counters = carry.counters._replace(iterations=carry.counters.iterations + ~carry.done)
+    return carry._replace(sequences=sequences, lengths=lengths, done=done, cache=scored.cache,
+                          rng=rng, counters=counters)
+
+  sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
+  init = SpeculativeCarry(sequences, jnp.zeros((batch,), jnp.int32),
+                          jnp.zeros((batch,), jnp.bool_), cache, {}, rng,
+                          LoopCounters.zeros(batch, 1))
+  return LoopParts(init, body)
 
 
 def decode(inputs: Array, cache: Any, target: TargetFns, eos_id: int, rng: Array, *,

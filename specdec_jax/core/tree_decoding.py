@@ -105,6 +105,17 @@ class TreeProposer(NamedTuple):
                        eos_id, decode_rng=rng, temperature=sampling_settings.temperature,
                        topk=sampling_settings.topk, topp=sampling_settings.topp)
 
+  def parts(self, inputs: Array, cache: Any, target: decoding.TargetFns, draft_state: Any,
+            eos_id: int, rng: Array, sampling_settings: sampling.Sampling, block_width: int,
+            verification: str) -> decoding.LoopParts:
+    """The tree loop as `decoding.LoopParts` (`tree_parts`), for loops run in segments."""
+    del block_width
+    if verification != "token":
+      raise ValueError(f"verification={verification!r} verifies a chain; a token tree is "
+                       "verified by recursive rejection sampling over its children's law")
+    return tree_parts(inputs, cache, target.block, target.move_cache, self, draft_state,
+                      eos_id, rng, sampling_settings)
+
 
 class TreeCarry(NamedTuple):
   sequences: Array    # [batch, len + 1] BOS/last prompt token then emitted tokens
@@ -190,22 +201,28 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
     decodes [batch, length] int32 (0 after EOS) and the counters
     (`counters.LoopCounters.as_dict`, tree counters included).
   """
+  settings = sampling.Sampling(temperature, topk, topp)
+  return decoding.run_parts(tree_parts(
+      inputs, cache, tokens_to_logits, move_cache, proposer, draft_state, eos_id,
+      jax.random.PRNGKey(0) if decode_rng is None else decode_rng, settings, max_decode_steps))
+
+
+def tree_parts(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_cache: MoveFn,
+               proposer: TreeProposer, draft_state: Any, eos_id: int, rng: Array,
+               settings: sampling.Sampling, max_decode_steps: Optional[int] = None
+               ) -> decoding.LoopParts:
+  """`tree_sample`'s loop as `decoding.LoopParts` (arguments as there; rng: a key, or row
+  keys [batch])."""
   # The chain loop's checks and step limit, so both loops refuse the same input.
   decoding.check_loop_inputs(inputs)
-  settings = sampling.Sampling(temperature, topk, topp)
   greedy = settings.greedy
   batch, length = inputs.shape
   step_limit = decoding.step_limit(length, max_decode_steps)
   depth_cap = proposer.max_depth
-  if decode_rng is None:
-    decode_rng = jax.random.PRNGKey(0)
   offsets = jnp.arange(depth_cap + 1)
 
-  def cond(carry: TreeCarry):
-    return ~jnp.all(carry.done)
-
   def body(carry: TreeCarry):
-    rng, propose_rng, verify_rng = jax.random.split(carry.rng, 3)
+    rng, propose_rng, verify_rng = sampling.split_keys(carry.rng, 3)
     lengths = carry.lengths
     extra = dict(target_cache=carry.cache) if proposer.reads_cache else {}
     tree, draft_state = proposer.propose(propose_rng, carry.draft_state, carry.sequences,
@@ -215,7 +232,7 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
     cache, features = scored.cache, scored.features
     target_probs = settings.probs(scored.logits)
     verdict = tree_verification.batched_verify_tree(
-        jax.random.split(verify_rng, batch), tree.tokens, tree.parents, tree.ranks, tree.valid,
+        sampling.row_keys(verify_rng, batch), tree.tokens, tree.parents, tree.ranks, tree.valid,
         tree.probs, target_probs, law=proposer.law, greedy=greedy, max_depth=depth_cap,
         max_children=proposer.max_children)
     path, num_accepted = verdict.path, verdict.num_accepted
@@ -260,7 +277,6 @@ def tree_sample(inputs: Array, cache: Any, tokens_to_logits: TreeBlockFn, move_c
   sequences = jnp.zeros((batch, length + 1), jnp.int32).at[:, 0].set(inputs[:, 0])
   init = TreeCarry(sequences, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.bool_),
                    jnp.zeros((batch, depth_cap), jnp.int32), jnp.zeros((batch,), jnp.int32),
-                   cache, proposer.init(draft_state, batch), decode_rng,
+                   cache, proposer.init(draft_state, batch), rng,
                    LoopCounters.zeros(batch, depth_cap, proposer.max_children))
-  final = jax.lax.while_loop(cond, body, init)
-  return final.sequences[:, 1:], final.counters.as_dict()
+  return decoding.LoopParts(init, body)

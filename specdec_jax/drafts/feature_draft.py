@@ -53,6 +53,7 @@ from typing import Any, Hashable, Optional
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core import sampling
 from specdec_jax.drafts.base import Draft, chain_proposer, target_features
 from specdec_jax.families.feature_head import FeatureHead
 from specdec_jax.families.registry import family_of
@@ -206,7 +207,7 @@ class FeatureDraft(Draft):
       offset, count = state["offset"], state["count"]
       limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
                jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
-      rngs = jax.random.split(rng, gamma)
+      rngs = sampling.split_keys(rng, gamma)
       # The pending pairs: token positions lengths - count + 1 .. lengths.
       hidden, cache = self._apply(params, state["pending_tokens"], state["pending_features"],
                                   lengths - count + 1 + offset, state["cache"])

@@ -263,7 +263,7 @@ class NgramDraft(Draft):
         token = sampling.sample(step_rng, probs)
         return token, (token, probs)
 
-      _, (tokens, probs) = jax.lax.scan(step, previous, jax.random.split(rng, gamma))
+      _, (tokens, probs) = jax.lax.scan(step, previous, sampling.split_keys(rng, gamma))
       num_drafted = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
                      jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
       return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(probs, 0, 1), num_drafted, state

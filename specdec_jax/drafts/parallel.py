@@ -35,6 +35,7 @@ from typing import Any, Tuple
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core import sampling
 from specdec_jax.core.sampling import Sampling
 from specdec_jax.drafts.base import Draft, ProposalPlan, chain_proposer
 
@@ -125,7 +126,7 @@ class ParallelDrafter(Draft):
       logits, ready, state = self.block_laws(params, state, sequences, lengths, gamma,
                                              plan.block_width)
       probs = settings.probs(logits)  # [batch, gamma, vocab]
-      keys = jax.random.split(rng, gamma)
+      keys = sampling.split_keys(rng, gamma)
       tokens = jnp.stack([settings.draw(keys[i], probs[:, i]) for i in range(gamma)],
                          axis=1).astype(jnp.int32)
       limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else

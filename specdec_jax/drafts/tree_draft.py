@@ -28,6 +28,7 @@ import numpy as np
 from specdec_jax.core import decoding
 from specdec_jax.core.token_tree import Tree, TreeAttention, TreeShape, ancestors_from_parents
 from specdec_jax.core.tree_decoding import TreeProposer
+from specdec_jax.core import sampling
 from specdec_jax.core.sampling import Sampling
 from specdec_jax.core.verification import LAWS
 from specdec_jax.core.verification import tree as tree_verification
@@ -307,13 +308,16 @@ class TreeDraft(Draft):
     node_valid = jnp.ones((batch, n_sub), jnp.bool_)
     probs = jnp.zeros((batch, n_sub, vocab), jnp.float32).at[:, 0].set(root_probs)
     level_scores, level_probs = root_scores[:, None], root_probs[:, None]
-    rngs = jax.random.split(rng, shape.max_depth)
+    rngs = sampling.split_keys(rng, shape.max_depth)
     for d in range(1, shape.max_depth + 1):
       start, stop = int(layout.level_starts[d]), int(layout.level_starts[d + 1])
       k = shape.branching[d - 1]
       parents_here = level_scores.shape[1]
-      keys = jax.random.split(rngs[d - 1], batch * parents_here).reshape(
-          (batch, parents_here) + rngs.shape[1:])
+      if sampling.is_row_keys(rngs[d - 1]):  # each row's children from its own key
+        keys = jax.vmap(lambda key: jax.random.split(key, parents_here))(rngs[d - 1])
+      else:
+        keys = jax.random.split(rngs[d - 1], batch * parents_here).reshape(
+            (batch, parents_here) + rngs.shape[1:])
       child_tokens, child_valid = jax.vmap(jax.vmap(
           lambda key, s, p: tree_verification.draw_children(
               key, p, k, self.children, rank_scores=s if ranked else None)))(

@@ -1,0 +1,113 @@
+"""`sj.generate_many` (`slots.py`): any number of inputs through fixed slots, freed slots
+refilled in place.
+
+* Greedy: each output equals `generate` on that input alone, bit for bit, at the same
+  block width, with rows that end at very different steps (EOS early in some, the step
+  limit in others): both families, target-only, a chain, a tree and a feature draft,
+  float32 (bfloat16 in the slow set); the per-input stats equal the lone decode's.
+* Sampling: each input draws from its own key, so outputs are the same whatever
+  batch_size is.
+* Programs are reused across refills and calls; bad input is a clear error.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specdec_jax as sj
+from specdec_jax.families.registry import family_of
+from specdec_jax.programs import PROGRAMS
+
+NAMES = {"t5": "tiny", "decoder_only": "llama_tiny"}
+
+
+def _model(family, vocab=16, seed=3, dtype="float32"):
+  model = sj.load_model(NAMES[family], vocab_size=vocab, seed=seed, dtype="float32")
+  if dtype != "float32":
+    model = family_of(model).model_type(
+        model.config.replace(dtype=dtype),
+        jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
+  return model
+
+
+def _inputs(family, vocab=16, n=7, width=6, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, vocab, (n, width)).astype(np.int32)
+  if family == "t5":
+    for i in range(n):
+      tokens[i, 1 + i % width:] = 0
+    return tokens, None
+  return tokens, (1 + np.arange(n) % width).astype(np.int32)
+
+
+def _drafts(family, target, dtype):
+  drafter = _model(family, seed=11, dtype=dtype)
+  return {"target-only": (None, {}),
+          "chain": (drafter, dict(gamma=3)),
+          "tree": (sj.TreeDraft(drafter, (2, 2, 1)), {}),
+          "feature": (sj.FeatureDraft(target, seed=2), dict(gamma=2))}
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_each_output_equals_generate_alone(family, dtype):
+  target = _model(family, dtype=dtype)
+  tokens, lengths = _inputs(family)
+  # An EOS that input 0 emits at its third step: rows then end at very different steps.
+  probe = sj.generate(target, tokens, lengths, max_decode_steps=12, eos_id=-1)
+  eos = int(probe.sequences[0, 2])
+  for name, (draft, extra) in _drafts(family, target, dtype).items():
+    kw = dict(max_decode_steps=12, block_width=11, eos_id=eos, **extra)
+    many = sj.generate_many(target, tokens, lengths, batch_size=3, draft=draft, **kw)
+    ended = []
+    for i in range(len(tokens)):
+      one = sj.generate(target, tokens[i:i + 1], None if lengths is None else lengths[i:i + 1],
+                        draft=draft, **kw)
+      np.testing.assert_array_equal(np.asarray(many.sequences[i]), np.asarray(one.sequences[0]),
+                                    err_msg=f"{name}, input {i}")
+      ended.append(int(one.lengths[0]))
+      if draft is not None:
+        for field in ("iterations", "drafted", "accepted_raw"):
+          assert getattr(many.stats, field)[i] == getattr(one.stats, field)[0], (name, field)
+    assert many.slots.refills == len(tokens) - 3 and many.slots.inputs == len(tokens)
+    assert min(ended) <= 3 and len(set(ended)) > 1, ended  # rows end at different steps
+
+
+def test_sampled_outputs_do_not_depend_on_the_batch():
+  target = _model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=6)
+  drafter = _model("decoder_only", seed=11)
+  for draft, extra in ((None, {}), (drafter, dict(gamma=3)),
+                       (sj.TreeDraft(drafter, (2, 1)), dict(block_width=5))):
+    outs = [sj.generate_many(target, tokens, lengths, batch_size=b, draft=draft,
+                             max_decode_steps=10, temperature=1.0, rng=jax.random.PRNGKey(7),
+                             **extra) for b in (1, 2, 6)]
+    for out in outs[1:]:
+      np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(outs[0].sequences))
+    other = sj.generate_many(target, tokens, lengths, batch_size=2, draft=draft,
+                             max_decode_steps=10, temperature=1.0, rng=jax.random.PRNGKey(8),
+                             **extra)
+    assert not np.array_equal(np.asarray(other.sequences), np.asarray(outs[0].sequences))
+
+
+def test_programs_are_reused_across_refills_and_calls():
+  target = _model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=7)
+  sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=8)
+  before = len(PROGRAMS.entries("slots"))
+  out = sj.generate_many(target, np.concatenate([tokens, tokens]),
+                         np.concatenate([lengths, lengths]), batch_size=2, max_decode_steps=8)
+  assert len(PROGRAMS.entries("slots")) == before and out.slots.refills == 12
+  assert 0 < out.slots.occupancy <= 1 and out.slots.segments >= 7
+
+
+def test_bad_generate_many_input_gets_clear_errors():
+  target = _model("decoder_only")
+  tokens, lengths = _inputs("decoder_only")
+  with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+    sj.generate_many(target, tokens, lengths, batch_size=0, max_decode_steps=4)
+  with pytest.raises(TypeError, match="generate_many takes a model"):
+    sj.generate_many(sj.FeatureDraft(target), tokens, lengths, batch_size=2, max_decode_steps=4)
+  with pytest.raises(ValueError, match="max_decode_steps"):
+    sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=0)
