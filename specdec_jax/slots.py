@@ -31,8 +31,9 @@ either; verification is the usual exact rule, row by row.
 """
 
 import dataclasses
+import functools
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ from specdec_jax.programs import PROGRAMS, _start_target
 from specdec_jax.settings import check_draft, check_steps, plan_settings, sampled, warn_once
 
 Array = jax.Array
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +57,23 @@ class SlotStats:
 
   batch_size: slots; inputs: inputs decoded; segments: compiled loop runs (host syncs);
   refills: inputs started into a freed slot; iterations: loop iterations in all;
-  occupancy: live row-iterations / (iterations * batch_size), 1.0 when every slot
-  worked every iteration; seconds: the call's wall time.
+  live_iterations: row-iterations of live rows; occupancy: live_iterations /
+  (iterations * batch_size), 1.0 when every slot worked every iteration; seconds: the
+  call's wall time; phases: the inputs [start, stop) decoded at each gamma (0:
+  target-only), with, under gamma='auto', the alpha and predicted speedup it was chosen at.
   """
   batch_size: int
   inputs: int
   segments: int
   refills: int
   iterations: int
-  occupancy: float
+  live_iterations: int
   seconds: float
+  phases: Tuple[Dict[str, Any], ...] = ()
+
+  @property
+  def occupancy(self) -> float:
+    return self.live_iterations / max(self.iterations * self.batch_size, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +153,7 @@ def _programs(family, config, draft, settings):
 def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_steps: int,
                   draft=None, rng: Optional[Array] = None, temperature: float = 0.0,
                   topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
-                  gamma: int = 4, verification: str = "token",
+                  gamma: Union[int, str] = 4, verification: str = "token",
                   block_width: Optional[int] = None) -> ManyOutput:
   """Decodes every row of `inputs` through `batch_size` slots, refilling freed slots.
 
@@ -152,12 +161,16 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     model: the target (any family). inputs: [N, C] int32, any N (T5 encoder tokens;
       decoder-only prompts, right-padded, with `lengths` [N]).
     batch_size: slots decoded together (>= 1; more than N is cut to N).
-    max_decode_steps, draft, temperature / topk / topp, eos_id, gamma, verification,
-    block_width: as `generate`'s (every draft kind, chains and trees).
+    max_decode_steps, draft, temperature / topk / topp, eos_id, verification,
+      block_width: as `generate`'s (every draft kind, chains and trees).
+    gamma: a chain's tokens per proposal, or "auto": chosen for this batch size from the
+      target's cost curve C(k) measured at it, the draft's cost and the acceptance
+      measured so far (`choose_phase_gamma`), 0 (target-only) where the theory predicts
+      speculation loses; re-decided between phases of 4 x batch_size inputs.
     rng: the call's key; input i draws from fold_in(rng, i) alone.
   Returns:
     ManyOutput: sequences [N, max_decode_steps], lengths [N], stats per input (None
-    without a draft) and `slots` (`SlotStats`).
+    without a draft) and `slots` (`SlotStats`, with the gamma of each phase).
   """
   wall = time.perf_counter()
   family = family_of(model)
@@ -176,74 +189,182 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   tokens = np.asarray(tokens)
   row_lengths = None if row_lengths is None else np.asarray(row_lengths)
   draft_obj = None if draft is None else check_draft(config, draft, inputs, lengths, steps)
-  settings = plan_settings(config, draft_obj, max_decode_steps=steps, temperature=temperature,
-                           topk=topk, topp=topp, eos_id=eos_id, gamma=gamma,
-                           verification=verification, block_width=block_width)
+  auto = isinstance(gamma, str)
+  if auto and gamma != AUTO:
+    raise ValueError(f"gamma must be an int >= 1 or 'auto', got {gamma!r}")
+  if auto and draft_obj is not None and draft_obj.block_slots(1) != 2:
+    raise ValueError(f"gamma='auto' chooses a chain's gamma; a {type(draft_obj).__name__} "
+                     "has a shape of its own: pass it without gamma")
+
+  def settings_for(g):
+    return plan_settings(config, None if g == 0 else draft_obj, max_decode_steps=steps,
+                         temperature=temperature, topk=topk, topp=topp, eos_id=eos_id,
+                         gamma=max(g, 1), verification=verification if g else "token",
+                         block_width=block_width)
+
   n = tokens.shape[0]
   slots = min(int(batch_size), n)
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  key = ("slots", config, None if draft_obj is None else draft_obj.static_key(), settings)
+  run = functools.partial(_decode_slots, model, family, tokens, row_lengths, slots, rng)
+  if not auto or draft_obj is None:
+    settings = settings_for(4 if auto else gamma)
+    results, usage = run(settings, None if draft_obj is None else draft_obj, range(n))
+    phases = [dict(inputs=[0, n], gamma=settings.gamma if draft_obj is not None else 0)]
+  else:
+    results, usage, phases = _auto_phases(model, draft_obj, tokens, row_lengths, slots, steps,
+                                          settings_for, run, block_width)
+  sequences = jnp.asarray(np.stack([results[i]["sequences"][1:] for i in range(n)]))
+  counters = _merged_counters([results[i]["counters"] for i in range(n)])
+  gammas = [p["gamma"] for p in phases]
+  out = make_output(sequences, counters if draft_obj is not None else None,
+                    settings_for(0).eos_id, max(gammas + [1]))
+  stats = SlotStats(batch_size=slots, inputs=n, seconds=time.perf_counter() - wall,
+                    phases=tuple(phases), **usage)
+  return ManyOutput(out.sequences, out.lengths, out.stats, slots=stats)
+
+
+def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draft, rows):
+  """Decodes the inputs `rows` (indices into tokens) through `slots` slots at `settings`:
+  ({input index: dict(sequences, counters)}, usage counts)."""
+  rows = list(rows)
+  config = model.config
+  key = ("slots", config, None if draft is None else draft.static_key(), settings)
   start_fn, segment_fn = PROGRAMS.get(key, lambda: tuple(
-      jax.jit(f) for f in _programs(family, config, draft_obj, settings)))
+      jax.jit(f) for f in _programs(family, config, draft, settings)))
   params = model.params
-  draft_params = None if draft_obj is None else draft_obj.params
+  draft_params = None if draft is None else draft.params
+  slots = min(slots, len(rows))
 
-  def keys_for(rows):
-    return jnp.stack([jax.random.fold_in(rng, int(i)) for i in rows])
+  def start_rows(indices):
+    indices = list(indices)
+    lens = None if row_lengths is None else jnp.asarray(row_lengths[indices])
+    keys = jnp.stack([jax.random.fold_in(rng, int(i)) for i in indices])
+    return start_fn(params, draft_params, jnp.asarray(tokens[indices]), lens, keys)
 
-  def start_rows(rows):
-    rows = list(rows)
-    lens = None if row_lengths is None else jnp.asarray(row_lengths[rows])
-    return start_fn(params, draft_params, jnp.asarray(tokens[rows]), lens, keys_for(rows))
-
-  carry, offset = start_rows(range(slots))
+  carry, offset = start_rows(rows[:slots])
   if slots > 1:
-    one = jax.eval_shape(lambda: start_rows([0]))
-    two = jax.eval_shape(lambda: start_rows([0, 1]))
-    axes = _batch_axes(one, two)
+    axes = _batch_axes(jax.eval_shape(lambda: start_rows(rows[:1])),
+                       jax.eval_shape(lambda: start_rows(rows[:2])))
   else:
     axes = jax.tree_util.tree_map(lambda _: 0, (carry, offset))
   refill_fn = PROGRAMS.get(key + ("refill", slots), lambda: jax.jit(_refill(axes)))
 
-  owner: List[Optional[int]] = list(range(slots))   # the input each slot decodes
-  next_input = slots
+  owner: List[Optional[int]] = list(rows[:slots])   # the input each slot decodes
+  waiting = rows[slots:]
   results: Dict[int, Any] = {}
-  segments = refills = iterations = live_iterations = 0
+  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
   while any(o is not None for o in owner):
-    live = jnp.asarray([o is not None for o in owner])
+    live = np.asarray([o is not None for o in owner])
     before = np.asarray(carry.counters.iterations)
-    carry = segment_fn(params, draft_params, carry, offset, live)
-    segments += 1
+    carry = segment_fn(params, draft_params, carry, offset, jnp.asarray(live))
+    usage["segments"] += 1
     done = np.asarray(carry.done)
-    after = np.asarray(carry.counters.iterations)
-    live_np = np.asarray(live)
-    delta = (after - before)[live_np]
-    iterations += int(delta.max()) if delta.size else 0
-    live_iterations += int(delta.sum())
+    delta = (np.asarray(carry.counters.iterations) - before)[live]
+    usage["iterations"] += int(delta.max()) if delta.size else 0
+    usage["live_iterations"] += int(delta.sum())
     for s, o in enumerate(owner):
       if o is None or not done[s]:
         continue
       results[o] = jax.tree_util.tree_map(lambda x: np.asarray(x[s]), dict(
           sequences=carry.sequences, counters=carry.counters.as_dict()))
-      if next_input < n:
-        row_carry, row_offset = start_rows([next_input])
-        carry, offset = refill_fn((carry, offset), (row_carry, row_offset), s)
-        owner[s] = next_input
-        next_input += 1
-        refills += 1
+      if waiting:
+        carry, offset = refill_fn((carry, offset), start_rows(waiting[:1]), s)
+        owner[s] = waiting.pop(0)
+        usage["refills"] += 1
       else:
         owner[s] = None
-  sequences = jnp.asarray(np.stack([results[i]["sequences"][1:] for i in range(n)]))
-  counters = None
-  if draft_obj is not None:
-    counters = {name: np.stack([results[i]["counters"][name] for i in range(n)])
-                for name in results[0]["counters"]}
-  out = make_output(sequences, counters, settings.eos_id, settings.gamma)
-  stats = SlotStats(batch_size=slots, inputs=n, segments=segments, refills=refills,
-                    iterations=iterations,
-                    occupancy=live_iterations / max(iterations * slots, 1),
-                    seconds=time.perf_counter() - wall)
-  return ManyOutput(out.sequences, out.lengths, out.stats, slots=stats)
+  return results, usage
+
+
+def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, run,
+                 block_width):
+  """gamma='auto': phases of inputs, each at the gamma chosen before it (see
+  `choose_phase_gamma`). The first phase (one batch) drafts at min(4, the draft's most)
+  to measure alpha, unless the theory says speculation loses even at alpha = 1."""
+  from specdec_jax.tools import speedup  # tools time programs; they import no entry point
+  n = tokens.shape[0]
+  most = min(8, draft.max_gamma or 8)
+  if block_width is not None:
+    most = min(most, block_width - 1)
+  candidates = [g for g in (1, 2, 3, 4, 6, 8) if g <= most]
+  costs = _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates)
+  results, phases = {}, []
+  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
+  start, alpha = 0, None
+  while start < n:
+    if alpha is None:
+      best, predicted = speedup.choose_phase_gamma(1.0, costs["draft"], costs["curve"])
+      gamma = 0 if best == 0 else min(4, most)
+      size = slots
+    else:
+      gamma, predicted = speedup.choose_phase_gamma(alpha, costs["draft"], costs["curve"])
+      size = 4 * slots
+    rows = range(start, min(n, start + size))
+    got, used = run(settings_for(gamma), draft if gamma else None, rows)
+    results.update(got)
+    for name in usage:
+      usage[name] += used[name]
+    phases.append(dict(inputs=[start, rows.stop], gamma=gamma, alpha=alpha,
+                       predicted_speedup=predicted))
+    start = rows.stop
+    beta = [(r["counters"]["beta_sum"], r["counters"]["beta_count"]) for r in results.values()
+            if "beta_sum" in r["counters"]]
+    if beta:
+      alpha = float(sum(b for b, _ in beta) / max(sum(c for _, c in beta), 1))
+    elif alpha is None:
+      alpha = 0.0  # target-only from the start: nothing measured, nothing to gain
+  for phase in phases:
+    phase["cost_curve"] = {str(k): v for k, v in costs["curve"].items()}
+  return results, usage, phases
+
+
+def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates):
+  """C(k) for k = 1 and each candidate gamma + 1, at batch `slots`, and the draft's cost
+  per proposal of each candidate gamma, relative to one target step (cached per shape)."""
+  from specdec_jax.tools import profiling
+  key = ("slot_costs", model.config, draft.static_key(), slots, tokens.shape[1], steps,
+         tuple(candidates))
+
+  def measure():
+    batch = tokens[:slots]
+    # The profiling tools take what `generate` takes: prompt lengths only where the family
+    # continues its context (T5's encoder lengths are read from the padding).
+    continued = family_of(model).context(None, None).continued
+    lens = row_lengths[:slots] if continued and row_lengths is not None else None
+    ks = sorted({1} | {g + 1 for g in candidates})
+    ms = profiling.time_block_calls({"target": model}, batch, steps + 1, ks, repeats=3,
+                                    calls=4, lengths=lens)["target"]
+    probe = max(candidates)
+    proposal = profiling.time_proposals(model, {"draft": draft}, batch, max(steps, 4) + 1,
+                                        probe, repeats=3, calls=4, lengths=lens)["draft"]
+    per_call = proposal / draft.calls_per_proposal(probe) / ms[1]
+    return dict(curve={k: ms[k] / ms[1] for k in ks},
+                draft={g: per_call * draft.calls_per_proposal(g) for g in candidates})
+
+  return PROGRAMS.get(key, measure)
+
+
+def _merged_counters(rows):
+  """Per-input counter dicts (position arrays of different gammas across phases, or none
+  for target-only rows) stacked into [N, ...] arrays, padded with zeros."""
+  names = sorted({k for r in rows for k in r})
+  if not names:
+    return None
+  out = {}
+  for name in names:
+    values = [r.get(name) for r in rows]
+    shape = max((np.shape(v) for v in values if v is not None), key=len)
+    width = max((np.shape(v)[-1] for v in values if v is not None and np.ndim(v)), default=0)
+    template = np.zeros((width,) if len(shape) else (), np.asarray(
+        next(v for v in values if v is not None)).dtype)
+    padded = []
+    for v in values:
+      v = template if v is None else np.asarray(v)
+      if v.ndim:
+        v = np.pad(v, (0, width - v.shape[-1]))
+      padded.append(v)
+    out[name] = np.stack(padded)
+  return out
 
 
 def _refill(axes):

@@ -111,3 +111,45 @@ def test_bad_generate_many_input_gets_clear_errors():
     sj.generate_many(sj.FeatureDraft(target), tokens, lengths, batch_size=2, max_decode_steps=4)
   with pytest.raises(ValueError, match="max_decode_steps"):
     sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=0)
+
+
+def test_choose_phase_gamma_never_speculates_where_the_theory_says_it_loses():
+  from specdec_jax.tools.speedup import choose_phase_gamma
+  curve = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4, 9: 2.0}
+  cheap = {1: 0.05, 2: 0.1, 4: 0.2, 8: 0.4}
+  # alpha 0.9: gamma 4 gives 4.10 tokens / 1.6 = 2.56, gamma 8 gives 6.13 / 2.4 = 2.55.
+  gamma, predicted = choose_phase_gamma(0.9, cheap, curve)
+  assert gamma == 4 and abs(predicted - 4.0951 / 1.6) < 1e-3
+  assert choose_phase_gamma(0.99, cheap, curve)[0] == 8
+  gamma, predicted = choose_phase_gamma(0.05, cheap, curve)
+  assert gamma == 0 and predicted == 1.0  # nothing accepted: target-only
+  # A compute-bound batch: verifying k tokens costs k steps; even alpha = 1 loses.
+  flat = {k: float(k) for k in (1, 2, 3, 5, 9)}
+  assert choose_phase_gamma(1.0, cheap, flat)[0] == 0
+  # One call per proposal whatever gamma (a parallel drafter) favours longer blocks.
+  one_call = {g: 0.3 for g in (1, 2, 4, 8)}
+  assert choose_phase_gamma(0.8, one_call, curve)[0] >= choose_phase_gamma(
+      0.8, {g: 0.3 * g for g in (1, 2, 4, 8)}, curve)[0]
+
+
+def test_auto_gamma_runs_in_phases_and_stays_exact():
+  """gamma='auto': the first phase (one batch) probes alpha, later phases use the gamma
+  chosen from it; at one block width for every phase, greedy outputs equal target-only."""
+  target = _model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=9)
+  drafter = _model("decoder_only", seed=11)
+  out = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, gamma="auto",
+                         max_decode_steps=10, block_width=9)
+  want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+  phases = out.slots.phases
+  assert phases[0]["inputs"] == [0, 2] and phases[0]["alpha"] is None
+  assert phases[-1]["inputs"][1] == 9 and all(p["gamma"] in (0, 1, 2, 3, 4, 6, 8)
+                                              for p in phases)
+  assert all(p["alpha"] is not None for p in phases[1:]) and "1" in phases[0]["cost_curve"]
+  with pytest.raises(ValueError, match="gamma must be an int >= 1 or 'auto'"):
+    sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, gamma="best",
+                     max_decode_steps=4)
+  with pytest.raises(ValueError, match="gamma='auto' chooses a chain's gamma"):
+    sj.generate_many(target, tokens, lengths, batch_size=2, gamma="auto", max_decode_steps=4,
+                     draft=sj.TreeDraft(drafter, (2, 1)))

@@ -25,7 +25,7 @@ For a target and its drafts, at batch 1 (the paper's setting):
 """
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -103,6 +103,30 @@ def choose_gamma(alpha: float, c: float, curve: Dict[int, float], max_gamma: int
   if not candidates:
     raise ValueError(f"no measured block size k = gamma + 1 <= {max_gamma + 1} in {sorted(curve)}")
   return max(candidates, key=lambda g: (predicted_decode_speedup(alpha, g, c, curve), -g))
+
+
+def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[int, float]
+                       ) -> Tuple[int, float]:
+  """The gamma for the next inputs of a batch, 0 meaning target-only: (gamma, its predicted
+  speedup over target-only decoding at this batch size).
+
+  alpha: the acceptance measured so far (Corollary 3.6's estimate); draft_cost: {gamma:
+  one whole proposal's cost / one target step, at this batch size} (gamma times a model
+  draft's step; one call for a drafter that fills the block at once); curve: {k: C(k)}
+  at this batch size. Each gamma is predicted as E[tokens per iteration] / (draft_cost +
+  C(gamma + 1)) (Theorem 3.8 with both costs measured); target-only is 1. The best wins,
+  the smaller on ties, and 0 whenever no gamma is predicted to beat 1: speculation never
+  runs where the theory says it loses.
+  """
+  best, best_speedup = 0, 1.0
+  for gamma in sorted(draft_cost):
+    if gamma + 1 not in curve:
+      continue
+    tokens = theory.expected_tokens_per_iteration(min(max(alpha, 0.0), 0.999), gamma)
+    predicted = tokens / (draft_cost[gamma] + curve[gamma + 1])
+    if predicted > best_speedup:
+      best, best_speedup = gamma, predicted
+  return best, best_speedup
 
 
 def identical_outputs(spec_outputs, base_outputs, reference=None) -> bool:
