@@ -24,6 +24,20 @@ onto the tree of `families/decoder_only/network.py`:
                                                -> layers_{i}/{pre,post}_feedforward_layernorm/scale
     model.layers.{i}.self_attn.{q,k}_norm.weight (Qwen3, Gemma 3)
                                                -> layers_{i}/self_attn/{q,k}_norm/scale
+  Mixtral / Qwen3-MoE (`MixtralForCausalLM`, `Qwen3MoeForCausalLM`): the Mistral / Qwen3
+  names, with a mixture of experts in place of the MLP (Qwen3-MoE: on its MoE
+  layers; its mlp_only_layers keep `mlp.{gate,up,down}_proj`). <moe> is
+  `block_sparse_moe` (Mixtral) or `mlp` (Qwen3-MoE); expert e's Linear weights
+  are transposed and stacked along a leading expert axis:
+    model.layers.{i}.<moe>.gate.weight         -> layers_{i}/mlp/gate/kernel (the router)
+    Mixtral   <moe>.experts.{e}.w1 / w3 / w2.weight
+    Qwen3-MoE <moe>.experts.{e}.gate_proj / up_proj / down_proj.weight
+                                               -> layers_{i}/mlp/experts/{gate,up,down}_proj[e]
+  These are the names the hub checkpoints hold and transformers 5's
+  save_pretrained writes. transformers 5's in-memory fused form is read too:
+  `<moe>.experts.gate_up_proj` [experts, 2 * mlp, emb] (gate rows first) and
+  `<moe>.experts.down_proj` [experts, emb, mlp], and for Mixtral `mlp.` in place
+  of `block_sparse_moe.`. The exporter writes the per-expert names.
   Gemma norm weights are stored around 0 (HF computes 1 + w) and copied as
   they are; `norm_offset` adds the 1. A multimodal
   `Gemma3ForConditionalGeneration` directory loads its text model: the
@@ -75,10 +89,11 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "GPT2LMHeadModel": "gpt2", "MistralForCausalLM": "mistral",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                  "Gemma3ForCausalLM": "gemma3",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
                  # Multimodal Gemma 3: its text model only.
                  "Gemma3ForConditionalGeneration": "gemma3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-               "mistral": "mistral",
+               "mistral": "mistral", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 # transformers' config-class defaults for the fields a config.json may omit
@@ -104,7 +119,23 @@ _HF_DEFAULTS = {
     # Qwen3Config's head_dim defaults to 128, not hidden_size / heads.
     "qwen3": dict(head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, attention_bias=False),
+    # MixtralConfig / Qwen3MoeConfig (transformers 5.25) defaults. Qwen3-MoE's head_dim
+    # falls back to hidden_size / heads (its attention's getattr), its norm_topk_prob to
+    # False (the released checkpoints set it true).
+    "mixtral": dict(max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1,
+                    eos_token_id=2, sliding_window=None, rope_theta=1000000.0,
+                    tie_word_embeddings=False, num_experts_per_tok=2),
+    "qwen3_moe": dict(max_position_embeddings=32768, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, attention_bias=False, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
 }
+
+# Where a MoE layer's router and experts live (`model.layers.{i}.<prefix>.`).
+_MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+# Per-expert Linear names of (our gate_proj, up_proj, down_proj).
+_EXPERT_LINEARS = {"mixtral": ("w1", "w3", "w2"),
+                   "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
 
 # HF activation names -> ours. HF's "gelu" is the exact erf GELU; "gelu_new"
 # and "gelu_pytorch_tanh" are the tanh approximation.
@@ -227,6 +258,24 @@ def _layout_fields(family: str, hf: Mapping[str, Any], origin: str) -> Dict[str,
   return fields
 
 
+def _moe_fields(family: str, hf: Mapping[str, Any]) -> Dict[str, Any]:
+  """The mixture-of-experts fields of a Mixtral / Qwen3-MoE config.json (checked by
+  DecoderOnlyConfig: a k above the expert count is an error naming both)."""
+  # MixtralConfig maps num_experts to num_local_experts; transformers 5.25 writes Qwen3-MoE's
+  # num_experts as num_local_experts too, while its hub files say num_experts. The
+  # defaults: MixtralConfig's 8, Qwen3MoeConfig's 128.
+  experts = hf.get("num_local_experts", hf.get("num_experts"))
+  if experts is None:
+    experts = 8 if family == "mixtral" else 128
+  fields = dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"])
+  if family == "qwen3_moe":
+    fields.update(moe_mlp_dim=hf["moe_intermediate_size"],
+                  norm_topk_prob=bool(hf["norm_topk_prob"]),
+                  decoder_sparse_step=hf["decoder_sparse_step"],
+                  mlp_only_layers=tuple(sorted(set(hf.get("mlp_only_layers") or ()))))
+  return fields
+
+
 def _text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
   """A multimodal Gemma 3 config's text model: its text_config over the
   top-level token ids."""
@@ -287,12 +336,14 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
                     mlp_bias=bool(hf.get("mlp_bias", False)),
                     **(_gemma3_rope_fields(hf, origin) if family == "gemma3" else
                        _rope_fields(hf, origin)))
-      if family in ("llama", "qwen2", "qwen3"):
+      if family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         # Qwen3: its q/k norms. Its sliding_window / max_window_layers mean
         # nothing without use_sliding_window (refused above), as for Qwen2.
         fields.update(FAMILY_CONVENTIONS[family])
       else:
         fields.update(_layout_fields(family, hf, origin))
+      if family in _MOE_PREFIX:
+        fields.update(_moe_fields(family, hf))
   except KeyError as e:
     raise CheckpointError(f"{origin}: missing field {e.args[0]!r} for a {family} config") from None
   if activation not in _HF_ACTIVATIONS:
@@ -357,12 +408,100 @@ def hf_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[str, str, Optional[in
     for norm in norms:
       names[f"{ours}{norm}/scale"] = (f"{theirs}{norm.replace('/', '.')}.weight", "copy", None)
     projections = [(f"self_attn/{p}", f"self_attn.{p}", bias) for p, bias in biases.items()]
-    projections += [(f"mlp/{p}", f"mlp.{p}", config.mlp_bias) for p in mlp]
+    if config.moe_layers[i]:  # The router; the experts are `hf_expert_names`'.
+      projections.append(("mlp/gate", f"{_MOE_PREFIX[config.family]}.gate", False))
+    else:
+      projections += [(f"mlp/{p}", f"mlp.{p}", config.mlp_bias) for p in mlp]
     for ours_proj, theirs_proj, bias in projections:
       names[f"{ours}{ours_proj}/kernel"] = (f"{theirs}{theirs_proj}.weight", "transpose", None)
       if bias:
         names[f"{ours}{ours_proj}/bias"] = (f"{theirs}{theirs_proj}.bias", "copy", None)
   return names
+
+
+def hf_expert_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[Tuple[str, ...], str]]:
+  """Our stacked expert params -> (the per-expert HF Linear weights, in expert order; the
+  fused transformers 5 tensor that also holds them). Empty for dense layouts."""
+  if config.family not in _MOE_PREFIX:
+    return {}
+  names = {}
+  for i, sparse in enumerate(config.moe_layers):
+    if not sparse:
+      continue
+    theirs = f"model.layers.{i}.{_MOE_PREFIX[config.family]}.experts."
+    for ours, linear in zip(("gate_proj", "up_proj", "down_proj"),
+                            _EXPERT_LINEARS[config.family]):
+      fused = theirs + ("down_proj" if ours == "down_proj" else "gate_up_proj")
+      names[f"layers_{i}/mlp/experts/{ours}"] = (
+          tuple(f"{theirs}{e}.{linear}.weight" for e in range(config.num_experts)), fused)
+  return names
+
+
+def _stacked_tensor(experts, shape: Tuple[int, ...]) -> _Tensor:
+  """Our [experts, in, out] view of per-expert HF Linear weights [out, in]: each one
+  transposed, stacked along a new leading axis (blocks read expert by expert)."""
+  def read(dtype):
+    return np.stack([_cast(t.read(None), dtype, True) for t in experts])
+
+  def read_block(index, dtype):
+    return np.stack([_cast(_transposed_block(experts[e], index[1:]), dtype)
+                     for e in range(index[0].start, index[0].stop)]).reshape(
+                         tuple(s.stop - s.start for s in index))
+
+  source = f"{experts[0].source} .. {experts[-1].source}"
+  return _Tensor(source, shape, read,
+                 read_block if all(t.read_block for t in experts) else None)
+
+
+def _fused_tensor(stored: _Tensor, part: Optional[int]) -> _Tensor:
+  """Our [experts, in, out] view of transformers 5's fused expert tensor: gate_up_proj
+  [experts, 2 * mlp, emb] (part 0: the gate rows, 1: the up rows) or down_proj
+  [experts, emb, mlp] (part None), the last two axes swapped."""
+  experts, rows, cols = tuple(stored.shape)
+  if part is not None and rows % 2:
+    raise CheckpointError(f"{stored.source}: fused gate/up of shape {stored.shape} cannot be "
+                          f"split in two equal parts")
+  width = rows // 2 if part is not None else rows
+  offset = 0 if part is None else part * width
+
+  def read_block(index, dtype):
+    e, i, o = index  # Ours [experts, cols, width]; stored [experts, rows, cols].
+    block = stored.block((e, slice(o.start + offset, o.stop + offset), i), None)
+    return _cast(np.swapaxes(block, 1, 2), dtype)
+
+  def read(dtype):
+    return read_block((slice(0, experts), slice(0, cols), slice(0, width)), dtype)
+
+  return _Tensor(stored.source, (experts, cols, width), read, read_block)
+
+
+def _expert_tensors(config: DecoderOnlyConfig, files: Dict[str, _Tensor],
+                    want: Dict[str, Tuple[int, ...]]):
+  """(our expert params -> tensors, HF names used, missing, mis-shaped) from `files`:
+  the per-expert weights when every one is there, else the fused tensor."""
+  tensors, used, missing, mismatched = {}, set(), [], []
+  for ours, (per_expert, fused) in hf_expert_names(config).items():
+    found = [name for name in per_expert if name in files]
+    if len(found) == len(per_expert):
+      used.update(per_expert)
+      one = tuple(reversed(want[ours][1:]))  # Each expert's HF [out, in].
+      bad = [f"{files[name].source}: checkpoint {tuple(files[name].shape)} vs expected {one} "
+             f"(expert {e} of {ours})" for e, name in enumerate(per_expert)
+             if tuple(files[name].shape) != one]
+      if bad:
+        mismatched += bad
+      else:
+        tensors[ours] = _stacked_tensor([files[name] for name in per_expert], want[ours])
+    elif not found and fused in files:
+      used.add(fused)
+      part = None if ours.endswith("down_proj") else int(ours.endswith("up_proj"))
+      tensors[ours] = _fused_tensor(files[fused], part)
+    elif found:  # Some experts there: name each one that is not.
+      missing += [f"{name} (expert {e} of {ours})" for e, name in enumerate(per_expert)
+                  if name not in files]
+    else:
+      missing.append(f"{per_expert[0]} .. {per_expert[-1]}, or the fused {fused} (for {ours})")
+  return tensors, used, missing, mismatched
 
 
 def expected_shapes(config: DecoderOnlyConfig) -> Dict[str, Tuple[int, ...]]:
@@ -426,9 +565,14 @@ def _text_model_tensors(files: Dict[str, _Tensor]) -> Dict[str, _Tensor]:
 
 
 def _describe(config: DecoderOnlyConfig) -> str:
+  experts = (f", {config.num_experts} experts of {config.expert_mlp_dim} (top "
+             f"{config.num_experts_per_tok}) on layers "
+             f"{[i for i, moe in enumerate(config.moe_layers) if moe]}"
+             if config.num_experts else "")
   return (f"({config.family}: vocab {config.vocab_size}, emb {config.emb_dim}, layers "
           f"{config.num_layers}, heads {config.num_heads}/{config.num_kv_heads} kv x "
-          f"{config.head_dim}, mlp {config.mlp_dim}, tied={config.tie_word_embeddings})")
+          f"{config.head_dim}, mlp {config.mlp_dim}{experts}, "
+          f"tied={config.tie_word_embeddings})")
 
 
 def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
@@ -463,6 +607,9 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
 
   if "text_config" in hf:
     files = _text_model_tensors(files)
+  if config.family == "mixtral":
+    # transformers 5's in-memory names put Mixtral's MoE under `mlp.`.
+    files = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in files.items()}
   wanted = hf_names(config)
   tensors = {ours: _mapped_tensor(files[theirs], transform, part)
              for ours, (theirs, transform, part) in wanted.items() if theirs in files}
@@ -470,11 +617,15 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
   if config.tie_word_embeddings:
     used.add("lm_head.weight")  # HF ties it to the embedding; a stored copy is redundant.
   want = expected_shapes(config)
-  missing = [f"{wanted[k][0]} (for {k})" for k in want if k not in tensors]
+  experts, expert_used, missing, expert_mismatched = _expert_tensors(config, files, want)
+  used |= expert_used
+  missing += [f"{wanted[k][0]} (for {k})" for k in want if k not in tensors and k in wanted]
+  tensors.update(experts)
   unexpected = [files[k].source for k in sorted(files)
                 if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
-  mismatched = [f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]} "
-                f"(for {k})" for k in want if k in tensors and tensors[k].shape != want[k]]
+  mismatched = expert_mismatched + [
+      f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]} (for {k})"
+      for k in want if k in tensors and tensors[k].shape != want[k]]
   raise_on_mismatch(f"Checkpoint {directory} does not match its config {_describe(config)}:",
                     missing, unexpected, mismatched)
 
@@ -535,25 +686,33 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
                 n_positions=config.max_positions, n_ctx=config.max_positions,
                 layer_norm_epsilon=config.norm_epsilon,
                 activation_function=_EXPORT_ACTIVATIONS[config.activation], **ids)
-  if config.family in ("mistral", "gemma", "gemma2", "gemma3"):
+  if config.family in ("mistral", "mixtral", "gemma", "gemma2", "gemma3"):
     return _mistral_gemma_hf_config(config, ids)
   if config.family == "qwen2":
     if not config.qkv_bias or config.out_bias or config.mlp_bias:
       raise ValueError("Qwen2 has q/k/v biases only: qkv_bias must be True, out_bias and "
                        "mlp_bias False to export as Qwen2ForCausalLM")
     bias_fields = {}
-  elif config.family == "qwen3":
+  elif config.family in ("qwen3", "qwen3_moe"):
     if config.qkv_bias != config.out_bias or config.mlp_bias:
       raise ValueError("Qwen3's attention_bias covers q/k/v and o together and its MLP has no "
                        "biases: qkv_bias must equal out_bias and mlp_bias be False to export as "
-                       "Qwen3ForCausalLM")
+                       "Qwen3ForCausalLM / Qwen3MoeForCausalLM")
     bias_fields = dict(attention_bias=config.qkv_bias, use_sliding_window=False)
+    if config.family == "qwen3_moe":
+      bias_fields.update(num_experts=config.num_experts,
+                         num_experts_per_tok=config.num_experts_per_tok,
+                         moe_intermediate_size=config.expert_mlp_dim,
+                         norm_topk_prob=config.norm_topk_prob,
+                         decoder_sparse_step=config.decoder_sparse_step,
+                         mlp_only_layers=list(config.mlp_only_layers))
   else:
     if config.qkv_bias != config.out_bias:
       raise ValueError("Llama's attention_bias covers q/k/v and o together: qkv_bias and "
                        "out_bias must be equal to export as LlamaForCausalLM")
     bias_fields = dict(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
-  architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[config.family]
+  architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                  "qwen3_moe": "Qwen3Moe"}[config.family]
   hf = dict(architectures=[f"{architecture}ForCausalLM"],
             model_type=config.family, hidden_size=config.emb_dim,
             intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
@@ -577,7 +736,8 @@ def _check_exportable(config: DecoderOnlyConfig) -> None:
                         "sliding_window", "layer_types"},
              "gemma3": {"query_pre_attn_scalar", "final_logit_softcap", "sliding_window",
                         "layer_types", "sliding_rope_theta"},
-             "mistral": {"sliding_window", "layer_types"}}.get(family, set())
+             "mistral": {"sliding_window", "layer_types"},
+             "mixtral": {"sliding_window", "layer_types"}}.get(family, set())
   unsupported = [k for k in ("query_pre_attn_scalar", "attn_logit_softcap",
                              "final_logit_softcap", "sliding_window", "layer_types",
                              "sliding_rope_theta")
@@ -591,6 +751,7 @@ def _check_exportable(config: DecoderOnlyConfig) -> None:
 
 
 _HF_CLASSES = {"mistral": ("MistralForCausalLM", "mistral"),
+               "mixtral": ("MixtralForCausalLM", "mixtral"),
                "gemma": ("GemmaForCausalLM", "gemma"),
                "gemma2": ("Gemma2ForCausalLM", "gemma2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
@@ -598,8 +759,9 @@ _HF_CLASSES = {"mistral": ("MistralForCausalLM", "mistral"),
 
 def _mistral_gemma_hf_config(config: DecoderOnlyConfig, ids: Dict[str, Any]) -> Dict[str, Any]:
   family = config.family
-  if config.mlp_bias or (config.qkv_bias and family == "mistral"):
-    raise ValueError(f"{family} has no MLP biases{' nor attention biases' * (family == 'mistral')}")
+  plain = family in ("mistral", "mixtral")  # No attention_bias field.
+  if config.mlp_bias or (config.qkv_bias and plain):
+    raise ValueError(f"{family} has no MLP biases{' nor attention biases' * plain}")
   if config.qkv_bias != config.out_bias:
     raise ValueError("Gemma's attention_bias covers q/k/v and o together: qkv_bias and "
                      "out_bias must be equal")
@@ -620,14 +782,22 @@ def _mistral_gemma_hf_config(config: DecoderOnlyConfig, ids: Dict[str, Any]) -> 
       raise ValueError("GemmaConfig reads hidden_act 'gelu' as the tanh approximation: exact "
                        "GELU cannot be exported as Gemma")
     hf["hidden_act"] = activation
-  if family != "mistral":
+  if not plain:
     hf["attention_bias"] = config.qkv_bias
-  if family == "mistral" or config.sliding_window is not None:
+  if plain or config.sliding_window is not None:
     hf["sliding_window"] = config.sliding_window
-  if family == "mistral" and config.layer_types is not None and (
+  if family == "mixtral":
+    if config.moe_mlp_dim not in (None, config.mlp_dim) or config.decoder_sparse_step != 1 or (
+        config.mlp_only_layers) or not config.norm_topk_prob:
+      raise ValueError("MixtralForCausalLM has a mixture of experts of intermediate_size on "
+                       "every layer, renormalised: moe_mlp_dim must be None (or mlp_dim), "
+                       "decoder_sparse_step 1, mlp_only_layers () and norm_topk_prob True")
+    hf.update(num_local_experts=config.num_experts,
+              num_experts_per_tok=config.num_experts_per_tok)
+  if plain and config.layer_types is not None and (
       len(set(config.attention_types)) != 1 or (config.attention_types[0] == "full_attention")
       != (config.sliding_window is None)):
-    raise ValueError("MistralForCausalLM has one window on every layer: layer_types must be "
+    raise ValueError(f"{architecture} has one window on every layer: layer_types must be "
                      "None (or uniform and matching sliding_window)")
   if family in ("gemma2", "gemma3"):
     hf["layer_types"] = list(config.attention_types)
@@ -651,7 +821,8 @@ def export_hf_decoder_only(model: DecoderOnlyModel, directory) -> None:
   """Writes `model` as a Hugging Face directory (config.json + model.safetensors).
 
   Tensors keep the params' dtype; kernels are transposed back to HF Linear
-  weights and GPT-2's q/k/v are fused into c_attn.
+  weights, GPT-2's q/k/v are fused into c_attn, and stacked experts are written
+  one Linear weight per expert (the hub's and save_pretrained's names).
   """
   config = model.config
   hf_config = decoder_config_to_hf_config(config)
@@ -678,6 +849,15 @@ def export_hf_decoder_only(model: DecoderOnlyModel, directory) -> None:
     shape = shapes[0][:-1] + (sum(s[-1] for s in shapes),)
     dtype = np.dtype(flat[parts[0][1]].dtype)
     tensors.append((theirs, shape, dtype, make(parts)))
+
+  def expert(ours, e):
+    return lambda: np.asarray(flat[ours][e]).T
+
+  for ours, (per_expert, _) in hf_expert_names(config).items():
+    dtype = np.dtype(flat[ours].dtype)
+    for e, theirs in enumerate(per_expert):  # HF Linear [out, in] per expert.
+      tensors.append((theirs, tuple(reversed(flat[ours].shape[1:])), dtype, expert(ours, e)))
+  tensors.sort(key=lambda t: t[0])
   write_safetensors(os.path.join(directory, "model.safetensors"), tensors,
                     metadata={"format": "pt"})
   with open(os.path.join(directory, "config.json"), "w") as f:

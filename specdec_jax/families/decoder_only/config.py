@@ -1,4 +1,5 @@
-"""Decoder-only (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 1/2/3) size configurations as data.
+"""Decoder-only (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 1/2/3, Mixtral, Qwen3-MoE) size
+configurations as data.
 
 `DecoderOnlyConfig` holds every field that determines a parameter shape or a
 numerical convention of `families/decoder_only/network.py`; named configs are plain
@@ -18,7 +19,12 @@ from typing import Optional, Tuple
 from specdec_jax.families.base import replace_config
 from specdec_jax.families.kernel_layout import check_layout
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma", "gemma2", "gemma3",
+            "mixtral", "qwen3_moe")
+# Layouts whose MLPs are mixtures of experts (all layers for Mixtral; by
+# decoder_sparse_step / mlp_only_layers for Qwen3-MoE).
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_DISPATCHES = ("auto", "dense", "gather")
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
 ROPE_SCALINGS = (None, "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -34,9 +40,10 @@ FAMILY_CONVENTIONS = {
 }
 _PLAIN = dict(norm_offset=0.0, scale_embeddings=False, sandwich_norms=False, qk_norm=False)
 FAMILY_CONVENTIONS.update({family: dict(_PLAIN) for family in ("llama", "qwen2", "gpt2",
-                                                                "mistral")})
-# Qwen3: Llama's plain RMSNorm (x * w), plus per-head q/k norms (also x * w).
+                                                                "mistral", "mixtral")})
+# Qwen3 (and Qwen3-MoE): Llama's plain RMSNorm (x * w), plus per-head q/k norms (also x * w).
 FAMILY_CONVENTIONS["qwen3"] = dict(_PLAIN, qk_norm=True)
+FAMILY_CONVENTIONS["qwen3_moe"] = dict(_PLAIN, qk_norm=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +52,8 @@ class DecoderOnlyConfig:
 
   Attributes:
     family: 'llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3' (RMSNorm,
-      rotary positions, gated MLP gate/up/down) or 'gpt2' (LayerNorm with
+      rotary positions, gated MLP gate/up/down), 'mixtral', 'qwen3_moe' (the same, with
+      mixture-of-experts MLPs: the fields from num_experts on) or 'gpt2' (LayerNorm with
       bias, learned positions, plain MLP up/down). Names the Hugging Face
       layout the loader reads and the exporter writes; the numerical
       differences between the rotary families are the fields below
@@ -56,7 +64,9 @@ class DecoderOnlyConfig:
     num_heads: query heads; num_kv_heads: key/value heads (grouped-query
       attention when smaller; must divide num_heads).
     head_dim: width of one head.
-    mlp_dim: hidden width of the feed-forward block (HF intermediate_size).
+    mlp_dim: hidden width of the feed-forward block (HF intermediate_size); for
+      Mixtral the experts' width, for Qwen3-MoE the width of its dense layers
+      (mlp_only_layers).
     max_positions: GPT-2: rows of the learned position table (HF n_positions).
       Rotary families: HF max_position_embeddings, the context the model was
       trained for. Either way `generate` refuses a decode whose real positions
@@ -111,7 +121,23 @@ class DecoderOnlyConfig:
       Flax's convention and every checkpoint reader's) or 'out_in' ([out, in],
       HF's Linear layout), which XLA's CPU dot reads faster, both for one
       token and for a verification block (BENCHMARKS.md, "Issue 30"); see
-      `families.kernel_layout`. The function is the same.
+      `families.kernel_layout`. The function is the same. (Expert weights are 3-D,
+      always [experts, in, out]; the router is a 2-D kernel and follows the layout.)
+    num_experts: experts per MoE layer (HF num_local_experts / num_experts); 0 for
+      the dense families, >= 1 for 'mixtral' and 'qwen3_moe'.
+    num_experts_per_tok: k, the experts each token is routed to (1 <= k <= num_experts).
+    moe_mlp_dim: each expert's hidden width (HF moe_intermediate_size, Qwen3-MoE);
+      None: mlp_dim (Mixtral, whose intermediate_size is the experts').
+    norm_topk_prob: the k chosen softmax probabilities are renormalised to sum to
+      one (Mixtral always; Qwen3-MoE when its norm_topk_prob is set).
+    decoder_sparse_step / mlp_only_layers: layer i is a MoE layer when i is not
+      in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (HF Qwen3-MoE's
+      rule); the others have a dense MLP of mlp_dim.
+    moe_dispatch: how a MoE layer computes (`network.MoeMlp`): 'dense' (every
+      expert on every token, weighted by a [tokens, experts] matrix that is zero
+      off the top k), 'gather' (each token gathers its k experts' weights), or
+      'auto' (gather when 2 * tokens * k <= num_experts, i.e. a few-token decode
+      block; dense otherwise). The routing and the function are the same.
   """
   family: str = "llama"
   vocab_size: int = 32000
@@ -149,6 +175,13 @@ class DecoderOnlyConfig:
   layer_types: Optional[Tuple[str, ...]] = None
   sliding_rope_theta: Optional[float] = None
   kernel_layout: str = "in_out"
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_mlp_dim: Optional[int] = None
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: Tuple[int, ...] = ()
+  moe_dispatch: str = "auto"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -210,6 +243,39 @@ class DecoderOnlyConfig:
     check_layout(self.kernel_layout)
     if not self.uses_rotary and (self.qk_norm or self.sliding_rope_theta is not None):
       raise ValueError("qk_norm and sliding_rope_theta need a rotary family (not gpt2)")
+    self._check_moe()
+
+  def _check_moe(self):
+    """The mixture-of-experts fields (ValueError naming the field)."""
+    def positive_int(field, value):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DecoderOnlyConfig.{field} must be a positive int, got {value!r}")
+
+    if self.family not in MOE_FAMILIES:
+      if self.num_experts != 0:
+        raise ValueError(f"DecoderOnlyConfig.num_experts={self.num_experts!r}: mixture-of-experts "
+                         f"MLPs need a MoE family ({', '.join(MOE_FAMILIES)}), not "
+                         f"{self.family!r}")
+      return
+    positive_int("num_experts", self.num_experts)
+    if not isinstance(self.num_experts_per_tok, int) or isinstance(
+        self.num_experts_per_tok, bool) or not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f"DecoderOnlyConfig.num_experts_per_tok must be an int between 1 and "
+                       f"num_experts ({self.num_experts}), got {self.num_experts_per_tok!r}")
+    if self.moe_mlp_dim is not None:
+      positive_int("moe_mlp_dim", self.moe_mlp_dim)
+    positive_int("decoder_sparse_step", self.decoder_sparse_step)
+    if not isinstance(self.mlp_only_layers, tuple):
+      raise ValueError(f"DecoderOnlyConfig.mlp_only_layers must be a tuple, got "
+                       f"{type(self.mlp_only_layers).__name__}")
+    bad = [i for i in self.mlp_only_layers
+           if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"DecoderOnlyConfig.mlp_only_layers entries must be layer indices in "
+                       f"[0, {self.num_layers}), got {bad}")
+    if self.moe_dispatch not in MOE_DISPATCHES:
+      raise ValueError(f"DecoderOnlyConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got "
+                       f"{self.moe_dispatch!r}")
 
   @property
   def uses_rotary(self) -> bool:
@@ -235,6 +301,19 @@ class DecoderOnlyConfig:
     return (uniform,) * self.num_layers
 
   @property
+  def moe_layers(self) -> Tuple[bool, ...]:
+    """Per layer: a mixture-of-experts MLP (True) or a dense one."""
+    if self.family not in MOE_FAMILIES:
+      return (False,) * self.num_layers
+    return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                 for i in range(self.num_layers))
+
+  @property
+  def expert_mlp_dim(self) -> int:
+    """Each expert's hidden width (moe_mlp_dim, or mlp_dim when it is None)."""
+    return self.mlp_dim if self.moe_mlp_dim is None else self.moe_mlp_dim
+
+  @property
   def num_groups(self) -> int:
     """Query heads per key/value head."""
     return self.num_heads // self.num_kv_heads
@@ -255,11 +334,14 @@ class DecoderOnlyConfig:
     mlp = (3 if self.gated_mlp else 2) * e * m
     if self.mlp_bias:
       mlp += (2 if self.gated_mlp else 1) * m + e
+    # A MoE layer: the router [emb, experts] and each expert's gate, up and down.
+    moe = e * self.num_experts + self.num_experts * 3 * e * self.expert_mlp_dim
     if self.qk_norm:
       attn += 2 * d
     norm = 2 * e if self.uses_layer_norm else e  # LayerNorm has a bias.
     norms_per_layer = 4 if self.sandwich_norms else 2
-    total = v * e + self.num_layers * (attn + mlp + norms_per_layer * norm) + norm
+    mlps = sum(moe if sparse else mlp for sparse in self.moe_layers)
+    total = v * e + self.num_layers * (attn + norms_per_layer * norm) + mlps + norm
     if not self.uses_rotary:
       total += self.max_positions * e
     if not self.tie_word_embeddings:
@@ -297,6 +379,14 @@ _GEMMA3 = dict(_GEMMA_COMMON, family="gemma3", vocab_size=262208, rope_theta=100
                **FAMILY_CONVENTIONS["gemma3"])
 _MISTRAL = dict(family="mistral", activation="silu", sliding_window=4096,
                 **FAMILY_CONVENTIONS["mistral"])
+# Mixtral: mistralai/Mixtral-8x7B-v0.1 config.json (Dec 2023): no window, rope 1M,
+# 8 experts, top 2 (renormalised), experts of intermediate_size.
+_MIXTRAL = dict(family="mixtral", activation="silu", rope_theta=1000000.0, norm_epsilon=1e-5,
+                num_experts=8, num_experts_per_tok=2, **FAMILY_CONVENTIONS["mixtral"])
+# Qwen3-MoE: Qwen/Qwen3-30B-A3B config.json (Apr 2025): Qwen3's attention, 128
+# experts of 768 units, top 8 renormalised (norm_topk_prob), MoE on every layer.
+_QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                  moe_mlp_dim=768, norm_topk_prob=True, **FAMILY_CONVENTIONS["qwen3_moe"])
 
 
 def sliding_pattern(num_layers: int, every: int) -> Tuple[str, ...]:
@@ -391,6 +481,13 @@ def _named_configs():
   configs["mistral_7b"] = DecoderOnlyConfig(
       vocab_size=32000, emb_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
       head_dim=128, mlp_dim=14336, max_positions=32768, norm_epsilon=1e-5, **_MISTRAL)
+  # Mixture-of-experts shapes (the public config.json values; `_MIXTRAL`, `_QWEN3_MOE`).
+  configs["mixtral_8x7b"] = DecoderOnlyConfig(
+      vocab_size=32000, emb_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+      head_dim=128, mlp_dim=14336, max_positions=32768, **_MIXTRAL)
+  configs["qwen3_30b_a3b"] = DecoderOnlyConfig(
+      emb_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, mlp_dim=6144,
+      tie_word_embeddings=False, **_QWEN3_MOE)
   # Test shapes: a small shared vocabulary per family, every layout feature on
   # (GQA, untied head for Llama; biases, tied head for Qwen2; q/k norms and head_dim
   # != emb / heads for Qwen3).
@@ -407,6 +504,16 @@ def _named_configs():
   configs["qwen3_tiny"] = DecoderOnlyConfig(**{**_QWEN3, **tiny}, emb_dim=64, num_layers=2,
                                             num_heads=4, num_kv_heads=2, head_dim=24,
                                             mlp_dim=128, tie_word_embeddings=True)
+  # MoE test shapes: Mixtral with a sliding window; Qwen3-MoE with a dense layer
+  # (mlp_only_layers) of another width than its experts'.
+  configs["mixtral_tiny"] = DecoderOnlyConfig(**{**_MIXTRAL, **tiny, "num_experts": 4},
+                                              emb_dim=64, num_layers=2, num_heads=4,
+                                              num_kv_heads=2, head_dim=16, mlp_dim=96,
+                                              sliding_window=8)
+  configs["qwen3_moe_tiny"] = DecoderOnlyConfig(
+      **{**_QWEN3_MOE, **tiny, "num_experts": 8, "num_experts_per_tok": 3, "moe_mlp_dim": 32},
+      emb_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24, mlp_dim=128,
+      mlp_only_layers=(1,))
   configs["gpt2_tiny"] = DecoderOnlyConfig(**{**_GPT2, **tiny}, emb_dim=64, num_layers=2,
                                            num_heads=4, num_kv_heads=4, head_dim=16,
                                            mlp_dim=256)

@@ -17,9 +17,14 @@ cost-realistic pair of `make demo`'s act 2). The growing rules are
   attention scale 1/sqrt(head_dim), the rotary tables and the head-to-group
   map are the small model's.
 * MLP units: new up/gate columns and down rows are zero (act(0) * 0 = 0).
+* mixture-of-experts layers (Mixtral, Qwen3-MoE): each expert grows like an
+  MLP (gate/up read the stream on first copies, new units zero; down repeats
+  its output); the router reads the stream (first-copy rows), so its logits,
+  the routing and the weights are the small model's. The expert count, k,
+  norm_topk_prob and which of the small layers are MoE layers must match.
 * layers: new layers come after the trained ones with every kernel and bias
   zero and unit norm scales: their attention and MLP add zero, the residual
-  stream passes through.
+  stream passes through (a new MoE layer routes to experts that output zero).
 * the LM head: the large model is untied. A tied small model's table
   becomes both the (repeated) embedding and the (first-copy) LM head: one
   table cannot do both.
@@ -53,8 +58,9 @@ _SAME_FIELDS = ("family", "vocab_size", "max_positions", "norm_epsilon", "activa
                 "rope_high_freq_factor", "rope_original_max_positions", "qkv_bias", "out_bias",
                 "mlp_bias", "bos_id", "eos_id", "pad_id", "norm_offset", "scale_embeddings",
                 "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-                "sandwich_norms", "qk_norm", "sliding_window", "sliding_rope_theta", "head_dim")
-_GROWN_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "num_layers")
+                "sandwich_norms", "qk_norm", "sliding_window", "sliding_rope_theta", "head_dim",
+                "num_experts", "num_experts_per_tok", "norm_topk_prob")
+_GROWN_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "num_layers", "expert_mlp_dim")
 
 
 def embedded_config(config: DecoderOnlyConfig, shape: Union[str, DecoderOnlyConfig],
@@ -84,6 +90,8 @@ def embedded_config(config: DecoderOnlyConfig, shape: Union[str, DecoderOnlyConf
     large = config.replace(
         emb_dim=emb, num_heads=heads, num_kv_heads=heads // group,
         mlp_dim=max(config.mlp_dim, math.ceil(named.mlp_dim * emb / named.emb_dim)),
+        moe_mlp_dim=None if config.moe_mlp_dim is None else max(
+            config.moe_mlp_dim, math.ceil(named.expert_mlp_dim * emb / named.emb_dim)),
         num_layers=max(config.num_layers, named.num_layers), tie_word_embeddings=False,
         layer_types=None if config.layer_types is None else
         tuple(config.layer_types) + (config.layer_types[-1],) * max(
@@ -105,6 +113,10 @@ def check_embeddable(config: DecoderOnlyConfig, large: DecoderOnlyConfig) -> int
   if config.num_heads * large.num_kv_heads != large.num_heads * config.num_kv_heads:
     problems.append(f"query heads per key/value head differ ({config.num_heads}/"
                     f"{config.num_kv_heads} vs {large.num_heads}/{large.num_kv_heads})")
+  small_moe = config.moe_layers
+  if tuple(large.moe_layers[:len(small_moe)]) != tuple(small_moe):
+    problems.append(f"the first {len(small_moe)} layers' MLP kinds differ (mixture of experts: "
+                    f"{small_moe} vs {large.moe_layers[:len(small_moe)]})")
   small_types, large_types = config.attention_types, large.attention_types
   if tuple(large_types[:len(small_types)]) != tuple(small_types):
     problems.append(f"the first {len(small_types)} layers' attention types differ "
@@ -128,6 +140,12 @@ class _Grower:
   def leaf(self, parent: str, name: str, x):
     """One array of a layer (or the head's layer), grown."""
     r, mlp = self.r, self.large.mlp_dim
+    if parent == "gate":  # The MoE router [emb, experts] reads the stream.
+      return widen.first_copy(x, 0, r)
+    if parent == "experts":  # Stacked experts [experts, in, out], each grown like an MLP.
+      width = self.large.expert_mlp_dim
+      return (widen.repeat(widen.pad(x, 1, width), 2, r) if name == "down_proj" else
+              widen.pad(widen.first_copy(x, 1, r), 2, width))
     if parent in ("q_proj", "k_proj", "v_proj"):
       grown = self._heads(x, -1, kv=parent != "q_proj")
       return widen.first_copy(grown, 0, r) if name == "kernel" else grown
@@ -181,8 +199,15 @@ def embed_params(params, config: DecoderOnlyConfig, large: DecoderOnlyConfig):
         params["embed_positions"]["embedding"], 1, r).astype(grow.dtype)}
   for i in range(config.num_layers):
     out[f"layers_{i}"] = grow.tree(params[f"layers_{i}"])
+  templates = None
+  if large.num_experts and large.num_layers > config.num_layers:
+    # New layers may be MoE or dense (Qwen3-MoE's mlp_only_layers): shaped as the large
+    # config says (abstract shapes, nothing allocated).
+    from specdec_jax.families.decoder_only.sharding import abstract_params
+    templates = abstract_params(large)
   for i in range(config.num_layers, large.num_layers):
-    out[f"layers_{i}"] = grow.identity_layer(out[f"layers_{config.num_layers - 1}"])
+    out[f"layers_{i}"] = grow.identity_layer(
+        out[f"layers_{config.num_layers - 1}"] if templates is None else templates[f"layers_{i}"])
   reads = (params["embed_tokens"]["embedding"].T if config.tie_word_embeddings else
            params["lm_head"]["kernel"])  # [emb, vocab]
   out["lm_head"] = {"kernel": widen.first_copy(reads, 0, r).astype(grow.dtype)}

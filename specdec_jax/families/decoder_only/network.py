@@ -1,5 +1,5 @@
-"""A decoder-only Transformer (Llama / Qwen2 / Qwen3 / Mistral / Gemma 1-3 / GPT-2 layouts)
-scoring token blocks from a KV cache.
+"""A decoder-only Transformer (Llama / Qwen2 / Qwen3 / Mistral / Gemma 1-3 / GPT-2 / Mixtral /
+Qwen3-MoE layouts) scoring token blocks from a KV cache.
 
 The block contract is the T5 decoder's (families/t5/network.py), so the decode loops in
 `specdec_jax.core.decoding` run either family unchanged:
@@ -40,6 +40,49 @@ Layouts (`DecoderOnlyConfig.family`):
   scaled by query_pre_attn_scalar, sliding layers by layer_types and (Gemma 2)
   soft-capped scores and logits; Gemma 3 adds per-head q/k norms and a
   separate rotary base on sliding layers.
+* mixtral: the Mistral layout (a window on every layer when sliding_window is
+  set) whose MLPs are mixtures of SwiGLU experts (`MoeMlp`).
+* qwen3_moe: the Qwen3 layout whose MLPs are mixtures of experts on the layers
+  `DecoderOnlyConfig.moe_layers` names, dense SwiGLU MLPs on the others.
+
+Mixture-of-experts MLPs (`MoeMlp`, transformers' `MixtralSparseMoeBlock` /
+`Qwen3MoeSparseMoeBlock`): router logits x @ gate (in the compute dtype, as HF's
+Linear), softmax over all experts in float32, the top k of those probabilities
+(`jax.lax.top_k`), divided by their sum when norm_topk_prob (Mixtral always);
+each chosen expert computes down(silu(x @ gate_e) * (x @ up_e)) and the layer
+returns the sum of the k outputs weighted by the k probabilities.
+
+  Routing is transformers' whenever the k-th and (k+1)-th probabilities differ;
+  an exact tie across that boundary is resolved towards the lower expert index
+  (`jax.lax.top_k`'s documented rule). transformers' choice there is whatever
+  torch.topk's selection algorithm returns (on CPU an nth_element / partial
+  sort, not index order, and another rule on CUDA), which no other program
+  reproduces; ties inside the chosen k change nothing (the same set, the same
+  weights).
+
+  Dispatch (`DecoderOnlyConfig.moe_dispatch`), both exact to rounding and both
+  computing each token from its own row only (no token's output depends on
+  another's routing, so a verification block and a target-only block of the
+  same width round identically: bf16 speculative greedy stays bit-identical):
+  - 'gather': each token gathers its k experts' weights ([tokens, k, emb, mlp]
+    per projection) and runs them as a batched matmul. It reads only the
+    chosen experts: one decode token of Qwen3-30B-A3B touches 8 of 128. The
+    gathered slices are materialised, so it costs about 2 * tokens * k expert
+    reads and cannot serve a long prefill.
+  - 'dense': every expert computes every token, [tokens, experts, mlp], times
+    a [tokens, experts] weight matrix that is zero off the top k, then one
+    matmul over (expert, unit) into the stream: E / k times the FLOPs and every
+    expert's weights read, but no gather and no [tokens, k, ...] copies. A
+    prefill or a wide block routes to most experts anyway.
+  - 'auto' (default): gather when 2 * tokens * k <= num_experts (the gathered
+    bytes stay under the dense read: Qwen3-30B-A3B blocks of up to 8 tokens,
+    Mixtral blocks of 1-2), else dense. The choice is static per block shape,
+    so both loops at one block width take the same path. Measured on the
+    2-core CPU (one layer, 64 experts of 384 units, emb 1024, k 4, float32):
+    gather 5 / 78 / 132 / 281 ms at 1 / 4 / 8 / 16 tokens, dense 148 / 157 /
+    196 / 176 ms: the crossover sits at 2 * tokens * k = num_experts.
+  A sorted / grouped formulation (tokens sorted by expert, `jax.lax.ragged_dot`)
+  would serve long prefills at k / E of dense's FLOPs; it is not implemented.
 
 Parameter tree (kernels are [in, out], Flax's convention; HF Linear weights are
 their transpose; `checkpoints_decoder_only` holds the name mapping):
@@ -56,6 +99,9 @@ their transpose; `checkpoints_decoder_only` holds the name mapping):
   layers_{i}/mlp/gate_proj/kernel (+ bias)     [emb, mlp]             gated (Llama, Qwen2) only
   layers_{i}/mlp/up_proj/kernel (+ bias)       [emb, mlp]
   layers_{i}/mlp/down_proj/kernel (+ bias)     [mlp, emb]
+  layers_{i}/mlp/gate/kernel                   [emb, experts]         MoE layers: the router
+  layers_{i}/mlp/experts/{gate,up}_proj        [experts, emb, moe_mlp] (3-D, whatever
+  layers_{i}/mlp/experts/down_proj             [experts, moe_mlp, emb]  the kernel_layout)
   norm/scale (+ bias)                          [emb]
   lm_head/kernel                               [emb, vocab]           untied only
 
@@ -315,6 +361,64 @@ class Mlp(nn.Module):
     return Dense(cfg.emb_dim, cfg, cfg.mlp_bias, name="down_proj")(hidden)
 
 
+class Experts(nn.Module):
+  """The experts' stacked SwiGLU weights: (gate_proj, up_proj [experts, emb, moe_mlp],
+  down_proj [experts, moe_mlp, emb]) float32 params."""
+  config: DecoderOnlyConfig
+
+  @nn.compact
+  def __call__(self) -> Tuple[Array, Array, Array]:
+    cfg = self.config
+    num, emb, width = cfg.num_experts, cfg.emb_dim, cfg.expert_mlp_dim
+    return (self.param("gate_proj", _INIT, (num, emb, width), jnp.float32),
+            self.param("up_proj", _INIT, (num, emb, width), jnp.float32),
+            self.param("down_proj", _INIT, (num, width, emb), jnp.float32))
+
+
+class MoeMlp(nn.Module):
+  """A mixture of SwiGLU experts behind a softmax top-k router (module docstring).
+
+  Params: `gate` (the router, a Dense [emb, experts], no bias) and `experts`
+  (`gate_proj`, `up_proj` [experts, emb, moe_mlp], `down_proj` [experts, moe_mlp, emb]).
+  """
+  config: DecoderOnlyConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    dtype = _dtype(cfg)
+    num, k = cfg.num_experts, cfg.num_experts_per_tok
+    x = x.astype(dtype)
+    # HF: logits by a Linear in the activation dtype, softmax and top-k in float32.
+    router_logits = Dense(num, cfg, name="gate")(x)
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, index = jax.lax.top_k(probs, k)  # [batch, q, k], ties: lower index first
+    if cfg.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    gate_w, up_w, down_w = Experts(cfg, name="experts")()
+    act = _ACTIVATIONS[cfg.activation]
+    tokens = x.shape[0] * x.shape[1]
+    gather = cfg.moe_dispatch == "gather" or (cfg.moe_dispatch == "auto" and
+                                              2 * tokens * k <= num)
+    if gather:
+      take = lambda w: jnp.take(w, index, axis=0).astype(dtype)  # noqa: E731 [b, q, k, ...]
+      hidden = act(jnp.einsum("bqd,bqkdm->bqkm", x, take(gate_w),
+                              preferred_element_type=dtype)) * jnp.einsum(
+          "bqd,bqkdm->bqkm", x, take(up_w), preferred_element_type=dtype)
+      hidden = _axes(hidden, ("batch", "length", None, "mlp"))
+      hidden = hidden * weights[..., None].astype(dtype)
+      return jnp.einsum("bqkm,bqkmd->bqd", hidden, take(down_w), preferred_element_type=dtype)
+    hidden = act(jnp.einsum("bqd,edm->bqem", x, gate_w.astype(dtype),
+                            preferred_element_type=dtype)) * jnp.einsum(
+        "bqd,edm->bqem", x, up_w.astype(dtype), preferred_element_type=dtype)
+    hidden = _axes(hidden, ("batch", "length", "expert", "mlp"))
+    # [batch, q, experts]: the top-k weights where chosen, zero elsewhere.
+    combine = jnp.sum(jax.nn.one_hot(index, num, dtype=jnp.float32) * weights[..., None],
+                      axis=-2)
+    hidden = hidden * combine[..., None].astype(dtype)
+    return jnp.einsum("bqem,emd->bqd", hidden, down_w.astype(dtype), preferred_element_type=dtype)
+
+
 class DecoderLayer(nn.Module):
   """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(x)); one code path, cached or not.
 
@@ -325,9 +429,12 @@ class DecoderLayer(nn.Module):
   input_norm: False drops input_layernorm (attention reads x itself): the
   layer of an EAGLE-1 feature head (`drafts.feature_draft`), whose input is
   already a projection of normed features. The target's layers keep it.
+  moe: the MLP is a mixture of experts (`MoeMlp`; the target's layers where
+  `config.moe_layers` says so); False: the dense `Mlp` of mlp_dim.
   """
   config: DecoderOnlyConfig
   input_norm: bool = True
+  moe: bool = False
 
   def setup(self):
     cfg = self.config
@@ -338,7 +445,7 @@ class DecoderLayer(nn.Module):
     if cfg.sandwich_norms:
       self.pre_feedforward_layernorm = Norm(cfg)
       self.post_feedforward_layernorm = Norm(cfg)
-    self.mlp = Mlp(cfg)
+    self.mlp = MoeMlp(cfg) if self.moe else Mlp(cfg)
 
   def __call__(self, x, bias, rotary, layer_cache=None, positions=None):
     attended, new_cache = self.self_attn(self.input_layernorm(x) if self.input_norm else x,
@@ -361,7 +468,8 @@ def init_cache(config: DecoderOnlyConfig, batch: int, max_len: int) -> Cache:
 
 
 class DecoderOnly(nn.Module):
-  """A decoder-only language model (Llama, Qwen2/3, Mistral, Gemma or GPT-2 layout, by config)."""
+  """A decoder-only language model (Llama, Qwen2/3, Mistral, Gemma, GPT-2, Mixtral or Qwen3-MoE
+  layout, by config)."""
   config: DecoderOnlyConfig
 
   def setup(self):
@@ -370,7 +478,7 @@ class DecoderOnly(nn.Module):
     if not cfg.uses_rotary:
       self.embed_positions = Embed(cfg.max_positions, cfg)
     # A list attribute is named layers_0, layers_1, ...
-    self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_layers)]
+    self.layers = [DecoderLayer(cfg, moe=moe) for moe in cfg.moe_layers]
     self.norm = Norm(cfg)
     if not cfg.tie_word_embeddings:
       self.lm_head = Dense(cfg.vocab_size, cfg, float32_output=True)
