@@ -266,6 +266,9 @@ REQUIRED_HINTS = {
     "DRAFT_CHECKPOINT": "the draft's checkpoint directory: --gin.DRAFT_CHECKPOINT=\"'/ckpt/draft'\""
                         " (or a draft kind without a model: "
                         "--gin_file=configs/drafts/prompt_lookup.gin)",
+    "PARALLEL_DRAFTER": "a trained PARD drafter: --gin.PARALLEL_DRAFTER=\"'/ckpt/PARD-dir'\" "
+                        "(a public PARD directory, or a demo pair directory that ships "
+                        "parallel.npz)",
     "INPUT_FILE": "a JSONL or TSV file of inputs: --gin.INPUT_FILE=\"'inputs.jsonl'\" "
                   "(or drop the task gin file and pass --prompt=TEXT)",
 }

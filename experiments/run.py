@@ -76,15 +76,19 @@ from specdec_jax.core import theory
 from specdec_jax.core.verification import VERIFIERS
 from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.core.token_tree import TreeShape
-from specdec_jax.drafts import (Draft, DynamicTreeDraft, FeatureDraft, ModelDraft,
-                                NgramDraft, PromptLookupDraft, TreeDraft)
+from specdec_jax.drafts import (DFlashDraft, Draft, DynamicTreeDraft, FeatureDraft,
+                                MedusaDraft, ModelDraft, NgramDraft, ParallelDraft,
+                                PromptLookupDraft, TreeDraft)
 from specdec_jax.drafts.tree_draft import LAWS as TREE_LAWS
 from specdec_jax.core.outputs import SpeculativeStats
 from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.generation import generate
+from specdec_jax.slots import generate_many
 from specdec_jax import demo_pair
-from specdec_jax.loading import load_feature_draft, load_model, load_sharded_model, shard_model
+from specdec_jax.loading import (load_dflash_draft, load_feature_draft, load_medusa_draft,
+                                 load_model, load_parallel_draft, load_sharded_model,
+                                 shard_model)
 from specdec_jax.perturbation import perturbed_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,24 +256,36 @@ class DraftKind(DraftSpec):
 
   Attributes:
     kind: 'prompt_lookup' (copies what followed the last n-gram of the
-      context; `PromptLookupDraft`), 'ngram' (`NgramDraft`) or 'feature'
+      context; `PromptLookupDraft`), 'ngram' (`NgramDraft`), 'feature'
       (an EAGLE-style head over the target's hidden states, `FeatureDraft`;
-      configs/drafts/feature.gin).
+      configs/drafts/feature.gin), or a drafter that fills a whole proposal in
+      one call: 'medusa' (`MedusaDraft`), 'dflash' (`DFlashDraft`;
+      configs/drafts/dflash.gin) or 'parallel' (PARD, `ParallelDraft`;
+      configs/drafts/parallel.gin).
     max_ngram / min_ngram: prompt lookup's n-gram lengths.
+    positions: 'dflash' / 'parallel' without a trained drafter: the laws one call
+      gives (K; a DFlash block of K + 1).
     path: n-gram: a file `NgramDraft.save` wrote; None fits a bigram on the
       task's tokenized inputs. Feature: a public EAGLE-1 / EAGLE-3 head
       directory (config.json + weights; `load_feature_draft`) or a directory
       with a head trained here (feature_head.npz + feature_head.json, as the
       demo pairs ship; `experiments/train_feature_heads.py`); None: a random
       head of the target's family (smoke tests and cost measurements only:
-      it drafts noise, logged as such).
+      it drafts noise, logged as such). Medusa / DFlash: a public Medusa-1 /
+      z-lab DFlash directory, or a demo pair directory that ships one
+      (medusa_heads.npz, dflash.npz); None: random (logged as such).
+      Parallel: a public PARD directory (an HF causal LM naming its
+      `pard_token`) or a demo pair directory that ships parallel.npz; required.
   """
   kind: str = gin.REQUIRED
   max_ngram: int = 3
   min_ngram: int = 1
   path: Optional[str] = None
+  positions: int = 4
 
-  KINDS = ("prompt_lookup", "ngram", "feature")
+  KINDS = ("prompt_lookup", "ngram", "feature", "medusa", "dflash", "parallel")
+  # Kinds built from the target's own arrays (they are built again for a placed target).
+  READS_TARGET = ("feature", "medusa", "dflash")
 
   @property
   def name(self) -> str:
@@ -278,9 +294,16 @@ class DraftKind(DraftSpec):
   def check(self) -> None:
     if self.kind not in self.KINDS:
       raise ValueError(f"unknown DraftKind.kind {self.kind!r}; known: {list(self.KINDS)}")
-    if self.kind == "feature":
+    if self.kind in ("feature", "medusa", "dflash", "parallel"):
       if self.path is not None and not os.path.isdir(self.path):
-        raise FileNotFoundError(f"feature head directory not found: {self.path!r}")
+        raise FileNotFoundError(f"{self.kind} draft directory not found: {self.path!r}")
+      if self.kind == "parallel" and self.path is None:
+        raise ValueError("DraftKind.kind='parallel' needs a trained PARD drafter: set "
+                         "--gin.DraftKind.path to a PARD directory or a demo pair directory "
+                         "that ships parallel.npz (an untrained one drafts noise)")
+      if isinstance(self.positions, bool) or int(self.positions) != self.positions or (
+          self.positions < 1):
+        raise ValueError(f"DraftKind.positions must be an int >= 1, got {self.positions!r}")
     elif self.path is not None and not os.path.isfile(self.path):
       raise FileNotFoundError(f"n-gram draft file not found: {self.path!r}")
 
@@ -289,8 +312,10 @@ class DraftKind(DraftSpec):
     tokenized inputs."""
     target_config = target.config
     family = family_of(target_config)
-    if self.kind == "feature":
-      return self._feature_draft(target)
+    if self.kind in self.READS_TARGET:
+      return self._head_draft(target)
+    if self.kind == "parallel":
+      return self._parallel_draft(target)
     if self.kind == "prompt_lookup":
       return PromptLookupDraft(target_config.vocab_size, self.max_ngram, self.min_ngram)
     if self.path is not None:
@@ -300,17 +325,39 @@ class DraftKind(DraftSpec):
                           pad_id=target_config.pad_id)
 
   def place(self, draft: Draft, target, partitioner: sharding.Partitioner) -> Draft:
-    # A feature head reads the target's arrays: built again from the placed target.
-    return self._feature_draft(target) if self.kind == "feature" else draft
+    # Heads read the target's arrays: built again from the placed target.
+    return self._head_draft(target) if self.kind in self.READS_TARGET else draft
 
-  def _feature_draft(self, target) -> Draft:
+  def _head_draft(self, target) -> Draft:
+    """A feature, Medusa or DFlash draft: random, trained here (a demo pair directory) or
+    public (EAGLE, Medusa-1, z-lab DFlash)."""
+    random_head, pair_files, from_pair, public = {
+        "feature": (lambda: FeatureDraft(target), demo_pair.FEATURE_HEAD_FILES,
+                    demo_pair.load_feature_head, load_feature_draft),
+        "medusa": (lambda: MedusaDraft(target), demo_pair.MEDUSA_HEAD_FILES,
+                   demo_pair.load_medusa_heads, load_medusa_draft),
+        "dflash": (lambda: DFlashDraft(target, block_size=self.positions + 1),
+                   demo_pair.DFLASH_FILES, demo_pair.load_dflash_drafter, load_dflash_draft),
+    }[self.kind]
     if self.path is None:
-      logging.warning("draft: a RANDOM feature head (DraftKind.path unset): it drafts noise; "
-                      "set --gin.DraftKind.path to an EAGLE head or a head trained here")
-      return FeatureDraft(target)
-    if os.path.isfile(os.path.join(self.path, demo_pair.FEATURE_HEAD_FILES[0])):
-      return demo_pair.load_feature_head(self.path, target)
-    return load_feature_draft(self.path, target)
+      logging.warning("draft: a RANDOM %s draft (DraftKind.path unset): it drafts noise; set "
+                      "--gin.DraftKind.path to a public checkpoint or a drafter trained here",
+                      self.kind)
+      return random_head()
+    if os.path.isfile(os.path.join(self.path, pair_files[0])):
+      return from_pair(self.path, target)
+    return public(self.path, target)
+
+  def _parallel_draft(self, target) -> Draft:
+    if os.path.isfile(os.path.join(self.path, demo_pair.PARALLEL_FILES[0])):
+      draft = demo_pair.load_parallel_drafter(self.path, target)
+    else:
+      draft = load_parallel_draft(self.path, gamma=self.positions,
+                                  dtype=str(target.config.dtype))
+    if draft.vocab_size < target.config.vocab_size:
+      draft = ParallelDraft(draft.model, draft.mask_token_id, draft.gamma,
+                            target_vocab_size=target.config.vocab_size)
+    return draft
 
 
 @gin.configurable
@@ -492,6 +539,12 @@ class Experiment:
   for 'block'. Tree drafts are verified by recursive rejection sampling
   over their tree, so they take 'token' only; results.json gains `tree`
   (shape, children law, width), `depth_histogram` and `per_rank_acceptance`.
+  scheduling: 'slots' (default; the SCHEDULING macro): both decoders stream the
+  inputs through batch_size slots (`sj.generate_many`: a row that ends gives its
+  slot to the next input), in saved chunks of CHUNK_BATCHES * batch_size inputs;
+  'batches': fixed batches of batch_size, each decoded until its slowest row ends
+  (what a mesh over several processes runs). results.json gains the tokens per
+  second of each decoder and, with slots, their slot occupancy.
   """
   target: ModelSpec = gin.REQUIRED
   draft: Union[ModelSpec, DraftKind, TreeSpec, Draft] = gin.REQUIRED
@@ -510,10 +563,13 @@ class Experiment:
   timing_repeats: int = 20
   block_width: Optional[int] = None
   verification: str = "token"
+  scheduling: str = "slots"
 
 
-# ---------------------------------------------------------------------------
-# Loading.
+SCHEDULINGS = ("slots", "batches")
+# Slots stream this many batches' worth of inputs per saved chunk (`measure`): a resumed
+# run restarts at the last chunk, the slots stay full inside one.
+CHUNK_BATCHES = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -799,6 +855,7 @@ class Measured:
   target_step: float  # seconds of one one-token target call
   verify_cost: float  # the verification call / one one-token call
   draft_step: Optional[float]  # seconds of one one-token call of the cost model
+  occupancy: Optional[Dict[str, float]] = None  # slot occupancy per decoder (slots only)
 
 
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
@@ -946,7 +1003,7 @@ def measure(exp: Experiment, planned: Plan, setup: Setup,
   With `progress`, the batches it holds are read back instead of decoded, and each
   newly finished batch is saved at once; Ctrl-C raises `Interrupted`.
   """
-  batches = list(batch_rows(len(planned.examples), exp.batch_size))
+  batches = list(batch_rows(len(planned.examples), _chunk(exp, planned)))
   done = progress.batches() if progress is not None else {}
   if done:  # Said on stderr too: a rerun meant to measure again reads the old batches.
     note = (f"resuming: {len(done)} of {len(batches)} batches already decoded in "
@@ -967,8 +1024,24 @@ def measure(exp: Experiment, planned: Plan, setup: Setup,
   walltime = {k: sum(r.seconds[k] for r in records) for k in records[0].seconds}
   sequences = {k: np.concatenate([r.sequences[k] for r in records]) for k in records[0].sequences}
   lengths = {k: np.concatenate([r.lengths[k] for r in records]) for k in records[0].lengths}
+  occupancy = None
+  if all(r.occupancy is not None for r in records):
+    rows = np.asarray([r.rows for r in records], np.float64)
+    occupancy = {k: float(np.dot(rows, [r.occupancy[k] for r in records]) / rows.sum())
+                 for k in records[0].occupancy}
   return Measured(sequences, lengths, _stack_stats([r.stats for r in records]), walltime,
-                  *times)
+                  *times, occupancy=occupancy)
+
+
+def _slots(exp: Experiment, planned: Plan) -> bool:
+  """Whether the decoders stream through slots (not under a mesh: `generate_many` runs on
+  one device)."""
+  return exp.scheduling == "slots" and planned.partitioners is None and planned.hosts is None
+
+
+def _chunk(exp: Experiment, planned: Plan) -> int:
+  """Inputs per saved record: a batch, or CHUNK_BATCHES batches' worth of slots."""
+  return exp.batch_size * (CHUNK_BATCHES if _slots(exp, planned) else 1)
 
 
 def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
@@ -985,8 +1058,15 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
       decode(False, 1, 0, rng)
     decode(True, width, 0, rng)
   records = []
-  bar = tqdm.tqdm(batches, desc="batches", unit="batch", initial=0)
+  bar = tqdm.tqdm(batches, desc="inputs" if _slots(exp, planned) else "batches",
+                  unit="chunk" if _slots(exp, planned) else "batch", initial=0)
   for batch_index, (_, real) in enumerate(bar):
+    if records:  # tokens/s and alpha so far, on the bar
+      tokens = sum(int(r.lengths["speculative"].sum()) for r in records)
+      seconds = sum(r.seconds["speculative"] for r in records)
+      stats = _stack_stats([r.stats for r in records])
+      bar.set_postfix(inputs=sum(len(r.lengths["speculative"]) for r in records),
+                      tok_s=f"{tokens / max(seconds, 1e-9):.0f}", alpha=f"{stats.alpha:.2f}")
     if batch_index in done:
       records.append(done[batch_index])
       continue
@@ -994,15 +1074,19 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
     # independent samples (greedy ignores them).
     base_key = jax.random.fold_in(rng, 2 * batch_index)
     spec_key = jax.random.fold_in(rng, 2 * batch_index + 1)
-    base_out, base_len, _, base_time = decode(False, width, batch_index, base_key)
+    base_out, base_len, _, base_time, base_occupancy = decode(False, width, batch_index,
+                                                              base_key)
     width_1_time = decode(False, 1, batch_index, base_key)[3] if width != 1 else 0.0
-    spec_out, spec_len, stats, spec_time = decode(True, width, batch_index, spec_key)
+    spec_out, spec_len, stats, spec_time, spec_occupancy = decode(True, width, batch_index,
+                                                                  spec_key)
     record = BatchRecord(
         sequences={"baseline": base_out[:real], "speculative": spec_out[:real]},
         lengths={"baseline": base_len[:real], "speculative": spec_len[:real]},
         stats=_take_stats(stats, real),
         seconds={"baseline": base_time, "baseline_width_1": width_1_time,
-                 "speculative": spec_time})
+                 "speculative": spec_time},
+        occupancy=None if base_occupancy is None else {"baseline": base_occupancy,
+                                                       "speculative": spec_occupancy})
     if progress is not None:
       progress.save_batch(batch_index, record)
     records.append(record)
@@ -1011,7 +1095,7 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
 
 def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
   """decode(use_draft, block_width, batch_index, key) -> (sequences, lengths, stats,
-  seconds) of one batch, the whole batch's outputs on every process (process 0 writes
+  seconds, slot occupancy or None) of one batch (with slots: one chunk), the whole batch's outputs on every process (process 0 writes
   them all).
 
   Two exact target-only decoders: at the speculative loop's width W (the
@@ -1023,6 +1107,24 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
 
   def decode(use_draft: bool, block_width: int, batch_index: int, key):
     start = time.perf_counter()
+    if _slots(exp, planned):  # the chunk's real rows through batch_size slots
+      index, real = batches[batch_index]
+      index = index[:real]
+      lengths = setup.prompt_lengths
+      out = generate_many(setup.target, setup.inputs[index],
+                          None if lengths is None else lengths[index],
+                          batch_size=exp.batch_size, max_decode_steps=exp.max_decode_steps,
+                          temperature=exp.temperature, topk=exp.topk, topp=exp.topp, rng=key,
+                          draft=setup.draft if use_draft else None, gamma=exp.gamma,
+                          block_width=block_width,
+                          verification=exp.verification if use_draft else "token")
+      sequences = np.asarray(jax.block_until_ready(out.sequences))
+      pad = len(batches[batch_index][0]) - real  # the record's rows, as batches have them
+      sequences = np.concatenate([sequences, np.repeat(sequences[-1:], pad, 0)])
+      lens = np.asarray(out.lengths)
+      lens = np.concatenate([lens, np.repeat(lens[-1:], pad, 0)])
+      stats = None if out.stats is None else _pad_stats(out.stats, pad)
+      return sequences, lens, stats, time.perf_counter() - start, out.slots.occupancy
     if hosts is None:
       index = batches[batch_index][0]
       inputs, lengths = setup.inputs, setup.prompt_lengths
@@ -1038,9 +1140,19 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
                    partitioner=target_part, draft_partitioner=draft_part,
                    process_local=hosts is not None, global_outputs=True)
     sequences = np.asarray(jax.block_until_ready(out.sequences))
-    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start
+    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start, None
 
   return decode
+
+
+def _pad_stats(stats: SpeculativeStats, pad: int) -> SpeculativeStats:
+  """stats with its last row repeated `pad` times (rows as a padded batch has them)."""
+  if not pad:
+    return stats
+  fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+  return SpeculativeStats(**{k: (v if k == "gamma" or v is None else
+                                 np.concatenate([v, np.repeat(v[-1:], pad, 0)]))
+                             for k, v in fields.items()})
 
 
 def _step_times(exp: Experiment, setup: Setup, rows) -> Tuple[float, float, Optional[float]]:
@@ -1093,6 +1205,12 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       identical_outputs_checked_against=f"target-only decoding at block width {width}",
       tokens_baseline=int(measured.lengths["baseline"].sum()),
       tokens_speculative=int(measured.lengths["speculative"].sum()),
+      scheduling="slots" if _slots(exp, planned) else "batches",
+      tokens_per_s_baseline=float(measured.lengths["baseline"].sum()) / max(baseline_time,
+                                                                               1e-9),
+      tokens_per_s_speculative=float(measured.lengths["speculative"].sum()) / max(
+          walltime["speculative"], 1e-9),
+      slot_occupancy=measured.occupancy,
       acceptance_rate=stats.acceptance_rate, alpha=alpha,
       mean_tokens_per_iteration=stats.mean_tokens_per_iteration,
       expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, gamma),
@@ -1278,6 +1396,13 @@ def _flag(value):
     raise ValueError("must be True or False")
 
 
+def _one_of(choices):
+  def check(value):
+    if value not in choices:
+      raise ValueError(f"must be one of {list(choices)}")
+  return check
+
+
 def _verification(value):
   if value not in VERIFIERS:
     raise ValueError(f"must be one of {sorted(VERIFIERS)}")
@@ -1292,6 +1417,7 @@ FIELD_CHECKS = (
     ("topk", _int_at_least(0)), ("block_width", _optional(_int_at_least(1))),
     ("temperature", _non_negative_number), ("topp", _optional(_mass)),
     ("chat_template", _flag), ("verification", _verification),
+    ("scheduling", _one_of(SCHEDULINGS)),
 )
 
 

@@ -39,11 +39,14 @@ class BatchRecord:
   sequences / lengths: {'baseline', 'speculative'} -> [real, steps] int32 / [real].
   stats: the speculative decoder's statistics of the real rows.
   seconds: {'baseline', 'baseline_width_1', 'speculative'} walltimes.
+  occupancy: {'baseline', 'speculative'} slot occupancy (`sj.generate_many`), or None
+    for fixed batches.
   """
   sequences: Dict[str, np.ndarray]
   lengths: Dict[str, np.ndarray]
   stats: SpeculativeStats
   seconds: Dict[str, float]
+  occupancy: Optional[Dict[str, float]] = None
 
   @property
   def rows(self) -> int:
@@ -156,6 +159,9 @@ class RunProgress:
         arrays[f"stats_{field.name}"] = np.asarray(value)
     arrays["seconds"] = np.asarray([record.seconds[k] for k in sorted(record.seconds)])
     arrays["seconds_keys"] = np.asarray(sorted(record.seconds))
+    if record.occupancy is not None:
+      arrays["occupancy"] = np.asarray([record.occupancy[k] for k in sorted(record.occupancy)])
+      arrays["occupancy_keys"] = np.asarray(sorted(record.occupancy))
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     results_lib.write_bytes_atomic(self._batch_path(index), buffer.getvalue())
@@ -177,7 +183,10 @@ class RunProgress:
             lengths={k: data[f"lengths_{k}"] for k in ("baseline", "speculative")},
             stats=SpeculativeStats(**stats),
             seconds=dict(zip([str(k) for k in data["seconds_keys"]],
-                             [float(s) for s in data["seconds"]])))
+                             [float(s) for s in data["seconds"]])),
+            occupancy=dict(zip([str(k) for k in data["occupancy_keys"]],
+                               [float(s) for s in data["occupancy"]]))
+            if "occupancy" in data else None)
     return out
 
   def step_times(self) -> Optional[List[Optional[float]]]:

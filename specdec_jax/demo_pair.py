@@ -56,6 +56,13 @@ FEATURE_CARD_MARK = "<!-- feature head: written by experiments/train_feature_hea
 MEDUSA_HEAD_FILES = ("medusa_heads.npz", "medusa_heads.json")
 MEDUSA_DRAFT_NAME = "medusa"
 MEDUSA_CARD_MARK = "<!-- medusa heads: written by experiments/train_feature_heads.py -->"
+# Trained block drafters (the same trainer, HeadSettings.kind = 'dflash' / 'parallel').
+DFLASH_FILES = ("dflash.npz", "dflash.json")
+DFLASH_DRAFT_NAME = "dflash"
+DFLASH_CARD_MARK = "<!-- dflash drafter: written by experiments/train_feature_heads.py -->"
+PARALLEL_FILES = ("parallel.npz", "parallel.json")
+PARALLEL_DRAFT_NAME = "parallel"
+PARALLEL_CARD_MARK = "<!-- parallel drafter: written by experiments/train_feature_heads.py -->"
 
 
 def save_npz_atomic(path: str, **arrays) -> None:
@@ -136,6 +143,56 @@ def load_medusa_heads(path: str, target):
   params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, target.config.dtype), params)
   return MedusaDraft(target, num_heads=shape.num_heads, num_layers=shape.num_layers,
                      share_lm_head=shape.share_lm_head, params=params)
+
+
+def _tuples(x):
+  """JSON lists as tuples, recursively (frozen configs hold tuples)."""
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  return x
+
+
+def load_dflash_drafter(path: str, target):
+  """The trained DFlash drafter in pair directory `path` as an `sj.DFlashDraft` for
+  `target` (its DFlashConfig from dflash.json, computing in the target's dtype), or None
+  when the pair ships none."""
+  from specdec_jax.drafts.dflash import DFlashConfig, DFlashDraft
+  npz, meta = (os.path.join(path, name) for name in DFLASH_FILES)
+  if not os.path.exists(npz):
+    return None
+  with open(meta) as f:
+    info = json.load(f)
+  if info.get("kind") != "dflash":
+    raise ValueError(f"{meta}: kind {info.get('kind')!r}, expected 'dflash'")
+  fields = {k: _tuples(v) for k, v in info["config"].items()}
+  config = DFlashConfig(**dict(fields, dtype=str(target.config.dtype)))
+  shape = DFlashDraft(target, config=config)  # random arrays: only their shapes are read
+  params = _read_bf16_like(npz, jax.eval_shape(lambda: shape.init_params(0)))
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, target.config.dtype), params)
+  return DFlashDraft(target, config=config, params=params)
+
+
+def load_parallel_drafter(path: str, target):
+  """The trained PARD drafter in pair directory `path` as an `sj.ParallelDraft` (a model
+  of the target's family, in the target's dtype, with parallel.json's config, mask id and
+  K), or None when the pair ships none."""
+  from specdec_jax.drafts.pard import ParallelDraft
+  from specdec_jax.families.registry import family_of
+  npz, meta = (os.path.join(path, name) for name in PARALLEL_FILES)
+  if not os.path.exists(npz):
+    return None
+  with open(meta) as f:
+    info = json.load(f)
+  if info.get("kind") != "parallel":
+    raise ValueError(f"{meta}: kind {info.get('kind')!r}, expected 'parallel'")
+  family = family_of(target)
+  fields = {k: _tuples(v) for k, v in info["config"].items()}
+  config = type(target.config)(**dict(fields, dtype="float32"))
+  params = _read_bf16_like(npz, family.abstract_params(config), "the drafter config's")
+  dtype = str(target.config.dtype)
+  model = family.model_type(config.replace(dtype=dtype),
+                            jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params))
+  return ParallelDraft(model, mask_token_id=int(info["mask_token_id"]), gamma=int(info["gamma"]))
 
 
 def with_card_section(card: str, mark: str, section: str) -> str:
@@ -303,8 +360,10 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
       the shipped weights as they are).
     with_feature_head: list the pair's trained heads, when it ships them,
       after the model drafts: its feature head (feature_head.npz) as
-      drafts['feature'] (an `sj.FeatureDraft`) and its Medusa heads
-      (medusa_heads.npz) as drafts['medusa'] (an `sj.MedusaDraft`).
+      drafts['feature'] (an `sj.FeatureDraft`), its Medusa heads
+      (medusa_heads.npz) as drafts['medusa'] (an `sj.MedusaDraft`), its DFlash
+      drafter (dflash.npz) as drafts['dflash'] (an `sj.DFlashDraft`) and its PARD
+      drafter (parallel.npz) as drafts['parallel'] (an `sj.ParallelDraft`).
   Raises:
     FileNotFoundError: no pair at `path`, naming the command that trains one.
   """
@@ -325,7 +384,9 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
   target, drafts, heldout, input_len, max_decode_steps = load(path, info, dtype)
   if with_feature_head:
     for name, load_head in ((FEATURE_DRAFT_NAME, load_feature_head),
-                            (MEDUSA_DRAFT_NAME, load_medusa_heads)):
+                            (MEDUSA_DRAFT_NAME, load_medusa_heads),
+                            (DFLASH_DRAFT_NAME, load_dflash_drafter),
+                            (PARALLEL_DRAFT_NAME, load_parallel_drafter)):
       head = load_head(path, target)
       if head is not None:
         drafts[name] = head
@@ -333,7 +394,7 @@ def load_demo_pair(path: Optional[str] = None, dtype: str = "float32",
             if os.path.exists(os.path.join(path, f"{name}.npz"))}
   tokenizer = data.Tokenizer.load(os.path.join(path, "tokenizer.model"))
   records = [info]
-  for meta in (FEATURE_HEAD_FILES[1], MEDUSA_HEAD_FILES[1]):
+  for meta in (FEATURE_HEAD_FILES[1], MEDUSA_HEAD_FILES[1], DFLASH_FILES[1], PARALLEL_FILES[1]):
     if os.path.exists(os.path.join(path, meta)):
       with open(os.path.join(path, meta)) as f:
         records.append(json.load(f))

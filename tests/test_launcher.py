@@ -190,6 +190,9 @@ def _check_results(result, out, prompts=PROMPTS):
   assert result["markdown_row"] in (out / "results.md").read_text()
   assert [c["input"] for c in result["completions"]] == prompts
   assert all(c["baseline"] == c["speculative"] for c in result["completions"])
+  assert result["scheduling"] in ("slots", "batches") and result["tokens_per_s_speculative"] > 0
+  if result["scheduling"] == "slots":
+    assert all(0 < v <= 1 for v in result["slot_occupancy"].values())
 
 
 def _hf_codec(path):
@@ -340,16 +343,39 @@ def test_decoder_only_tree_drafts(pairs, tmp_path, name, gin_file, bindings, dra
     # A random T5 feature head growing a static tree (no DRAFT_CHECKPOINT read).
     ("t5", "configs/drafts/feature_tree.gin", ["TreeSpec.branching = (2, 1)",
                                                "BLOCK_WIDTH = 5"], "tree2x1(feature)"),
+    # One-call drafters (issue 32): a z-lab-format DFlash drafter (written by the test) on
+    # the Llama pair; a random T5 DFlash drafter growing a tree; a PARD directory (the
+    # pair's draft with a pard_token) on the Llama pair, chain and tree; random Medusa heads.
+    ("llama", "configs/drafts/dflash.gin", ["GAMMA = 3"], "dflash"),
+    ("t5", "configs/drafts/dflash_tree.gin", ["TreeSpec.branching = (2, 1)",
+                                              "BLOCK_WIDTH = 5"], "tree2x1(dflash)"),
+    ("llama", "configs/drafts/parallel.gin", ["GAMMA = 3"], "parallel"),
+    ("llama", "configs/drafts/parallel_tree.gin", ["TreeSpec.branching = (2, 1)",
+                                                   "BLOCK_WIDTH = 5"], "tree2x1(parallel)"),
+    ("t5", "configs/drafts/medusa.gin", ["GAMMA = 3"], "medusa"),
 ])
 def test_feature_drafts(pairs, tmp_path, name, gin_file, bindings, draft):
   """Feature drafts through gin: DraftKind 'feature' (an EAGLE directory, or a random
   head), alone and inside a tree; greedy outputs equal target-only decoding."""
   target_dir, draft_dir = pairs[name]
-  if name == "llama":
+  if name == "llama" and "feature" in gin_file:
     head_dir = tmp_path / "eagle1"
     sj.save_feature_draft(sj.FeatureDraft(sj.load_model(str(target_dir)), seed=3), str(head_dir),
                           format="eagle1")
     bindings = bindings + [f"DraftKind.path = '{head_dir}'"]
+  if name == "llama" and "dflash" in gin_file:
+    head_dir = tmp_path / "dflash"
+    sj.save_dflash_draft(sj.DFlashDraft(sj.load_model(str(target_dir)), block_size=4, seed=3),
+                         str(head_dir))
+    bindings = bindings + [f"DraftKind.path = '{head_dir}'"]
+  if "parallel" in gin_file:
+    pard_dir = tmp_path / "pard"
+    drafter = sj.load_model(str(draft_dir))
+    sj.export_hf(drafter, str(pard_dir))
+    config = json.loads((pard_dir / "config.json").read_text())
+    config["pard_token"] = drafter.config.vocab_size - 1
+    (pard_dir / "config.json").write_text(json.dumps(config))
+    bindings = bindings + [f"PARALLEL_DRAFTER = '{pard_dir}'"]
   out = tmp_path / "out"
   result = _run(["configs/pairs/local.gin", "configs/tasks/local_file.gin", gin_file],
                 [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
@@ -492,7 +518,7 @@ def test_padded_draft_vocabulary_keeps_outputs_exact(pairs):
 TIMINGS = {"walltime_baseline_s", "walltime_speculative_s", "walltime_target_only_s", "speedup",
            "speedup_baseline_block_width", "target_step_ms", "draft_step_ms", "c",
            "target_verify_cost", "predicted_speedup", "predicted_speedup_measured_verify_cost",
-           "markdown_row"}
+           "markdown_row", "tokens_per_s_baseline", "tokens_per_s_speculative"}
 
 
 def _counting_generate(monkeypatch, interrupt_at=None):
@@ -502,44 +528,55 @@ def _counting_generate(monkeypatch, interrupt_at=None):
   import threading
   import time
   calls = []
-  real = run_lib.generate
 
-  def generate(*args, **kwargs):
-    if kwargs.get("draft") is not None:
-      calls.append(1)
-      if len(calls) == interrupt_at:
-        if threading.current_thread() is threading.main_thread():
-          os.kill(os.getpid(), signal.SIGINT)
-          time.sleep(5)  # The signal arrives as KeyboardInterrupt in here.
-        raise AssertionError("SIGINT was not delivered")
-    return real(*args, **kwargs)
+  def counting(real):
+    def decode(*args, **kwargs):
+      if kwargs.get("draft") is not None:
+        calls.append(1)
+        if len(calls) == interrupt_at:
+          if threading.current_thread() is threading.main_thread():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # The signal arrives as KeyboardInterrupt in here.
+          raise AssertionError("SIGINT was not delivered")
+      return real(*args, **kwargs)
+    return decode
 
-  monkeypatch.setattr(run_lib, "generate", generate)
+  # Both decoders the launcher runs: fixed batches (generate) and slots (generate_many).
+  monkeypatch.setattr(run_lib, "generate", counting(sj.generate))
+  monkeypatch.setattr(run_lib, "generate_many", counting(sj.generate_many))
   return calls
 
 
-def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeypatch):
-  """Ctrl-C after the first batch: a one-line message, no results, the batch kept; the same
-  command then decodes only the missing batches and writes what an uninterrupted run
-  writes (greedy); a finished run read again decodes nothing; another configuration in
-  that directory is refused before any model loads."""
+@pytest.mark.parametrize("scheduling", ["batches", "slots"])
+def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeypatch,
+                                                         scheduling):
+  """Ctrl-C after the first batch (slots: the first chunk of 4 batches' worth): a one-line
+  message, no results, the batch kept; the same command then decodes only the missing
+  batches and writes what an uninterrupted run writes (greedy); a finished run read again
+  decodes nothing; another configuration in that directory is refused before any model
+  loads."""
   target_dir, draft_dir = pairs["llama"]
   prompts = PROMPTS + ["the dog sat on the log", "hello again"]  # 3 batches of 2.
+  if scheduling == "slots":
+    prompts = prompts * 2  # chunks of 8 inputs: 2 chunks
   files = ["configs/pairs/local.gin", "configs/tasks/local_file.gin"]
   bindings = [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
-              f"INPUT_FILE = '{_input_file(tmp_path, prompts)}'"]
+              f"INPUT_FILE = '{_input_file(tmp_path, prompts)}'",
+              f"SCHEDULING = '{scheduling}'"]
   out = tmp_path / "out"
   # Speculative calls: the warm-up, batch 0, then batch 1 (interrupted).
   _counting_generate(monkeypatch, interrupt_at=3)
   with pytest.raises(run_lib.Interrupted) as stopped:
     _run(files, bindings, out)
-  assert str(stopped.value) == "stopped after 2 of 5 inputs; rerun the same command to resume"
+  first = 2 if scheduling == "batches" else 8
+  assert str(stopped.value) == (f"stopped after {first} of {len(prompts)} inputs; rerun the "
+                                "same command to resume")
   assert not (out / "results.json").exists()
   assert sorted(os.listdir(out / "progress")) == ["batch_00000.npz", "identity.json"]
 
   calls = _counting_generate(monkeypatch)
   resumed = _run(files, bindings, out)
-  assert len(calls) == 1 + 2  # The warm-up and the two missing batches.
+  assert len(calls) == 1 + (2 if scheduling == "batches" else 1)  # warm-up, the rest
   _check_results(resumed, out, prompts)
 
   whole = _run(files, bindings, tmp_path / "whole")
