@@ -332,8 +332,8 @@ def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates):
     continued = family_of(model).context(None, None).continued
     lens = row_lengths[:slots] if continued and row_lengths is not None else None
     ks = sorted({1} | {g + 1 for g in candidates})
-    ms = profiling.time_block_calls({"target": model}, batch, steps + 1, ks, repeats=3,
-                                    calls=4, lengths=lens)["target"]
+    ms = profiling.time_block_calls({"target": model}, batch, max(steps, max(ks)) + 1, ks,
+                                    repeats=3, calls=4, lengths=lens)["target"]
     probe = max(candidates)
     proposal = profiling.time_proposals(model, {"draft": draft}, batch, max(steps, 4) + 1,
                                         probe, repeats=3, calls=4, lengths=lens)["draft"]

@@ -1,0 +1,188 @@
+r"""Throughput at any batch size (issue 33): fixed batches against slots, fixed gamma against
+gamma='auto', over the same inputs.
+
+For each pair and batch size B, over the same `--num_inputs` held-out inputs, greedy or
+sampled, each mode timed after one untimed call of the same shapes (compiles excluded):
+
+    target, batches     `generate` target-only on consecutive chunks of B inputs
+    target, slots       `generate_many` target-only, B slots
+    spec, batches       `generate` with the pair's draft at --gamma, chunks of B
+    spec, slots         `generate_many` with the draft at --gamma, B slots
+    auto, slots         `generate_many(gamma='auto')`, B slots
+
+It reports tokens/s (tokens emitted, EOS included, over wall seconds), each mode's speedup
+against the faster target-only mode, and the efficiency of the speculative modes: measured
+speedup / the theory's prediction E[tokens] / (gamma c + C(gamma + 1)), with alpha pooled
+from that mode's own decode and c, C(k) measured at batch B (`tools.profiling`). A fixed
+batch waits for its slowest row (stragglers); slots refill, so their efficiency should
+approach 1.
+
+Pairs: 't5' and 'decoder_only' (the shipped demo pairs) and 'scaled' (the T5 demo target
+embedded at t5_1_1_base, `sj.scale_pair`: the same function at a cost whose steps are
+memory-bound on this CPU; its drafts as shipped).
+
+  python scripts/throughput.py --pairs=t5,decoder_only,scaled --batch_sizes=1,4,16,64 \
+      --temperatures=0,1 --output_json=benchmarks/cpu/issue33/throughput.json
+"""
+
+import json
+import os
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+from absl import app, flags
+import jax
+import numpy as np
+
+import specdec_jax as sj
+from specdec_jax.core import theory
+from specdec_jax.results import write_json_atomic
+from specdec_jax.tools import profiling
+
+PAIRS = flags.DEFINE_list("pairs", ["t5", "decoder_only", "scaled"], "t5, decoder_only, scaled.")
+BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes B.")
+TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
+NUM_INPUTS = flags.DEFINE_integer("num_inputs", 64, "Held-out inputs decoded by every mode.")
+GAMMA = flags.DEFINE_integer("gamma", 4, "The fixed gamma.")
+DRAFT = flags.DEFINE_string("draft", "", "The pair's draft (default: its first).")
+REPEATS = flags.DEFINE_integer("repeats", 1, "Timed runs per mode (median).")
+SCALED_SHAPE = flags.DEFINE_string("scaled_shape", "t5_1_1_base", "The 'scaled' pair's shape.")
+MAX_DECODE_STEPS = flags.DEFINE_integer("max_decode_steps", 0, "0: the pair's own.")
+OUTPUT_JSON = flags.DEFINE_string("output_json", "", "Write the results here (atomically).")
+DTYPE = flags.DEFINE_string("dtype", "", "The models' dtype (default: the pairs' float32).")
+DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny and short: the 'scaled' pair at "
+                            "t5_1_1_small, 8 inputs, 8 steps (the GPU script's CPU test).")
+
+
+def _pair(name: str):
+  """(target, draft, inputs, lengths, steps, label)."""
+  dtype = DTYPE.value or "float32"
+  if name == "scaled":
+    pair = sj.load_demo_pair("t5", dtype=dtype)
+    shape = "t5_1_1_small" if DRY_RUN.value else SCALED_SHAPE.value
+    scaled = sj.scale_pair(pair, shape, log=None, memory_budget_bytes=None)
+    target, drafts, label = scaled.target, scaled.drafts, f"t5 demo at {shape}"
+  else:
+    pair = sj.load_demo_pair(name, dtype=dtype)
+    target, drafts, label = pair.target, pair.drafts, f"{name} demo pair"
+  draft_name = DRAFT.value or next(iter(drafts))  # the pair's first: its model draft
+  inputs, lengths = pair.inputs(8 if DRY_RUN.value else NUM_INPUTS.value)
+  steps = 8 if DRY_RUN.value else (MAX_DECODE_STEPS.value or pair.max_decode_steps)
+  return target, drafts[draft_name], inputs, lengths, steps, f"{label}, draft {draft_name!r}"
+
+
+def _timed(fn, repeats: int):
+  fn()  # compiles
+  seconds, out = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out.sequences)
+    seconds.append(time.perf_counter() - start)
+  return statistics.median(seconds), out
+
+
+def _batches(target, inputs, lengths, b, **kw):
+  """`generate` over consecutive chunks of b inputs, one output of every row (the last
+  chunk padded with copies of its first row, dropped afterwards: one program)."""
+  outs = []
+  for start in range(0, len(inputs), b):
+    x = inputs[start:start + b]
+    l = None if lengths is None else lengths[start:start + b]
+    short = b - len(x)
+    if short:
+      x = np.concatenate([x, np.repeat(x[:1], short, 0)])
+      l = None if l is None else np.concatenate([l, np.repeat(l[:1], short, 0)])
+    outs.append(sj.generate(target, x, l, **kw))
+  n = len(inputs)
+  seqs = np.concatenate([np.asarray(o.sequences) for o in outs])[:n]
+  lens = np.concatenate([np.asarray(o.lengths) for o in outs])[:n]
+  stats = None
+  if outs[0].stats is not None:
+    stats = SimpleNamespace(**{f: np.concatenate([getattr(o.stats, f) for o in outs])[:n]
+                               for f in ("beta_sum", "beta_count")})
+  return SimpleNamespace(sequences=seqs, lengths=lens, stats=stats)
+
+
+def run_pair(name: str, temperature: float) -> Dict[str, Any]:
+  target, draft, inputs, lengths, steps, label = _pair(name)
+  rng = jax.random.PRNGKey(0)
+  sample = dict(temperature=temperature, rng=rng) if temperature > 0 else {}
+  rows: List[Dict[str, Any]] = []
+  for b in [int(v) for v in BATCH_SIZES.value]:
+    b = min(b, len(inputs))
+    kw = dict(max_decode_steps=steps, **sample)
+    width = GAMMA.value + 1
+    modes = {
+        "target, batches": lambda: _batches(target, inputs, lengths, b, block_width=width, **kw),
+        "target, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
+                                                  block_width=width, **kw),
+        "spec, batches": lambda: _batches(target, inputs, lengths, b, draft=draft,
+                                          gamma=GAMMA.value, block_width=width, **kw),
+        "spec, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
+                                                draft=draft, gamma=GAMMA.value,
+                                                block_width=width, **kw),
+        "auto, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
+                                                draft=draft, gamma="auto", **kw),
+    }
+    results = {}
+    for mode, fn in modes.items():
+      seconds, out = _timed(fn, REPEATS.value)
+      tokens = int(np.sum(np.asarray(out.lengths)))
+      results[mode] = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)
+      if out.stats is not None:
+        beta, count = np.sum(out.stats.beta_sum), np.sum(out.stats.beta_count)
+        results[mode]["alpha"] = float(beta / max(count, 1))
+      slots = getattr(out, "slots", None)
+      if slots is not None:
+        results[mode]["occupancy"] = slots.occupancy
+        results[mode]["phases"] = [dict(p, cost_curve=None) for p in slots.phases]
+    base = min(results["target, batches"]["seconds"], results["target, slots"]["seconds"])
+    for r in results.values():
+      r["speedup"] = base / r["seconds"]
+    # The theory at this batch size: C(gamma + 1) and c measured at batch b.
+    x = inputs[:b]
+    l = None if lengths is None else lengths[:b]
+    ms = profiling.time_block_calls({"target": target}, x, steps + 1, [1, width], 3, calls=4,
+                                    lengths=l)["target"]
+    proposal = profiling.time_proposals(target, {"draft": draft}, x, max(steps, 4) + 1,
+                                        GAMMA.value, 3, calls=4, lengths=l)["draft"]
+    c = proposal / GAMMA.value / ms[1]
+    verify = ms[width] / ms[1]
+    for mode in ("spec, batches", "spec, slots"):
+      r = results[mode]
+      predicted = theory.predicted_speedup_with_verify_cost(
+          min(r["alpha"], 0.999), GAMMA.value, c, verify)
+      # Against the target-only mode of the same scheduling (the theory has no stragglers
+      # in its baseline either).
+      same = results["target, " + mode.split(", ")[1]]["seconds"]
+      r["predicted_speedup"] = predicted
+      r["efficiency"] = (same / r["seconds"]) / predicted
+    rows.append(dict(batch_size=b, c=c, verify_cost=verify, modes=results))
+    print(f"{label}, T={temperature}, B={b}: " + ", ".join(
+        f"{m} {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}X"
+        + (f", eff {r['efficiency']:.2f}" if "efficiency" in r else "") + ")"
+        for m, r in results.items()), flush=True)
+  return dict(pair=name, label=label, temperature=temperature, num_inputs=len(inputs),
+              max_decode_steps=steps, gamma=GAMMA.value, rows=rows)
+
+
+def main(argv):
+  del argv
+  document = dict(machine=dict(backend=jax.default_backend(), devices=[str(d) for d in
+                                                                      jax.devices()],
+                               cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M")),
+                  results=[])
+  for name in PAIRS.value:
+    for t in TEMPERATURES.value:
+      document["results"].append(run_pair(name, float(t)))
+      if OUTPUT_JSON.value:
+        os.makedirs(os.path.dirname(OUTPUT_JSON.value) or ".", exist_ok=True)
+        write_json_atomic(OUTPUT_JSON.value, document)
+  print(json.dumps({"done": len(document["results"])}))
+
+
+if __name__ == "__main__":
+  app.run(main)
