@@ -21,16 +21,9 @@ import pytest
 import specdec_jax as sj
 from specdec_jax.families.registry import family_of
 
-NAMES = {"t5": "tiny", "decoder_only": "llama_tiny"}
+from tiny_models import tiny_model
 
 
-def _target(family, vocab=16, seed=3, dtype="float32"):
-  target = sj.load_model(NAMES[family], vocab_size=vocab, seed=seed, dtype="float32")
-  if dtype != "float32":
-    target = family_of(target).model_type(
-        target.config.replace(dtype=dtype),
-        jax.tree_util.tree_map(lambda x: x.astype(dtype), target.params))
-  return target
 
 
 def _inputs(family, vocab, batch=3, width=5, seed=0):
@@ -56,7 +49,7 @@ def test_laws_from_the_incremental_context_equal_laws_from_scratch(family):
   features alone (decoder-only: the whole accepted sequence as the prompt; T5: one observe
   of every accepted position)."""
   vocab, k = 16, 3
-  target = _target(family, vocab)
+  target = tiny_model(family, vocab)
   draft = sj.DFlashDraft(target, block_size=k + 1, num_layers=2, seed=4)
   fam = family_of(target)
   params = draft.params
@@ -127,7 +120,7 @@ def target_features(fam, target, tokens, taps):
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_greedy_dflash_chain_and_tree_equal_target_only(family, dtype):
   vocab = 16
-  target = _target(family, vocab, dtype=dtype)
+  target = tiny_model(family, vocab, dtype=dtype)
   tokens, lengths = _inputs(family, vocab)
   draft = sj.DFlashDraft(target, block_size=4, seed=1)
   draft = sj.DFlashDraft(target, block_size=4, params=_sharp(draft))
@@ -171,7 +164,7 @@ def test_dflash_samples_follow_target_distribution(setting, tree):
 
 
 def test_bad_dflash_input_gets_clear_errors():
-  target = _target("decoder_only", 16)
+  target = tiny_model("decoder_only", 16)
   with pytest.raises(ValueError, match="block_size must be an int >= 2"):
     sj.DFlashDraft(target, block_size=1)
   with pytest.raises(ValueError, match=r"mask_token_id 16 is not an id of the target's "
@@ -182,7 +175,7 @@ def test_bad_dflash_input_gets_clear_errors():
   draft = sj.DFlashDraft(target, block_size=3)
   with pytest.raises(ValueError, match="gamma=3 asks one call of this DFlashDraft for 3 laws"):
     sj.generate(target, np.ones((1, 3), np.int32), draft=draft, gamma=3, max_decode_steps=4)
-  other = _target("decoder_only", 16, seed=9)
+  other = tiny_model("decoder_only", 16, seed=9)
   other = family_of(other).model_type(other.config.replace(emb_dim=64, head_dim=32),
                                       other.params)
   with pytest.raises(ValueError, match="built for another target config"):
@@ -326,7 +319,7 @@ def test_grown_drafter_drives_the_embedded_target_to_the_same_laws(family):
   embedded target's features, and the same greedy decode."""
   from specdec_jax.scaled_pair import embed_draft
   vocab = 16
-  small = _target(family, vocab)
+  small = tiny_model(family, vocab)
   config = small.config
   if family == "t5":
     large_config = config.replace(emb_dim=2 * config.emb_dim,

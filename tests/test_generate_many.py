@@ -11,24 +11,15 @@ refilled in place.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specdec_jax as sj
-from specdec_jax.families.registry import family_of
 from specdec_jax.programs import PROGRAMS
 
-NAMES = {"t5": "tiny", "decoder_only": "llama_tiny"}
+from tiny_models import tiny_model
 
 
-def _model(family, vocab=16, seed=3, dtype="float32"):
-  model = sj.load_model(NAMES[family], vocab_size=vocab, seed=seed, dtype="float32")
-  if dtype != "float32":
-    model = family_of(model).model_type(
-        model.config.replace(dtype=dtype),
-        jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
-  return model
 
 
 def _inputs(family, vocab=16, n=7, width=6, seed=0):
@@ -42,7 +33,7 @@ def _inputs(family, vocab=16, n=7, width=6, seed=0):
 
 
 def _drafts(family, target, dtype):
-  drafter = _model(family, seed=11, dtype=dtype)
+  drafter = tiny_model(family, seed=11, dtype=dtype)
   return {"target-only": (None, {}),
           "chain": (drafter, dict(gamma=3)),
           "tree": (sj.TreeDraft(drafter, (2, 2, 1)), {}),
@@ -52,7 +43,7 @@ def _drafts(family, target, dtype):
 @pytest.mark.parametrize("family", ["decoder_only", "t5"])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_each_output_equals_generate_alone(family, dtype):
-  target = _model(family, dtype=dtype)
+  target = tiny_model(family, dtype=dtype)
   tokens, lengths = _inputs(family)
   # An EOS that input 0 emits at its third step: rows then end at very different steps.
   probe = sj.generate(target, tokens, lengths, max_decode_steps=12, eos_id=-1)
@@ -75,9 +66,9 @@ def test_each_output_equals_generate_alone(family, dtype):
 
 
 def test_sampled_outputs_do_not_depend_on_the_batch():
-  target = _model("decoder_only")
+  target = tiny_model("decoder_only")
   tokens, lengths = _inputs("decoder_only", n=6)
-  drafter = _model("decoder_only", seed=11)
+  drafter = tiny_model("decoder_only", seed=11)
   for draft, extra in ((None, {}), (drafter, dict(gamma=3)),
                        (sj.TreeDraft(drafter, (2, 1)), dict(block_width=5))):
     outs = [sj.generate_many(target, tokens, lengths, batch_size=b, draft=draft,
@@ -92,7 +83,7 @@ def test_sampled_outputs_do_not_depend_on_the_batch():
 
 
 def test_programs_are_reused_across_refills_and_calls():
-  target = _model("decoder_only")
+  target = tiny_model("decoder_only")
   tokens, lengths = _inputs("decoder_only", n=7)
   sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=8)
   before = len(PROGRAMS.entries("slots"))
@@ -103,7 +94,7 @@ def test_programs_are_reused_across_refills_and_calls():
 
 
 def test_bad_generate_many_input_gets_clear_errors():
-  target = _model("decoder_only")
+  target = tiny_model("decoder_only")
   tokens, lengths = _inputs("decoder_only")
   with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
     sj.generate_many(target, tokens, lengths, batch_size=0, max_decode_steps=4)
@@ -135,9 +126,9 @@ def test_choose_phase_gamma_never_speculates_where_the_theory_says_it_loses():
 def test_auto_gamma_runs_in_phases_and_stays_exact():
   """gamma='auto': the first phase (one batch) probes alpha, later phases use the gamma
   chosen from it; at one block width for every phase, greedy outputs equal target-only."""
-  target = _model("decoder_only")
+  target = tiny_model("decoder_only")
   tokens, lengths = _inputs("decoder_only", n=9)
-  drafter = _model("decoder_only", seed=11)
+  drafter = tiny_model("decoder_only", seed=11)
   out = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, gamma="auto",
                          max_decode_steps=10, block_width=9)
   want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)

@@ -26,16 +26,9 @@ import pytest
 import specdec_jax as sj
 from specdec_jax.families.registry import family_of
 
-NAMES = {"t5": "tiny", "decoder_only": "llama_tiny"}
+from tiny_models import tiny_model
 
 
-def _target(family, vocab=16, seed=3, dtype="float32"):
-  target = sj.load_model(NAMES[family], vocab_size=vocab, seed=seed, dtype="float32")
-  if dtype != "float32":
-    target = family_of(target).model_type(
-        target.config.replace(dtype=dtype),
-        jax.tree_util.tree_map(lambda x: x.astype(dtype), target.params))
-  return target
 
 
 def _inputs(family, target, batch=4, width=6, seed=0):
@@ -56,7 +49,7 @@ def _equal(a, b):
 @pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_greedy_medusa_chain_and_tree_equal_target_only(family, dtype):
-  target = _target(family, dtype=dtype)
+  target = tiny_model(family, dtype=dtype)
   tokens, lengths = _inputs(family, target)
   medusa = sj.MedusaDraft(target, num_heads=3, num_layers=2, seed=1)
   kwargs = dict(max_decode_steps=14, eos_id=-1)
@@ -131,7 +124,7 @@ def test_medusa_samples_follow_target_distribution(setting, tree):
 def test_heads_read_the_hidden_state_before_the_last_token():
   """After the prompt, head k's law is computed from the target's feature of the
   second-to-last prompt token (the state that produced the last token's law)."""
-  target = _target("decoder_only", vocab=32)
+  target = tiny_model("decoder_only", vocab=32)
   medusa = sj.MedusaDraft(target, num_heads=2, seed=4)
   tokens, lengths = _inputs("decoder_only", target)
   family = family_of(target)
@@ -177,7 +170,7 @@ def _write_public(directory, draft, file_format):
 
 @pytest.mark.parametrize("file_format", ["safetensors", pytest.param("pt", marks=pytest.mark.slow)])
 def test_public_medusa_directory_loads_and_decodes_as_the_same_arrays(tmp_path, file_format):
-  target = _target("decoder_only", vocab=32)
+  target = tiny_model("decoder_only", vocab=32)
   built = sj.MedusaDraft(target, num_heads=3, num_layers=2, seed=7)
   built = sj.MedusaDraft(target, num_heads=3, num_layers=2, params=dict(
       built.head_params, bias=0.1 * jnp.ones_like(built.head_params["bias"])))
@@ -200,7 +193,7 @@ def test_public_medusa_directory_loads_and_decodes_as_the_same_arrays(tmp_path, 
 
 
 def test_bad_medusa_input_gets_clear_errors(tmp_path):
-  target = _target("decoder_only", vocab=32)
+  target = tiny_model("decoder_only", vocab=32)
   other = sj.load_model("llama_tiny", vocab_size=32, seed=0, emb_dim=48, num_heads=3,
                         num_kv_heads=1)
   _write_public(tmp_path / "hidden", sj.MedusaDraft(other, num_heads=2, seed=1), "safetensors")
@@ -252,7 +245,7 @@ def test_tree_levels_come_from_head_depth_plus_one_whatever_the_pending_chain():
   node at depth d's from head d + 1, for every chain length."""
   from specdec_jax.core import sampling
   from specdec_jax.core.token_tree import TreeAttention
-  target = _target("decoder_only", vocab=32)
+  target = tiny_model("decoder_only", vocab=32)
   medusa = sj.MedusaDraft(target, num_heads=3, seed=6)
   expander = medusa.tree_expander(medusa.params, sj.Sampling(1.0))
   hidden = jax.random.normal(jax.random.PRNGKey(0), (2, medusa.hidden_dim))
@@ -279,7 +272,7 @@ def test_medusa_loss_pairs_head_k_at_t_with_the_targets_law_at_t_plus_k():
   head k weighted decay**(k-1)."""
   from specdec_jax.train.feature_heads import feature_batch
   from specdec_jax.train.medusa import medusa_loss_fn
-  target = _target("decoder_only", vocab=32)
+  target = tiny_model("decoder_only", vocab=32)
   medusa = sj.MedusaDraft(target, num_heads=3, seed=2)
   tokens = np.random.default_rng(1).integers(2, 32, (2, 7)).astype(np.int32)
   weights = np.ones_like(tokens, np.float32)

@@ -20,16 +20,9 @@ import pytest
 import specdec_jax as sj
 from specdec_jax.families.registry import family_of
 
-NAMES = {"t5": "tiny", "decoder_only": "llama_tiny"}
+from tiny_models import tiny_model
 
 
-def _model(family, vocab=16, seed=3, dtype="float32", **overrides):
-  model = sj.load_model(NAMES[family], vocab_size=vocab, seed=seed, dtype="float32", **overrides)
-  if dtype != "float32":
-    model = family_of(model).model_type(
-        model.config.replace(dtype=dtype),
-        jax.tree_util.tree_map(lambda x: x.astype(dtype), model.params))
-  return model
 
 
 def _inputs(family, vocab, batch=4, width=6, seed=0):
@@ -46,7 +39,7 @@ def test_pard_laws_equal_a_full_forward_after_any_accepted_history():
   [tokens 0..L, m x (i - 1)] at its last slot, call after call, as rows gain 1..window
   tokens (the masks and padding a call writes are overwritten before any query reads them)."""
   vocab, mask, k, window = 24, 23, 3, 4
-  drafter = _model("decoder_only", vocab=vocab, seed=7)
+  drafter = tiny_model("decoder_only", vocab=vocab, seed=7)
   draft = sj.ParallelDraft(drafter, mask_token_id=mask, gamma=k)
   rng = np.random.default_rng(1)
   batch, prompt_width, total = 2, 5, 40
@@ -76,8 +69,8 @@ def test_pard_laws_equal_a_full_forward_after_any_accepted_history():
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_greedy_pard_chain_and_tree_equal_target_only(family, dtype):
   vocab = 16
-  target = _model(family, vocab=vocab, seed=3, dtype=dtype)
-  drafter = _model(family, vocab=vocab, seed=11, dtype=dtype)
+  target = tiny_model(family, vocab=vocab, seed=3, dtype=dtype)
+  drafter = tiny_model(family, vocab=vocab, seed=11, dtype=dtype)
   tokens, lengths = _inputs(family, vocab)
   draft = sj.ParallelDraft(drafter, mask_token_id=vocab - 1, gamma=3)
   kwargs = dict(max_decode_steps=14, eos_id=-1)
@@ -92,7 +85,7 @@ def test_greedy_pard_chain_and_tree_equal_target_only(family, dtype):
 def test_pard_drafting_with_itself_accepts_its_first_token_always():
   """A drafter equal to the target: q_1 is the target's law, so greedy accepts every
   first draft (a check that q_1 is read at the row's last real token)."""
-  target = _model("decoder_only", vocab=32, seed=5)
+  target = tiny_model("decoder_only", vocab=32, seed=5)
   tokens, lengths = _inputs("decoder_only", 32)
   draft = sj.ParallelDraft(target, mask_token_id=31, gamma=3)
   out = sj.generate(target, tokens, lengths, draft=draft, gamma=3, max_decode_steps=12,
@@ -102,7 +95,7 @@ def test_pard_drafting_with_itself_accepts_its_first_token_always():
 
 
 def test_bad_parallel_draft_input_gets_clear_errors():
-  target = _model("decoder_only", vocab=16)
+  target = tiny_model("decoder_only", vocab=16)
   with pytest.raises(ValueError, match=r"mask_token_id must be an id of the drafter's "
                                        r"vocabulary \[0, 16\).*pard_token"):
     sj.ParallelDraft(target, mask_token_id=16)
@@ -113,12 +106,12 @@ def test_bad_parallel_draft_input_gets_clear_errors():
     sj.generate(target, np.ones((1, 3), np.int32), draft=draft, gamma=3, max_decode_steps=4)
   with pytest.raises(ValueError, match="a tree of depth 3 needs"):
     sj.TreeDraft(draft, (2, 2, 2))
-  t5 = _model("t5", vocab=16)
-  with pytest.raises(ValueError, match="a t5 drafter cannot serve a decoder_only target"):
+  t5 = tiny_model("t5", vocab=16)
+  with pytest.raises(ValueError, match="a t5 draft cannot serve a decoder_only target"):
     sj.generate(target, np.ones((1, 3), np.int32), draft=sj.ParallelDraft(t5, mask_token_id=3),
                 max_decode_steps=4)
-  small = _model("decoder_only", vocab=12)
-  with pytest.raises(ValueError, match="pass target_vocab_size=16"):
+  small = tiny_model("decoder_only", vocab=12)
+  with pytest.raises(ValueError, match="target_vocab_size=16"):
     sj.generate(target, np.ones((1, 3), np.int32),
                 draft=sj.ParallelDraft(small, mask_token_id=3), max_decode_steps=4)
 
@@ -208,8 +201,8 @@ def test_public_pard_directory_loads_with_its_mask_token(tmp_path):
   load_parallel_draft reads both, and decodes as the draft built from the same arrays.
   The mask may also come from the tokenizer's `mask_token`; none at all is a clear error."""
   import json
-  target = _model("decoder_only", vocab=32, seed=3)
-  drafter = _model("decoder_only", vocab=32, seed=8)
+  target = tiny_model("decoder_only", vocab=32, seed=3)
+  drafter = tiny_model("decoder_only", vocab=32, seed=8)
   sj.export_hf(drafter, tmp_path / "pard")
   config_path = tmp_path / "pard" / "config.json"
   hf = json.loads(config_path.read_text())

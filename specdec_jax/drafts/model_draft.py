@@ -111,7 +111,7 @@ class ModelDraft(Draft):
                                start.max_decode_len)
     return dict(cache=decode.cache, offset=decode.offset)
 
-  def _block_fn(self, params):
+  def block_fn(self, params):
     """The draft's block callback at absolute positions, logits padded to the target's vocabulary."""
     inner_block = self.family.block_fn(self.model.config, params)
 
@@ -125,7 +125,7 @@ class ModelDraft(Draft):
     return block
 
   def proposer(self, params, plan):
-    block = self._block_fn(params)
+    block = self.block_fn(params)
     sampling = plan.sampling
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
@@ -147,7 +147,7 @@ class ModelDraft(Draft):
     attention; `move` is the family's `move_cache`.
     """
     from specdec_jax.drafts.tree_draft import TreeExpander  # tree.py imports drafts
-    block = self._block_fn(params)
+    block = self.block_fn(params)
 
     def laws(logits):
       scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

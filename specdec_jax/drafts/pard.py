@@ -34,11 +34,10 @@ mask token (`pard_token`); `sj.load_parallel_draft` reads one.
 from typing import Any, Hashable, Optional
 
 import jax.numpy as jnp
-import numpy as np
 
+from specdec_jax.drafts.model_draft import ModelDraft
 from specdec_jax.drafts.parallel import ParallelDrafter
 from specdec_jax.families.base import call_block, shift_block_fn
-from specdec_jax.families.registry import family_of
 
 
 class ParallelDraft(ParallelDrafter):
@@ -57,9 +56,9 @@ class ParallelDraft(ParallelDrafter):
 
   def __init__(self, model, mask_token_id: int, gamma: int = 4,
                target_vocab_size: Optional[int] = None):
-    self.family = family_of(model)
-    if not isinstance(model, self.family.model_type):
-      raise TypeError(f"ParallelDraft takes a model, got a {type(model).__name__}")
+    # The model's own checks, state and shardings are a model draft's: delegated.
+    self.model_draft = ModelDraft(model, target_vocab_size=target_vocab_size)
+    self.family = self.model_draft.family
     own = model.config.vocab_size
     if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
       raise ValueError(f"gamma must be an int >= 1 (tokens one call drafts), got {gamma!r}")
@@ -68,15 +67,11 @@ class ParallelDraft(ParallelDrafter):
       raise ValueError(f"mask_token_id must be an id of the drafter's vocabulary [0, {own}), "
                        f"got {mask_token_id!r}: PARD checkpoints name it `pard_token` in "
                        "config.json (sj.load_parallel_draft reads it)")
-    if target_vocab_size is not None and (int(target_vocab_size) != target_vocab_size or
-                                          target_vocab_size < own):
-      raise ValueError(f"target_vocab_size must be an int >= the drafter's vocabulary {own}, "
-                       f"got {target_vocab_size!r}")
     self.model = model
     self.mask_token_id = int(mask_token_id)
     self.gamma = int(gamma)
-    self.padding = 0 if target_vocab_size is None else int(target_vocab_size) - own
-    self.vocab_size = own + self.padding
+    self.padding = self.model_draft.padding
+    self.vocab_size = self.model_draft.vocab_size
     self.eos_id = model.config.eos_id
     self.pad_id = model.config.pad_id
 
@@ -89,27 +84,19 @@ class ParallelDraft(ParallelDrafter):
     return self.model.params
 
   def static_key(self) -> Hashable:
-    return ("parallel", self.model.config, self.mask_token_id, self.gamma, self.padding)
+    return ("parallel", self.model_draft.static_key(), self.mask_token_id, self.gamma)
 
   def check_compatible(self, target_config) -> None:
-    target_family = family_of(target_config)
-    if target_family is not self.family:
-      raise ValueError(f"a {self.family.name} drafter cannot serve a {target_family.name} "
-                       "target: a ParallelDraft's model must be of the target's family")
-    if self.vocab_size != target_config.vocab_size:
-      hint = (f" (pass target_vocab_size={target_config.vocab_size} if its ids are the "
-              "target's first ones)" if self.vocab_size < target_config.vocab_size else "")
-      raise ValueError(f"the drafter's vocabulary size {self.vocab_size} differs from the "
-                       f"target's {target_config.vocab_size}{hint}")
-    config = self.model.config
-    self.family.check_draft(config.replace(vocab_size=self.vocab_size) if self.padding else
-                            config, target_config)
+    if not self.padding and self.vocab_size < target_config.vocab_size:
+      raise ValueError(f"the drafter's vocabulary size {self.vocab_size} is smaller than the "
+                       f"target's {target_config.vocab_size}: if its ids are the target's "
+                       "first ones (one tokenizer, tables padded to different sizes), build "
+                       f"it with sj.ParallelDraft(model, mask_token_id=..., "
+                       f"target_vocab_size={target_config.vocab_size})")
+    self.model_draft.check_compatible(target_config)
 
   def check_inputs(self, tokens, lengths, max_decode_steps: int) -> None:
-    if lengths is None and self.family.context(None, None).continued:
-      shape = np.shape(tokens)
-      lengths = np.full(shape[:1], shape[1] if len(shape) == 2 else 1, np.int32)
-    self.family.check_inputs(self.model.config, tokens, lengths, max_decode_steps)
+    self.model_draft.check_inputs(tokens, lengths, max_decode_steps)
 
   def room(self, block_width: int) -> int:
     # A call writes up to window + K - 1 slots from max(lengths - window + 1, 0); a
@@ -117,17 +104,14 @@ class ParallelDraft(ParallelDrafter):
     return 2 * block_width + self.gamma
 
   def param_shardings(self, partitioner):
-    return partitioner.param_shardings(self.model.params, self.family)
+    return self.model_draft.param_shardings(partitioner)
 
   def constrain_state(self, state, partitioner):
-    return dict(state, cache=partitioner.constrain_cache(state["cache"], self.family))
+    return self.model_draft.constrain_state(state, partitioner)
 
   def init_state(self, params, start):
     """dict(cache: the drafter's cache with the context in it, offset [batch] int32)."""
-    context = start.context
-    decode = self.family.start(self.model.config, params, context.tokens, context.lengths,
-                               start.max_decode_len)
-    return dict(cache=decode.cache, offset=decode.offset)
+    return self.model_draft.init_state(params, start)
 
   def block_laws(self, params, state, sequences, lengths, num, window):
     batch = sequences.shape[0]
@@ -139,10 +123,8 @@ class ParallelDraft(ParallelDrafter):
     at = jnp.clip(first[:, None] + slot, 0, sequences.shape[1] - 1)
     tokens = jnp.where(slot < real, sequences[rows, at],
                        jnp.where(slot < real + num - 1, self.mask_token_id, self.pad_id))
-    block = shift_block_fn(self.family.block_fn(self.model.config, params), state["offset"])
+    block = shift_block_fn(self.model_draft.block_fn(params), state["offset"])
     logits, cache = call_block(block, tokens.astype(jnp.int32), first, state["cache"])
     read = real - 1 + jnp.arange(num)[None]                    # [batch, num]
     logits = jnp.take_along_axis(logits, read[:, :, None], axis=1).astype(jnp.float32)
-    if self.padding:
-      logits = jnp.pad(logits, ((0, 0), (0, 0), (0, self.padding)), constant_values=-jnp.inf)
     return logits, jnp.ones((batch,), jnp.bool_), dict(state, cache=cache)
