@@ -229,8 +229,11 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   rows = list(rows)
   config = model.config
   key = ("slots", config, None if draft is None else draft.static_key(), settings)
-  start_fn, segment_fn = PROGRAMS.get(key, lambda: tuple(
-      jax.jit(f) for f in _programs(family, config, draft, settings)))
+  # The carry is donated to the segment and refill programs: updated in place, not copied
+  # (the cache's every row) at each call.
+  start_fn, segment_fn = PROGRAMS.get(key, lambda: (
+      lambda start, segment: (jax.jit(start), jax.jit(segment, donate_argnums=(2,))))(
+          *_programs(family, config, draft, settings)))
   params = model.params
   draft_params = None if draft is None else draft.params
   slots = min(slots, len(rows))
@@ -247,7 +250,8 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
                        jax.eval_shape(lambda: start_rows(rows[:2])))
   else:
     axes = jax.tree_util.tree_map(lambda _: 0, (carry, offset))
-  refill_fn = PROGRAMS.get(key + ("refill", slots), lambda: jax.jit(_refill(axes)))
+  refill_fn = PROGRAMS.get(key + ("refill", slots),
+                           lambda: jax.jit(_refill(axes), donate_argnums=(0,)))
 
   owner: List[Optional[int]] = list(rows[:slots])   # the input each slot decodes
   waiting = rows[slots:]
