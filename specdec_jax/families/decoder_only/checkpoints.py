@@ -33,6 +33,32 @@ onto the tree of `families/decoder_only/network.py`:
     Mixtral   <moe>.experts.{e}.w1 / w3 / w2.weight
     Qwen3-MoE <moe>.experts.{e}.gate_proj / up_proj / down_proj.weight
                                                -> layers_{i}/mlp/experts/{gate,up,down}_proj[e]
+  DeepSeek-V3 (`DeepseekV3ForCausalLM`): the Llama names, with latent attention in
+  place of q/k/v_proj and a MoE with a shared expert from first_k_dense_replace on:
+    model.layers.{i}.self_attn.{q_a_proj,q_b_proj,q_proj,kv_a_proj_with_mqa,kv_b_proj}.weight
+    (+ .bias on q_a_proj / kv_a_proj_with_mqa / o_proj with attention_bias)
+                                               -> layers_{i}/self_attn/<same>/kernel
+    model.layers.{i}.self_attn.{q_a,kv_a}_layernorm.weight
+                                               -> layers_{i}/self_attn/{q_a,kv_a}_layernorm/scale
+    model.layers.{i}.mlp.gate.e_score_correction_bias
+                                               -> layers_{i}/mlp/gate/e_score_correction_bias
+    model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight
+                                               -> layers_{i}/mlp/shared_experts/<same>/kernel
+    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (or the fused form below)
+  The MTP layers stored after the last layer (`num_nextn_predict_layers`, model.layers.{N}.*)
+  are skipped, as transformers skips them. gpt-oss (`GptOssForCausalLM`): the Llama
+  attention with q/k/v/o biases, plus
+    model.layers.{i}.self_attn.sinks           -> layers_{i}/self_attn/sinks
+    model.layers.{i}.mlp.router.{weight,bias}  -> layers_{i}/mlp/gate/{kernel,bias}
+    model.layers.{i}.mlp.experts.gate_up_proj [experts, emb, 2 * mlp], gate and up
+    interleaved (gate in the even columns), and its _bias [experts, 2 * mlp]
+                                               -> layers_{i}/mlp/experts/{gate,up}_proj(_bias)
+    model.layers.{i}.mlp.experts.down_proj [experts, mlp, emb] (+ _bias [experts, emb])
+                                               -> layers_{i}/mlp/experts/down_proj(_bias)
+  (gpt-oss experts are stored [in, out] already, fused, in the bf16 checkpoints and
+  transformers 5's save_pretrained; the hub's MXFP4 `_blocks` / `_scales` and DeepSeek's
+  FP8 `weight_scale_inv` checkpoints are refused by their quantization_config: load a
+  dequantised copy.)
   These are the names the hub checkpoints hold and transformers 5's
   save_pretrained writes. transformers 5's in-memory fused form is read too:
   `<moe>.experts.gate_up_proj` [experts, 2 * mlp, emb] (gate rows first) and
@@ -79,8 +105,8 @@ from specdec_jax.families.tensor_io import transposed_block as _transposed_block
 from specdec_jax.families.tensor_io import hf_weight_files as _hf_weight_files
 from specdec_jax.families.decoder_only.model import DecoderOnlyModel
 from specdec_jax.core.dtypes import default_dtype
-from specdec_jax.families.decoder_only.config import (FAMILY_CONVENTIONS, DecoderOnlyConfig,
-                                                      sliding_pattern)
+from specdec_jax.families.decoder_only.config import (FAMILY_CONVENTIONS, MOE_FAMILIES,
+                                                      DecoderOnlyConfig, sliding_pattern)
 from specdec_jax.families.decoder_only.network import DecoderOnly
 
 # HF architecture class -> our family; model_type is the fallback.
@@ -90,10 +116,12 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                  "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "GptOssForCausalLM": "gpt_oss",
                  # Multimodal Gemma 3: its text model only.
                  "Gemma3ForConditionalGeneration": "gemma3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
                "mistral": "mistral", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+               "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 # transformers' config-class defaults for the fields a config.json may omit
@@ -129,13 +157,36 @@ _HF_DEFAULTS = {
                       tie_word_embeddings=False, attention_bias=False, num_experts_per_tok=8,
                       moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
                       mlp_only_layers=[]),
+    # DeepseekV3Config / GptOssConfig (transformers 5.25) defaults.
+    "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+                        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+                        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+                        norm_topk_prob=True, hidden_act="silu", max_position_embeddings=4096,
+                        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+                        tie_word_embeddings=False, rope_interleave=True, attention_bias=False),
+    # (num_local_experts: 128 unless num_local_experts / num_experts says, in _moe_fields.)
+    "gpt_oss": dict(num_hidden_layers=36, vocab_size=201088,
+                    hidden_size=2880, intermediate_size=2880, head_dim=64,
+                    num_attention_heads=64, num_key_value_heads=8, sliding_window=128,
+                    tie_word_embeddings=False, hidden_act="silu", max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, num_experts_per_tok=4, swiglu_alpha=1.702,
+                    swiglu_limit=7.0, attention_bias=True, rope_theta=150000.0),
 }
+# GptOssConfig's rotary when a config.json names none.
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
 
 # Where a MoE layer's router and experts live (`model.layers.{i}.<prefix>.`).
-_MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+# (Per-expert Linear weights, or transformers 5's fused Linear stack; gpt-oss stores its
+# experts fused and [in, out] only, through `hf_names`.)
+_MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "deepseek_v3": "mlp"}
 # Per-expert Linear names of (our gate_proj, up_proj, down_proj).
 _EXPERT_LINEARS = {"mixtral": ("w1", "w3", "w2"),
-                   "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+                   "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                   "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}
 
 # HF activation names -> ours. HF's "gelu" is the exact erf GELU; "gelu_new"
 # and "gelu_pytorch_tanh" are the tanh approximation.
@@ -194,8 +245,31 @@ def _rope_fields(hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
                 rope_low_freq_factor=float(scaling["low_freq_factor"]),
                 rope_high_freq_factor=float(scaling["high_freq_factor"]),
                 rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
+  if kind == "yarn":
+    # transformers' standardize_rope_params / _compute_yarn_parameters: the original length
+    # defaults to max_position_embeddings, a null factor to their ratio, null betas to 32 / 1,
+    # truncate to True; mscale / mscale_all_dim only count when both are set (the attention
+    # factor) or for DeepSeek's softmax scale (mscale_all_dim).
+    longest = hf.get("max_position_embeddings")
+    original = (scaling.get("original_max_position_embeddings") or
+                hf.get("original_max_position_embeddings") or longest)
+    factor = scaling.get("factor")
+    if original is None or (factor is None and longest is None):
+      raise CheckpointError(f"{origin}: yarn rope scaling needs factor and "
+                            f"original_max_position_embeddings (or max_position_embeddings)")
+    original = int(original)
+    factor = float(longest) / original if factor is None else float(factor)
+    attention = scaling.get("attention_factor")
+    return dict(fields, rope_scaling="yarn", rope_factor=factor,
+                rope_original_max_positions=original,
+                rope_beta_fast=float(scaling.get("beta_fast") or 32.0),
+                rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
+                rope_truncate=bool(scaling.get("truncate", True)),
+                rope_mscale=float(scaling.get("mscale") or 0.0),
+                rope_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+                rope_attention_factor=None if attention is None else float(attention))
   raise CheckpointError(f"{origin}: rope scaling {kind!r} is not supported (supported: default, "
-                        f"linear, llama3)")
+                        f"linear, llama3, yarn)")
 
 
 def _gemma3_rope_fields(hf: Mapping[str, Any], origin: str) -> Dict[str, Any]:
@@ -233,7 +307,14 @@ def _layout_fields(family: str, hf: Mapping[str, Any], origin: str) -> Dict[str,
     raise CheckpointError(f"{origin}: use_bidirectional_attention (an encoder use of Gemma) "
                           f"is not supported")
   num_layers = int(hf["num_hidden_layers"])
-  window = hf.get("sliding_window") if family != "gemma" else None
+  window = hf.get("sliding_window") if family not in ("gemma", "deepseek_v3") else None
+  if family == "gpt_oss":
+    # GptOssConfig: layer_types default to sliding / full alternating from layer 0; a
+    # null window makes every layer full.
+    if window is not None:
+      fields.update(sliding_window=int(window), layer_types=tuple(
+          hf.get("layer_types") or sliding_pattern(num_layers, 2)))
+    return fields
   if family in ("gemma2", "gemma3") and window is not None:
     layer_types = hf.get("layer_types")
     if layer_types is None:  # Hub configs: the pattern (HF's default when absent).
@@ -259,8 +340,22 @@ def _layout_fields(family: str, hf: Mapping[str, Any], origin: str) -> Dict[str,
 
 
 def _moe_fields(family: str, hf: Mapping[str, Any]) -> Dict[str, Any]:
-  """The mixture-of-experts fields of a Mixtral / Qwen3-MoE config.json (checked by
-  DecoderOnlyConfig: a k above the expert count is an error naming both)."""
+  """The mixture-of-experts fields of a Mixtral / Qwen3-MoE / DeepSeek-V3 / gpt-oss config.json
+  (checked by DecoderOnlyConfig: a k above the expert count is an error naming both)."""
+  if family == "deepseek_v3":
+    # DeepseekV3ForCausalLM routes by sigmoid + correction bias + groups whatever
+    # scoring_func / topk_method say (they are not read), as here.
+    return dict(num_experts=hf["n_routed_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_mlp_dim=hf["moe_intermediate_size"],
+                n_shared_experts=hf.get("n_shared_experts") or 0,
+                n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                routed_scaling_factor=float(hf["routed_scaling_factor"]),
+                first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+                norm_topk_prob=bool(hf["norm_topk_prob"]))
+  if family == "gpt_oss":
+    return dict(num_experts=hf.get("num_local_experts", hf.get("num_experts", 128)),
+                num_experts_per_tok=hf.get("num_experts_per_tok", hf.get("experts_per_token")),
+                swiglu_limit=float(hf["swiglu_limit"]), swiglu_alpha=float(hf["swiglu_alpha"]))
   # MixtralConfig maps num_experts to num_local_experts; transformers 5.25 writes Qwen3-MoE's
   # num_experts as num_local_experts too, while its hub files say num_experts. The
   # defaults: MixtralConfig's 8, Qwen3MoeConfig's 128.
@@ -292,6 +387,8 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
   """Our `DecoderOnlyConfig` from a Hugging Face config.json dict."""
   family = detect_family(hf, origin)
   hf = dict(_HF_DEFAULTS.get(family, {}), **_text_config(hf))
+  if family == "gpt_oss" and not hf.get("rope_scaling") and not hf.get("rope_parameters"):
+    hf["rope_scaling"] = dict(_GPT_OSS_ROPE)
   try:
     if family == "gpt2":
       if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
@@ -342,8 +439,19 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
         fields.update(FAMILY_CONVENTIONS[family])
       else:
         fields.update(_layout_fields(family, hf, origin))
-      if family in _MOE_PREFIX:
+      if family in MOE_FAMILIES:
         fields.update(_moe_fields(family, hf))
+      if family == "deepseek_v3":
+        # Latent attention: every head's key and value come from the latent, so
+        # num_key_value_heads is moot (transformers' attention only runs with it equal to
+        # the heads); config.json's head_dim is the rotary width.
+        nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+        lora = hf.get("q_lora_rank")
+        fields.update(head_dim=nope + rope, num_kv_heads=heads,
+                      q_lora_rank=None if lora is None else int(lora),
+                      kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=nope,
+                      qk_rope_head_dim=rope, v_head_dim=int(hf["v_head_dim"]),
+                      rope_interleave=bool(hf.get("rope_interleave", True)))
   except KeyError as e:
     raise CheckpointError(f"{origin}: missing field {e.args[0]!r} for a {family} config") from None
   if activation not in _HF_ACTIVATIONS:
@@ -365,8 +473,10 @@ def hf_config_to_decoder_config(hf: Mapping[str, Any], origin: str = "config.jso
 def hf_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[str, str, Optional[int]]]:
   """Our param name -> (HF tensor name, transform, part).
 
-  transform: 'copy', 'transpose' (Linear weight -> kernel); part: for GPT-2's
-  fused c_attn, which third (0 = q, 1 = k, 2 = v) of the last axis, else None.
+  transform: 'copy', 'transpose' (Linear weight -> kernel) or 'interleaved' (gpt-oss's
+  fused gate_up_proj(_bias): part 0 the even columns of the last axis, 1 the odd ones);
+  part: for GPT-2's fused c_attn, which third (0 = q, 1 = k, 2 = v) of the last axis, else
+  None.
   """
   names = {}
   if config.family == "gpt2":
@@ -395,8 +505,14 @@ def hf_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[str, str, Optional[in
   names["norm/scale"] = ("model.norm.weight", "copy", None)
   if not config.tie_word_embeddings:
     names["lm_head/kernel"] = ("lm_head.weight", "transpose", None)
-  biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
-            "o_proj": config.out_bias}
+  if config.uses_mla:
+    biases = {"kv_a_proj_with_mqa": config.qkv_bias, "kv_b_proj": False,
+              "o_proj": config.out_bias}
+    biases.update({"q_proj": False} if config.q_lora_rank is None else
+                  {"q_a_proj": config.qkv_bias, "q_b_proj": False})
+  else:
+    biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
+              "o_proj": config.out_bias}
   mlp = ("gate_proj", "up_proj", "down_proj")
   for i in range(config.num_layers):
     ours, theirs = f"layers_{i}/", f"model.layers.{i}."
@@ -405,11 +521,32 @@ def hf_names(config: DecoderOnlyConfig) -> Dict[str, Tuple[str, str, Optional[in
       norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     if config.qk_norm:
       norms += ["self_attn/q_norm", "self_attn/k_norm"]
+    if config.uses_mla:
+      norms += ["self_attn/kv_a_layernorm"] + (
+          [] if config.q_lora_rank is None else ["self_attn/q_a_layernorm"])
     for norm in norms:
       names[f"{ours}{norm}/scale"] = (f"{theirs}{norm.replace('/', '.')}.weight", "copy", None)
+    if config.attention_sinks:
+      names[f"{ours}self_attn/sinks"] = (f"{theirs}self_attn.sinks", "copy", None)
     projections = [(f"self_attn/{p}", f"self_attn.{p}", bias) for p, bias in biases.items()]
-    if config.moe_layers[i]:  # The router; the experts are `hf_expert_names`'.
+    if config.moe_layers[i] and config.family == "gpt_oss":
+      # The biased router; the experts fused, [in, out], gate and up interleaved.
+      projections.append(("mlp/gate", "mlp.router", True))
+      experts = f"{theirs}mlp.experts."
+      for part, proj in enumerate(("gate_proj", "up_proj")):
+        names[f"{ours}mlp/experts/{proj}"] = (f"{experts}gate_up_proj", "interleaved", part)
+        names[f"{ours}mlp/experts/{proj}_bias"] = (f"{experts}gate_up_proj_bias", "interleaved",
+                                                   part)
+      names[f"{ours}mlp/experts/down_proj"] = (f"{experts}down_proj", "copy", None)
+      names[f"{ours}mlp/experts/down_proj_bias"] = (f"{experts}down_proj_bias", "copy", None)
+    elif config.moe_layers[i]:  # The router; the experts are `hf_expert_names`'.
       projections.append(("mlp/gate", f"{_MOE_PREFIX[config.family]}.gate", False))
+      if config.family == "deepseek_v3":
+        names[f"{ours}mlp/gate/e_score_correction_bias"] = (
+            f"{theirs}mlp.gate.e_score_correction_bias", "copy", None)
+        if config.n_shared_experts:
+          projections += [(f"mlp/shared_experts/{p}", f"mlp.shared_experts.{p}", False)
+                          for p in mlp]
     else:
       projections += [(f"mlp/{p}", f"mlp.{p}", config.mlp_bias) for p in mlp]
     for ours_proj, theirs_proj, bias in projections:
@@ -512,8 +649,30 @@ def expected_shapes(config: DecoderOnlyConfig) -> Dict[str, Tuple[int, ...]]:
                                                                      sep="/").items()}
 
 
+def _interleaved_tensor(stored: _Tensor, part: int) -> _Tensor:
+  """Our view of every other column (from `part`) of the last axis of `stored`."""
+  shape = tuple(stored.shape)
+  if shape[-1] % 2:
+    raise CheckpointError(f"{stored.source}: interleaved gate/up of shape {shape} cannot be "
+                          f"split in two equal parts")
+  shape = shape[:-1] + (shape[-1] // 2,)
+
+  def read_block(index, dtype):
+    last = index[-1]
+    block = stored.block(index[:-1] + (slice(2 * last.start, 2 * last.stop),), None)
+    return _cast(np.ascontiguousarray(block[..., part::2]), dtype)
+
+  def read(dtype):
+    return read_block(tuple(slice(0, n) for n in shape), dtype)
+
+  return _Tensor(stored.source, shape, read, read_block)
+
+
 def _mapped_tensor(stored: _Tensor, transform: str, part: Optional[int]) -> _Tensor:
-  """Our view of one HF tensor: transposed, or one third of GPT-2's fused c_attn."""
+  """Our view of one HF tensor: transposed, one third of GPT-2's fused c_attn, or one half
+  of gpt-oss's interleaved gate_up_proj."""
+  if transform == "interleaved":
+    return _interleaved_tensor(stored, part)
   shape = tuple(stored.shape)
   if transform == "transpose":
     shape = tuple(reversed(shape))
@@ -600,6 +759,13 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
   except (OSError, json.JSONDecodeError) as e:
     raise CheckpointError(f"{config_path}: cannot read: {e}") from None
   config = hf_config_to_decoder_config(hf, config_path, dtype or default_dtype())
+  quantization = hf.get("quantization_config")
+  if quantization:
+    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+    raise CheckpointError(
+        f"{config_path}: a quantized checkpoint (quantization_config quant_method "
+        f"{method!r}: e.g. gpt-oss's MXFP4 experts, DeepSeek-V3's FP8 blocks) is not "
+        f"supported: load a dequantized (bf16 / fp32) copy")
   files = _hf_weight_files(directory)
   if config.family == "gpt2" and not any(k.startswith("transformer.") for k in files):
     # The original hub GPT-2 files name tensors without the `transformer.` prefix.
@@ -621,8 +787,14 @@ def load_hf_decoder_only(directory, *, dtype: Optional[str] = None,
   used |= expert_used
   missing += [f"{wanted[k][0]} (for {k})" for k in want if k not in tensors and k in wanted]
   tensors.update(experts)
+  skipped = ()
+  if config.family == "deepseek_v3":
+    # The MTP modules stored as layers N.. (transformers skips them too).
+    extra = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0)
+    skipped = tuple(f"model.layers.{config.num_layers + j}." for j in range(extra))
   unexpected = [files[k].source for k in sorted(files)
-                if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
+                if k not in used and not k.endswith(_IGNORED_SUFFIXES) and
+                not (skipped and k.startswith(skipped))]
   mismatched = expert_mismatched + [
       f"{tensors[k].source}: checkpoint {tensors[k].shape} vs expected {want[k]} (for {k})"
       for k in want if k in tensors and tensors[k].shape != want[k]]
@@ -661,6 +833,18 @@ def _rope_scaling_fields(config: DecoderOnlyConfig) -> Dict[str, Any]:
         low_freq_factor=config.rope_low_freq_factor,
         high_freq_factor=config.rope_high_freq_factor,
         original_max_position_embeddings=config.rope_original_max_positions))
+  if config.rope_scaling == "yarn":
+    scaling = dict(rope_type="yarn", factor=config.rope_factor,
+                   original_max_position_embeddings=config.rope_original_max_positions,
+                   beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
+                   truncate=config.rope_truncate)
+    if config.rope_mscale:
+      scaling["mscale"] = config.rope_mscale
+    if config.rope_mscale_all_dim:
+      scaling["mscale_all_dim"] = config.rope_mscale_all_dim
+    if config.rope_attention_factor is not None:
+      scaling["attention_factor"] = config.rope_attention_factor
+    return dict(rope_scaling=scaling)
   return {}
 
 
@@ -688,6 +872,8 @@ def decoder_config_to_hf_config(config: DecoderOnlyConfig) -> Dict[str, Any]:
                 activation_function=_EXPORT_ACTIVATIONS[config.activation], **ids)
   if config.family in ("mistral", "mixtral", "gemma", "gemma2", "gemma3"):
     return _mistral_gemma_hf_config(config, ids)
+  if config.family in ("deepseek_v3", "gpt_oss"):
+    return _deepseek_gpt_oss_hf_config(config, ids)
   if config.family == "qwen2":
     if not config.qkv_bias or config.out_bias or config.mlp_bias:
       raise ValueError("Qwen2 has q/k/v biases only: qkv_bias must be True, out_bias and "
@@ -737,7 +923,8 @@ def _check_exportable(config: DecoderOnlyConfig) -> None:
              "gemma3": {"query_pre_attn_scalar", "final_logit_softcap", "sliding_window",
                         "layer_types", "sliding_rope_theta"},
              "mistral": {"sliding_window", "layer_types"},
-             "mixtral": {"sliding_window", "layer_types"}}.get(family, set())
+             "mixtral": {"sliding_window", "layer_types"},
+             "gpt_oss": {"sliding_window", "layer_types"}}.get(family, set())
   unsupported = [k for k in ("query_pre_attn_scalar", "attn_logit_softcap",
                              "final_logit_softcap", "sliding_window", "layer_types",
                              "sliding_rope_theta")
@@ -748,6 +935,53 @@ def _check_exportable(config: DecoderOnlyConfig) -> None:
   if family == "gemma3" and config.rope_scaling is not None and config.sliding_rope_theta is None:
     raise ValueError("Gemma 3 scales the full layers' rotary only: set sliding_rope_theta to "
                      "export rope scaling")
+
+
+def _deepseek_gpt_oss_hf_config(config: DecoderOnlyConfig, ids: Dict[str, Any]
+                                ) -> Dict[str, Any]:
+  """DeepseekV3ForCausalLM / GptOssForCausalLM config.json fields."""
+  family = config.family
+  if config.mlp_bias or config.qkv_bias != config.out_bias:
+    raise ValueError(f"{family}'s attention_bias covers its input and output projections "
+                     f"together and its MLPs have no biases: qkv_bias must equal out_bias and "
+                     f"mlp_bias be False")
+  if config.decoder_sparse_step != 1 or config.mlp_only_layers:
+    raise ValueError(f"{family} has no decoder_sparse_step / mlp_only_layers: they must be 1 "
+                     f"and ()")
+  common = dict(hidden_size=config.emb_dim, num_hidden_layers=config.num_layers,
+                num_attention_heads=config.num_heads,
+                max_position_embeddings=config.max_positions, rms_norm_eps=config.norm_epsilon,
+                hidden_act=_EXPORT_ACTIVATIONS[config.activation], rope_theta=config.rope_theta,
+                attention_bias=config.qkv_bias, num_experts_per_tok=config.num_experts_per_tok,
+                **ids)
+  if family == "deepseek_v3":
+    hf = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+              num_key_value_heads=config.num_heads, intermediate_size=config.mlp_dim,
+              moe_intermediate_size=config.expert_mlp_dim, n_routed_experts=config.num_experts,
+              n_shared_experts=config.n_shared_experts, n_group=config.n_group,
+              topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+              first_k_dense_replace=config.first_k_dense_replace,
+              norm_topk_prob=config.norm_topk_prob, q_lora_rank=config.q_lora_rank,
+              kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+              qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+              rope_interleave=config.rope_interleave, num_nextn_predict_layers=0, **common)
+  else:
+    if config.moe_mlp_dim not in (None, config.mlp_dim):
+      raise ValueError("GptOssForCausalLM's experts are intermediate_size wide: moe_mlp_dim "
+                       "must be None (or mlp_dim)")
+    if config.layer_types is None and config.sliding_window is not None:
+      layer_types = ["sliding_attention"] * config.num_layers  # A window on every layer.
+    else:
+      layer_types = list(config.attention_types)
+    hf = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+              num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+              intermediate_size=config.mlp_dim, num_local_experts=config.num_experts,
+              sliding_window=config.sliding_window, layer_types=layer_types,
+              swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha, **common)
+  rope = _rope_scaling_fields(config)
+  # GptOssConfig substitutes its yarn default for an absent rope_scaling: say 'default'.
+  hf.update(rope or dict(rope_scaling=dict(rope_type="default")))
+  return hf
 
 
 _HF_CLASSES = {"mistral": ("MistralForCausalLM", "mistral"),
@@ -838,6 +1072,8 @@ def export_hf_decoder_only(model: DecoderOnlyModel, directory) -> None:
     def build():  # Called by the writer right before it writes this tensor.
       arrays = [np.asarray(flat[ours]).T if transform == "transpose" else np.asarray(flat[ours])
                 for _, ours, transform in parts]
+      if parts[0][2] == "interleaved":  # gpt-oss's gate_up_proj: gate, up, gate, up, ...
+        return np.stack(arrays, axis=-1).reshape(arrays[0].shape[:-1] + (-1,))
       return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)
     return build
 

@@ -1,5 +1,5 @@
-"""Decoder-only (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 1/2/3, Mixtral, Qwen3-MoE) size
-configurations as data.
+"""Decoder-only (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 1/2/3, Mixtral, Qwen3-MoE,
+DeepSeek-V3, gpt-oss) size configurations as data.
 
 `DecoderOnlyConfig` holds every field that determines a parameter shape or a
 numerical convention of `families/decoder_only/network.py`; named configs are plain
@@ -13,6 +13,7 @@ are realistic); their weights are random unless loaded from a directory.
 """
 
 import dataclasses
+import math
 import re
 from typing import Optional, Tuple
 
@@ -20,13 +21,14 @@ from specdec_jax.families.base import replace_config
 from specdec_jax.families.kernel_layout import check_layout
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma", "gemma2", "gemma3",
-            "mixtral", "qwen3_moe")
-# Layouts whose MLPs are mixtures of experts (all layers for Mixtral; by
-# decoder_sparse_step / mlp_only_layers for Qwen3-MoE).
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+            "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+# Layouts whose MLPs are mixtures of experts (all layers for Mixtral and gpt-oss; by
+# decoder_sparse_step / mlp_only_layers for Qwen3-MoE; from first_k_dense_replace on for
+# DeepSeek-V3).
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 MOE_DISPATCHES = ("auto", "dense", "gather")
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
-ROPE_SCALINGS = (None, "linear", "llama3")
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # The numerical conventions each Hugging Face layout fixes (beyond shapes). The
@@ -40,7 +42,8 @@ FAMILY_CONVENTIONS = {
 }
 _PLAIN = dict(norm_offset=0.0, scale_embeddings=False, sandwich_norms=False, qk_norm=False)
 FAMILY_CONVENTIONS.update({family: dict(_PLAIN) for family in ("llama", "qwen2", "gpt2",
-                                                                "mistral", "mixtral")})
+                                                                "mistral", "mixtral",
+                                                                "deepseek_v3", "gpt_oss")})
 # Qwen3 (and Qwen3-MoE): Llama's plain RMSNorm (x * w), plus per-head q/k norms (also x * w).
 FAMILY_CONVENTIONS["qwen3"] = dict(_PLAIN, qk_norm=True)
 FAMILY_CONVENTIONS["qwen3_moe"] = dict(_PLAIN, qk_norm=True)
@@ -53,8 +56,10 @@ class DecoderOnlyConfig:
   Attributes:
     family: 'llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3' (RMSNorm,
       rotary positions, gated MLP gate/up/down), 'mixtral', 'qwen3_moe' (the same, with
-      mixture-of-experts MLPs: the fields from num_experts on) or 'gpt2' (LayerNorm with
-      bias, learned positions, plain MLP up/down). Names the Hugging Face
+      mixture-of-experts MLPs: the fields from num_experts on), 'deepseek_v3' (latent
+      attention, grouped sigmoid routing, shared experts), 'gpt_oss' (attention sinks,
+      biased experts with a clamped SwiGLU) or 'gpt2' (LayerNorm with bias, learned
+      positions, plain MLP up/down). Names the Hugging Face
       layout the loader reads and the exporter writes; the numerical
       differences between the rotary families are the fields below
       (`FAMILY_CONVENTIONS` lists what each family fixes).
@@ -65,8 +70,8 @@ class DecoderOnlyConfig:
       attention when smaller; must divide num_heads).
     head_dim: width of one head.
     mlp_dim: hidden width of the feed-forward block (HF intermediate_size); for
-      Mixtral the experts' width, for Qwen3-MoE the width of its dense layers
-      (mlp_only_layers).
+      Mixtral and gpt-oss the experts' width, for Qwen3-MoE and DeepSeek-V3 the width of
+      their dense layers.
     max_positions: GPT-2: rows of the learned position table (HF n_positions).
       Rotary families: HF max_position_embeddings, the context the model was
       trained for. Either way `generate` refuses a decode whose real positions
@@ -138,6 +143,31 @@ class DecoderOnlyConfig:
       off the top k), 'gather' (each token gathers its k experts' weights), or
       'auto' (gather when 2 * tokens * k <= num_experts, i.e. a few-token decode
       block; dense otherwise). The routing and the function are the same.
+    rope_scaling 'yarn' (DeepSeek-V3, gpt-oss; transformers' `_compute_yarn_parameters`):
+      rope_factor, rope_original_max_positions, rope_beta_fast / rope_beta_slow (the
+      correction range), rope_truncate (floor / ceil that range; gpt-oss: False),
+      rope_mscale / rope_mscale_all_dim (0: absent) and rope_attention_factor (None:
+      derived), which multiplies cos and sin (`yarn_attention_factor`). DeepSeek-V3 also
+      multiplies its softmax scale by mscale(factor, rope_mscale_all_dim) ** 2.
+    q_lora_rank / kv_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim:
+      DeepSeek-V3's multi-head latent attention (`network.MlaAttention`): queries through
+      a rank-q_lora_rank bottleneck (None: a plain q_proj), keys and values from a
+      kv_lora_rank latent plus one shared rotary key of qk_rope_head_dim; head_dim must be
+      qk_nope_head_dim + qk_rope_head_dim (the query/key width) and num_kv_heads
+      num_heads. 0 / None for every other family.
+    rope_interleave: the rotary part of each head holds interleaved pairs (x0, x1), (x2,
+      x3), ... (DeepSeek-V3's checkpoints; transformers' `apply_rotary_pos_emb_interleave`).
+    n_shared_experts: DeepSeek-V3's always-on shared experts, one SwiGLU MLP of
+      n_shared_experts * moe_mlp_dim units added to the routed output.
+    n_group / topk_group / routed_scaling_factor: DeepSeek-V3's router (sigmoid scores;
+      the choice adds `e_score_correction_bias`; the experts fall in n_group groups, the
+      topk_group groups with the largest top-2 sums are kept, k experts chosen among
+      them; weights are the plain sigmoid scores, renormalised with norm_topk_prob, then
+      times routed_scaling_factor).
+    first_k_dense_replace: DeepSeek-V3: layers below it have a dense MLP of mlp_dim.
+    swiglu_limit / swiglu_alpha: gpt-oss's clamped SwiGLU experts: gate clamped above
+      and up on both sides at the limit, (up + 1) * gate * sigmoid(alpha * gate); gpt-oss
+      also has router and expert biases and per-head attention sinks.
   """
   family: str = "llama"
   vocab_size: int = 32000
@@ -182,6 +212,25 @@ class DecoderOnlyConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: Tuple[int, ...] = ()
   moe_dispatch: str = "auto"
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_truncate: bool = True
+  rope_mscale: float = 0.0
+  rope_mscale_all_dim: float = 0.0
+  rope_attention_factor: Optional[float] = None
+  q_lora_rank: Optional[int] = None
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleave: bool = False
+  n_shared_experts: int = 0
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  first_k_dense_replace: int = 0
+  swiglu_limit: Optional[float] = None
+  swiglu_alpha: float = 1.702
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -194,8 +243,11 @@ class DecoderOnlyConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"DecoderOnlyConfig.num_kv_heads ({self.num_kv_heads}) must divide "
                        f"num_heads ({self.num_heads}) for grouped-query attention")
-    if self.uses_rotary and self.head_dim % 2:
-      raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+    self._check_mla()
+    if self.uses_rotary and self.rotary_dim % 2:
+      raise ValueError(f"rotary positions need an even "
+                       f"{'qk_rope_head_dim' if self.uses_mla else 'head_dim'}, got "
+                       f"{self.rotary_dim}")
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"DecoderOnlyConfig.activation must be one of {ACTIVATIONS}, "
                        f"got {self.activation!r}")
@@ -206,6 +258,12 @@ class DecoderOnlyConfig:
       raise ValueError("llama3 rope scaling needs rope_high_freq_factor > rope_low_freq_factor")
     if not self.rope_theta > 0 or not self.rope_factor > 0:
       raise ValueError("rope_theta and rope_factor must be > 0")
+    if self.rope_scaling == "yarn":
+      if not self.rope_beta_fast > 0 or not self.rope_beta_slow > 0:
+        raise ValueError("yarn rope scaling needs rope_beta_fast and rope_beta_slow > 0")
+      if self.rope_attention_factor is not None and not self.rope_attention_factor > 0:
+        raise ValueError(f"DecoderOnlyConfig.rope_attention_factor must be None or > 0, got "
+                         f"{self.rope_attention_factor!r}")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"DecoderOnlyConfig.dtype must be float32, bfloat16 or float16, "
                        f"got {self.dtype!r}")
@@ -245,12 +303,57 @@ class DecoderOnlyConfig:
       raise ValueError("qk_norm and sliding_rope_theta need a rotary family (not gpt2)")
     self._check_moe()
 
+  def _check_mla(self):
+    """DeepSeek-V3's latent-attention fields (ValueError naming the field)."""
+    fields = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if not self.uses_mla:
+      set_ = [f for f in fields if getattr(self, f)] + (
+          ["q_lora_rank"] if self.q_lora_rank is not None else []) + (
+          ["rope_interleave"] if self.rope_interleave else [])
+      if set_:
+        raise ValueError(f"DecoderOnlyConfig.{', '.join(set_)}: multi-head latent attention "
+                         f"is DeepSeek-V3's (family 'deepseek_v3'), not {self.family!r}'s")
+      return
+    for field in fields:
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DecoderOnlyConfig.{field} must be a positive int for multi-head "
+                         f"latent attention, got {value!r}")
+    if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or isinstance(
+        self.q_lora_rank, bool) or self.q_lora_rank < 1):
+      raise ValueError(f"DecoderOnlyConfig.q_lora_rank must be None or a positive int, got "
+                       f"{self.q_lora_rank!r}")
+    if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+      raise ValueError(f"DecoderOnlyConfig.head_dim ({self.head_dim}) must be qk_nope_head_dim + "
+                       f"qk_rope_head_dim ({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) "
+                       f"for multi-head latent attention (the query/key width)")
+    if self.num_kv_heads != self.num_heads:
+      raise ValueError(f"DecoderOnlyConfig.num_kv_heads ({self.num_kv_heads}) must equal "
+                       f"num_heads ({self.num_heads}) for multi-head latent attention: every "
+                       f"head's key and value come from the shared latent")
+
   def _check_moe(self):
     """The mixture-of-experts fields (ValueError naming the field)."""
     def positive_int(field, value):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"DecoderOnlyConfig.{field} must be a positive int, got {value!r}")
 
+    if self.family != "deepseek_v3":
+      wrong = [f for f, default in (("n_shared_experts", 0), ("n_group", 1), ("topk_group", 1),
+                                    ("routed_scaling_factor", 1.0),
+                                    ("first_k_dense_replace", 0))
+               if getattr(self, f) != default]
+      if wrong:
+        raise ValueError(f"DecoderOnlyConfig.{', '.join(wrong)}: DeepSeek-V3's router and "
+                         f"shared experts (family 'deepseek_v3'), not {self.family!r}'s")
+    if self.family == "gpt_oss":
+      if not isinstance(self.swiglu_limit, (int, float)) or isinstance(
+          self.swiglu_limit, bool) or not self.swiglu_limit > 0:
+        raise ValueError(f"DecoderOnlyConfig.swiglu_limit must be > 0 for gpt-oss's clamped "
+                         f"SwiGLU, got {self.swiglu_limit!r}")
+    elif self.swiglu_limit is not None:
+      raise ValueError(f"DecoderOnlyConfig.swiglu_limit: the clamped SwiGLU is gpt-oss's "
+                       f"(family 'gpt_oss'), not {self.family!r}'s")
     if self.family not in MOE_FAMILIES:
       if self.num_experts != 0:
         raise ValueError(f"DecoderOnlyConfig.num_experts={self.num_experts!r}: mixture-of-experts "
@@ -276,11 +379,85 @@ class DecoderOnlyConfig:
     if self.moe_dispatch not in MOE_DISPATCHES:
       raise ValueError(f"DecoderOnlyConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got "
                        f"{self.moe_dispatch!r}")
+    if self.family == "deepseek_v3":
+      positive_int("n_group", self.n_group)
+      positive_int("topk_group", self.topk_group)
+      if self.n_shared_experts != 0:
+        positive_int("n_shared_experts", self.n_shared_experts)
+      if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+        raise ValueError(f"DecoderOnlyConfig.n_group ({self.n_group}) must divide num_experts "
+                         f"({self.num_experts}) into groups of at least 2 experts (a group "
+                         f"scores by its top-2 sum)")
+      if self.topk_group > self.n_group:
+        raise ValueError(f"DecoderOnlyConfig.topk_group ({self.topk_group}) must be at most "
+                         f"n_group ({self.n_group})")
+      reachable = self.topk_group * (self.num_experts // self.n_group)
+      if self.num_experts_per_tok > reachable:
+        raise ValueError(f"DecoderOnlyConfig.num_experts_per_tok ({self.num_experts_per_tok}) "
+                         f"exceeds the {reachable} experts of the topk_group ({self.topk_group}) "
+                         f"groups a token may choose from")
+      if not isinstance(self.first_k_dense_replace, int) or isinstance(
+          self.first_k_dense_replace, bool) or not (
+              0 <= self.first_k_dense_replace <= self.num_layers):
+        raise ValueError(f"DecoderOnlyConfig.first_k_dense_replace must be an int in [0, "
+                         f"{self.num_layers}], got {self.first_k_dense_replace!r}")
+      if not self.routed_scaling_factor > 0:
+        raise ValueError(f"DecoderOnlyConfig.routed_scaling_factor must be > 0, got "
+                         f"{self.routed_scaling_factor!r}")
 
   @property
   def uses_rotary(self) -> bool:
     """Rotary positions (Llama, Qwen2) rather than a learned table (GPT-2)."""
     return self.family != "gpt2"
+
+  @property
+  def uses_mla(self) -> bool:
+    """DeepSeek-V3's multi-head latent attention (`network.MlaAttention`)."""
+    return self.family == "deepseek_v3"
+
+  @property
+  def rotary_dim(self) -> int:
+    """Width of a head's rotated part: qk_rope_head_dim with latent attention, else head_dim."""
+    return self.qk_rope_head_dim if self.uses_mla else self.head_dim
+
+  @property
+  def value_head_dim(self) -> int:
+    """Width of a value head: v_head_dim with latent attention, else head_dim."""
+    return self.v_head_dim if self.uses_mla else self.head_dim
+
+  @property
+  def attention_sinks(self) -> bool:
+    """A learned per-head logit in each softmax denominator (gpt-oss's `sinks`)."""
+    return self.family == "gpt_oss"
+
+  @property
+  def moe_bias(self) -> bool:
+    """Biases on the router and on every expert projection (gpt-oss)."""
+    return self.family == "gpt_oss"
+
+  @property
+  def yarn_attention_factor(self) -> float:
+    """What yarn multiplies cos and sin by (transformers' `attention_factor`); 1 otherwise."""
+    if self.rope_scaling != "yarn":
+      return 1.0
+    if self.rope_attention_factor is not None:
+      return float(self.rope_attention_factor)
+    if self.rope_mscale and self.rope_mscale_all_dim:
+      return float(yarn_get_mscale(self.rope_factor, self.rope_mscale) /
+                   yarn_get_mscale(self.rope_factor, self.rope_mscale_all_dim))
+    return yarn_get_mscale(self.rope_factor)
+
+  @property
+  def attention_scale(self) -> float:
+    """The softmax scale: query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5), and for
+    latent attention with yarn and rope_mscale_all_dim, times mscale(factor,
+    mscale_all_dim) ** 2 (transformers' `yarn_apply_mscale`, DeepSeek only)."""
+    scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+    scale = scalar ** -0.5
+    if self.uses_mla and self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
+      mscale = yarn_get_mscale(self.rope_factor, self.rope_mscale_all_dim)
+      scale = scale * mscale * mscale
+    return scale
 
   @property
   def uses_layer_norm(self) -> bool:
@@ -305,8 +482,8 @@ class DecoderOnlyConfig:
     """Per layer: a mixture-of-experts MLP (True) or a dense one."""
     if self.family not in MOE_FAMILIES:
       return (False,) * self.num_layers
-    return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-                 for i in range(self.num_layers))
+    return tuple(i >= self.first_k_dense_replace and i not in self.mlp_only_layers and
+                 (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers))
 
   @property
   def expert_mlp_dim(self) -> int:
@@ -326,16 +503,36 @@ class DecoderOnlyConfig:
     """Parameter count, computed from the shapes (no allocation)."""
     e, h, kv, d, m, v = (self.emb_dim, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.mlp_dim, self.vocab_size)
-    attn = e * h * d + 2 * e * kv * d + h * d * e
-    if self.qkv_bias:
-      attn += h * d + 2 * kv * d
+    if self.uses_mla:
+      # q (through the LoRA and its norm, or plain), the latent + rope key, its norm, the
+      # per-head keys/values from the latent, the output.
+      lora, rope = self.q_lora_rank, self.qk_rope_head_dim
+      attn = (e * h * d if lora is None else e * lora + lora + lora * h * d +
+              (lora if self.qkv_bias else 0))
+      attn += e * (self.kv_lora_rank + rope) + self.kv_lora_rank + self.kv_lora_rank * h * (
+          self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * e
+      if self.qkv_bias:
+        attn += self.kv_lora_rank + rope
+    else:
+      attn = e * h * d + 2 * e * kv * d + h * d * e
+      if self.qkv_bias:
+        attn += h * d + 2 * kv * d
     if self.out_bias:
       attn += e
+    if self.attention_sinks:
+      attn += h
     mlp = (3 if self.gated_mlp else 2) * e * m
     if self.mlp_bias:
       mlp += (2 if self.gated_mlp else 1) * m + e
-    # A MoE layer: the router [emb, experts] and each expert's gate, up and down.
-    moe = e * self.num_experts + self.num_experts * 3 * e * self.expert_mlp_dim
+    # A MoE layer: the router [emb, experts] and each expert's gate, up and down (gpt-oss:
+    # with biases, and a router bias; DeepSeek-V3: the router's e_score_correction_bias
+    # and the shared experts).
+    num, width = self.num_experts, self.expert_mlp_dim
+    moe = e * num + num * 3 * e * width
+    if self.moe_bias:
+      moe += num + num * (2 * width + e)
+    if self.family == "deepseek_v3":
+      moe += num + 3 * e * width * self.n_shared_experts
     if self.qk_norm:
       attn += 2 * d
     norm = 2 * e if self.uses_layer_norm else e  # LayerNorm has a bias.
@@ -387,6 +584,41 @@ _MIXTRAL = dict(family="mixtral", activation="silu", rope_theta=1000000.0, norm_
 # experts of 768 units, top 8 renormalised (norm_topk_prob), MoE on every layer.
 _QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", num_experts=128, num_experts_per_tok=8,
                   moe_mlp_dim=768, norm_topk_prob=True, **FAMILY_CONVENTIONS["qwen3_moe"])
+
+# DeepSeek-V3: deepseek-ai/DeepSeek-V3 config.json (Dec 2024): multi-head latent attention
+# (q LoRA 1536, latent 512, 128 + 64 rotary key dims, 128 value dims, interleaved rotary
+# pairs), YaRN x40 from 4k (mscale 1 = mscale_all_dim: softmax scale x mscale^2), the first
+# 3 layers dense (18432 units), then 256 routed experts of 2048 units (top 8 in the best 4
+# of 8 groups, renormalised, x2.5) plus one shared expert. The MTP layer
+# (num_nextn_predict_layers) is not part of this config (transformers drops it at load).
+_DEEPSEEK_V3 = dict(family="deepseek_v3", activation="silu", norm_epsilon=1e-6,
+                    rope_theta=10000.0, rope_scaling="yarn", rope_factor=40.0,
+                    rope_original_max_positions=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
+                    rope_mscale=1.0, rope_mscale_all_dim=1.0, rope_interleave=True,
+                    max_positions=163840, vocab_size=129280, bos_id=0, eos_id=1, pad_id=1,
+                    tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
+                    moe_mlp_dim=2048, n_shared_experts=1, n_group=8, topk_group=4,
+                    routed_scaling_factor=2.5, first_k_dense_replace=3, norm_topk_prob=True,
+                    **FAMILY_CONVENTIONS["deepseek_v3"])
+# gpt-oss: openai/gpt-oss-20b config.json (Aug 2025): q/k/v/o biases, attention sinks,
+# window 128 on every other layer (layer 0 sliding), YaRN x32 from 4k (not truncated),
+# experts of intermediate_size with biases and the clamped SwiGLU (limit 7), top 4 of a
+# biased router, softmax over the chosen 4.
+_GPT_OSS = dict(family="gpt_oss", activation="silu", norm_epsilon=1e-5, rope_theta=150000.0,
+                rope_scaling="yarn", rope_factor=32.0, rope_original_max_positions=4096,
+                rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False,
+                max_positions=131072, vocab_size=201088, qkv_bias=True, out_bias=True,
+                swiglu_limit=7.0, swiglu_alpha=1.702, tie_word_embeddings=False,
+                bos_id=199998, eos_id=200002, pad_id=199999, sliding_window=128,
+                num_experts_per_tok=4, **FAMILY_CONVENTIONS["gpt_oss"])
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+  """YaRN's mscale, 0.1 * mscale * log(scale) + 1 (1 when scale <= 1): transformers'
+  `yarn_get_mscale`."""
+  if scale <= 1:
+    return 1.0
+  return 0.1 * mscale * math.log(scale) + 1.0
 
 
 def sliding_pattern(num_layers: int, every: int) -> Tuple[str, ...]:
@@ -488,6 +720,13 @@ def _named_configs():
   configs["qwen3_30b_a3b"] = DecoderOnlyConfig(
       emb_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, mlp_dim=6144,
       tie_word_embeddings=False, **_QWEN3_MOE)
+  configs["deepseek_v3"] = DecoderOnlyConfig(
+      emb_dim=7168, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192,
+      q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+      v_head_dim=128, mlp_dim=18432, **_DEEPSEEK_V3)
+  configs["gpt_oss_20b"] = DecoderOnlyConfig(
+      emb_dim=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, mlp_dim=2880,
+      num_experts=32, layer_types=sliding_pattern(24, 2), **_GPT_OSS)
   # Test shapes: a small shared vocabulary per family, every layout feature on
   # (GQA, untied head for Llama; biases, tied head for Qwen2; q/k norms and head_dim
   # != emb / heads for Qwen3).
@@ -514,6 +753,19 @@ def _named_configs():
       **{**_QWEN3_MOE, **tiny, "num_experts": 8, "num_experts_per_tok": 3, "moe_mlp_dim": 32},
       emb_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24, mlp_dim=128,
       mlp_only_layers=(1,))
+  # DeepSeek-V3 with every feature on: a q LoRA, value heads narrower than the keys, one
+  # dense layer, 8 experts in 4 groups (the best 2 kept), top 3, a shared expert, YaRN x4.
+  configs["deepseek_v3_tiny"] = DecoderOnlyConfig(
+      **{**_DEEPSEEK_V3, **tiny, "num_experts": 8, "num_experts_per_tok": 3, "moe_mlp_dim": 16,
+         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "rope_factor": 4.0,
+         "rope_original_max_positions": 32},
+      emb_dim=64, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=24, q_lora_rank=32,
+      kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, mlp_dim=96)
+  # gpt-oss: 4 experts, top 2, a window of 8 on layer 0.
+  configs["gpt_oss_tiny"] = DecoderOnlyConfig(
+      **{**_GPT_OSS, **tiny, "sliding_window": 8, "num_experts_per_tok": 2},
+      emb_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=48,
+      num_experts=4, layer_types=sliding_pattern(2, 2))
   configs["gpt2_tiny"] = DecoderOnlyConfig(**{**_GPT2, **tiny}, emb_dim=64, num_layers=2,
                                            num_heads=4, num_kv_heads=4, head_dim=16,
                                            mlp_dim=256)

@@ -22,6 +22,15 @@ cost-realistic pair of `make demo`'s act 2). The growing rules are
   its output); the router reads the stream (first-copy rows), so its logits,
   the routing and the weights are the small model's. The expert count, k,
   norm_topk_prob and which of the small layers are MoE layers must match.
+* gpt-oss: expert biases grow with their units (gate/up biases zero on new units; the
+  down bias repeats along the stream), the router bias is kept, new query heads get
+  sink 0 (their zero values add nothing whatever their share). The clamped SwiGLU of a
+  new unit is (0 + 1) * 0 * sigmoid(0) = 0.
+* DeepSeek-V3 latent attention: the latent ranks and per-head widths are kept (so are
+  the latent norms); q_a_proj / kv_a_proj_with_mqa (or q_proj) read the stream on first
+  copies, q_b_proj / kv_b_proj get zero columns for new heads, o_proj zero rows for
+  them (and repeats its output). The shared experts grow like an MLP, the router's
+  e_score_correction_bias is kept.
 * layers: new layers come after the trained ones with every kernel and bias
   zero and unit norm scales: their attention and MLP add zero, the residual
   stream passes through (a new MoE layer routes to experts that output zero).
@@ -59,7 +68,12 @@ _SAME_FIELDS = ("family", "vocab_size", "max_positions", "norm_epsilon", "activa
                 "mlp_bias", "bos_id", "eos_id", "pad_id", "norm_offset", "scale_embeddings",
                 "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
                 "sandwich_norms", "qk_norm", "sliding_window", "sliding_rope_theta", "head_dim",
-                "num_experts", "num_experts_per_tok", "norm_topk_prob")
+                "num_experts", "num_experts_per_tok", "norm_topk_prob", "rope_beta_fast",
+                "rope_beta_slow", "rope_truncate", "rope_mscale", "rope_mscale_all_dim",
+                "rope_attention_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "rope_interleave", "n_shared_experts",
+                "n_group", "topk_group", "routed_scaling_factor", "swiglu_limit",
+                "swiglu_alpha")
 _GROWN_FIELDS = ("num_heads", "num_kv_heads", "mlp_dim", "num_layers", "expert_mlp_dim")
 
 
@@ -132,26 +146,48 @@ class _Grower:
     self.config, self.large = config, large
     self.dtype = jnp.dtype(large.dtype)
 
-  def _heads(self, x, axis, kv: bool):
+  def _heads(self, x, axis, kv: bool, width: Optional[int] = None):
+    """x's fused [heads * width] axis (width: head_dim unless given) grown by zero heads."""
     c, l = self.config, self.large
-    return widen.pad_heads(x, axis, c.num_kv_heads if kv else c.num_heads, c.head_dim,
-                           l.num_kv_heads if kv else l.num_heads, l.head_dim)
+    width = c.head_dim if width is None else width
+    return widen.pad_heads(x, axis, c.num_kv_heads if kv else c.num_heads, width,
+                           l.num_kv_heads if kv else l.num_heads, width)
 
-  def leaf(self, parent: str, name: str, x):
+  def leaf(self, parent: str, name: str, x, grandparent: Optional[str] = None):
     """One array of a layer (or the head's layer), grown."""
     r, mlp = self.r, self.large.mlp_dim
-    if parent == "gate":  # The MoE router [emb, experts] reads the stream.
-      return widen.first_copy(x, 0, r)
+    c = self.config
+    if parent == "gate":  # The MoE router [emb, experts] reads the stream; its biases stay.
+      return widen.first_copy(x, 0, r) if name == "kernel" else jnp.asarray(x, jnp.float32)
     if parent == "experts":  # Stacked experts [experts, in, out], each grown like an MLP.
       width = self.large.expert_mlp_dim
+      if name == "down_proj_bias":  # [experts, emb] (gpt-oss)
+        return widen.repeat(x, 1, r)
+      if name.endswith("_bias"):  # gate / up [experts, units]
+        return widen.pad(x, 1, width)
       return (widen.repeat(widen.pad(x, 1, width), 2, r) if name == "down_proj" else
               widen.pad(widen.first_copy(x, 1, r), 2, width))
+    if parent == "self_attn" and name == "sinks":  # [heads]; new heads' sinks 0.
+      return widen.pad(x, 0, self.large.num_heads)
+    if parent in ("q_a_proj", "kv_a_proj_with_mqa"):  # Latent projections read the stream.
+      return widen.first_copy(x, 0, r) if name == "kernel" else jnp.asarray(x, jnp.float32)
+    if parent in ("q_a_layernorm", "kv_a_layernorm"):  # Along the latent: unchanged.
+      return jnp.asarray(x, jnp.float32)
+    if parent == "q_b_proj":
+      return self._heads(x, -1, kv=False)
+    if parent == "kv_b_proj":
+      return self._heads(x, -1, kv=False, width=c.qk_nope_head_dim + c.v_head_dim)
+    if parent == "o_proj" and c.uses_mla:
+      return widen.repeat(self._heads(x, 0, kv=False, width=c.v_head_dim), 1, r) if (
+          name == "kernel") else widen.repeat(x, 0, r)
     if parent in ("q_proj", "k_proj", "v_proj"):
       grown = self._heads(x, -1, kv=parent != "q_proj")
       return widen.first_copy(grown, 0, r) if name == "kernel" else grown
     if parent == "o_proj":
       return widen.repeat(self._heads(x, 0, kv=False), 1, r) if name == "kernel" else (
           widen.repeat(x, 0, r))
+    if grandparent == "shared_experts":  # DeepSeek's shared experts grow with the experts.
+      mlp = self.large.n_shared_experts * self.large.expert_mlp_dim
     if parent in ("gate_proj", "up_proj"):
       return (widen.pad(widen.first_copy(x, 0, r), 1, mlp) if name == "kernel" else
               widen.pad(x, 0, mlp))
@@ -168,7 +204,8 @@ class _Grower:
     """A layer's (nested) tree grown leaf by leaf, cast to the large dtype."""
     flat = traverse_util.flatten_dict(tree)
     return traverse_util.unflatten_dict({
-        path: self.leaf(path[-2], path[-1], x).astype(self.dtype) for path, x in flat.items()})
+        path: self.leaf(path[-2], path[-1], x, path[-3] if len(path) > 2 else None).astype(
+            self.dtype) for path, x in flat.items()})
 
   def identity_layer(self, template):
     """A layer shaped like `template` (already large) that adds nothing."""

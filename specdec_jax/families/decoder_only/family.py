@@ -1,5 +1,5 @@
-"""The decoder-only family (GPT-2, Llama, Qwen2/3, Mistral, Gemma, Mixtral and Qwen3-MoE
-layouts), behind the family contract.
+"""The decoder-only family (GPT-2, Llama, Qwen2/3, Mistral, Gemma, Mixtral, Qwen3-MoE,
+DeepSeek-V3 and gpt-oss layouts), behind the family contract.
 
 A decoder-only model continues a prompt. Prompts are right-padded [batch, P]
 with per-row lengths L[b] (padding values never matter):
@@ -219,7 +219,8 @@ class DecoderOnlyFamily(Family):
 
   def export_hf(self, model, directory) -> None:
     """A `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `GPT2LMHeadModel`
-    (or Mistral / Gemma / Mixtral / Qwen3-MoE) directory, by `config.family`."""
+    (or Mistral / Gemma / Mixtral / Qwen3-MoE / DeepSeek-V3 / gpt-oss) directory, by
+    `config.family`."""
     checkpoints.export_hf_decoder_only(model, directory)
 
 

@@ -1,5 +1,5 @@
 """A decoder-only Transformer (Llama / Qwen2 / Qwen3 / Mistral / Gemma 1-3 / GPT-2 / Mixtral /
-Qwen3-MoE layouts) scoring token blocks from a KV cache.
+Qwen3-MoE / DeepSeek-V3 / gpt-oss layouts) scoring token blocks from a KV cache.
 
 The block contract is the T5 decoder's (families/t5/network.py), so the decode loops in
 `specdec_jax.core.decoding` run either family unchanged:
@@ -44,6 +44,31 @@ Layouts (`DecoderOnlyConfig.family`):
   set) whose MLPs are mixtures of SwiGLU experts (`MoeMlp`).
 * qwen3_moe: the Qwen3 layout whose MLPs are mixtures of experts on the layers
   `DecoderOnlyConfig.moe_layers` names, dense SwiGLU MLPs on the others.
+* deepseek_v3 (transformers' `DeepseekV3ForCausalLM`): multi-head latent attention
+  (`MlaAttention`): q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x)), per head
+  [qk_nope | qk_rope]; kv_a_proj_with_mqa(x) = [latent (kv_lora_rank) | k_rope
+  (qk_rope_head_dim, one key shared by every head)]; kv_b_proj(kv_a_layernorm(latent))
+  = per head [k_nope | value (v_head_dim)]; key = [k_nope | rotated k_rope]. The two
+  latent norms use eps 1e-6 whatever rms_norm_eps (transformers' default). Rotary on
+  the rope part only, the stored interleaved pairs first de-interleaved
+  (`rope_interleave`: transformers' `apply_rotary_pos_emb_interleave`, which returns
+  the rotated part in that de-interleaved order for both q and k, so the scores are
+  the same); YaRN frequencies, cos/sin times yarn's attention factor, the softmax
+  scale (qk_nope + qk_rope) ** -0.5 times mscale(factor, mscale_all_dim) ** 2. The
+  cache holds the full per-head keys [heads, qk_nope + qk_rope] and values [heads,
+  v_head_dim] (not the latent: simplest, exact, and the cache layout of every other
+  layout; 128 heads x 320 values vs 576 latent values per token and layer, so a
+  long DeepSeek-V3 context costs ~70x the latent cache). The first
+  first_k_dense_replace layers have a dense MLP; the others a MoE with DeepSeek's
+  router (below) plus `shared_experts`, a SwiGLU of n_shared_experts * moe_mlp_dim
+  units that every token runs.
+* gpt_oss (`GptOssForCausalLM`): q/k/v/o biases, attention sinks (a learned logit
+  per query head joins each softmax denominator and takes its share of the mass, then
+  is dropped), sliding / full layers by layer_types, YaRN rotary (cos/sin times the
+  attention factor, 1 + 0.1 ln 32 for gpt-oss-20b), and MoE layers whose router has a
+  bias and whose experts have biases and the clamped SwiGLU: gate = min(x W_g + b_g,
+  limit), up = clip(x W_u + b_u, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate),
+  then W_d + b_d.
 
 Mixture-of-experts MLPs (`MoeMlp`, transformers' `MixtralSparseMoeBlock` /
 `Qwen3MoeSparseMoeBlock`): router logits x @ gate (in the compute dtype, as HF's
@@ -51,6 +76,13 @@ Linear), softmax over all experts in float32, the top k of those probabilities
 (`jax.lax.top_k`), divided by their sum when norm_topk_prob (Mixtral always);
 each chosen expert computes down(silu(x @ gate_e) * (x @ up_e)) and the layer
 returns the sum of the k outputs weighted by the k probabilities.
+  DeepSeek-V3 (`DeepseekV3TopkRouter`, the "noaux_tc" rule): logits in float32 (as
+  transformers keeps the router), scores = sigmoid(logits); the choice uses scores +
+  e_score_correction_bias: each of n_group groups scores the sum of its top two, the
+  topk_group best groups stay, the top k experts among them are chosen; their weights
+  are the plain scores, divided by (their sum + 1e-20) when norm_topk_prob, times
+  routed_scaling_factor. gpt-oss (`GptOssTopKRouter`): logits x @ gate + bias, the top
+  k logits, softmax over those k.
 
   Routing is transformers' whenever the k-th and (k+1)-th probabilities differ;
   an exact tie across that boundary is resolved towards the lower expert index
@@ -102,18 +134,35 @@ their transpose; `checkpoints_decoder_only` holds the name mapping):
   layers_{i}/mlp/gate/kernel                   [emb, experts]         MoE layers: the router
   layers_{i}/mlp/experts/{gate,up}_proj        [experts, emb, moe_mlp] (3-D, whatever
   layers_{i}/mlp/experts/down_proj             [experts, moe_mlp, emb]  the kernel_layout)
+  layers_{i}/mlp/gate/bias                     [experts]              gpt-oss: router bias
+  layers_{i}/mlp/experts/{gate,up}_proj_bias   [experts, moe_mlp]     gpt-oss
+  layers_{i}/mlp/experts/down_proj_bias        [experts, emb]         gpt-oss
+  layers_{i}/self_attn/sinks                   [heads]                gpt-oss
+  layers_{i}/mlp/gate/e_score_correction_bias  [experts]              DeepSeek-V3
+  layers_{i}/mlp/shared_experts/{gate,up,down}_proj/kernel            DeepSeek-V3 (an Mlp)
+  DeepSeek-V3 attention (in place of q/k/v_proj; q_lora_rank None: one q_proj
+  [emb, heads * (nope + rope)] in place of q_a_proj, q_a_layernorm, q_b_proj):
+  layers_{i}/self_attn/q_a_proj/kernel (+ bias) [emb, q_lora]
+  layers_{i}/self_attn/q_a_layernorm/scale     [q_lora]
+  layers_{i}/self_attn/q_b_proj/kernel         [q_lora, heads * (nope + rope)]
+  layers_{i}/self_attn/kv_a_proj_with_mqa/kernel (+ bias) [emb, kv_lora + rope]
+  layers_{i}/self_attn/kv_a_layernorm/scale    [kv_lora]
+  layers_{i}/self_attn/kv_b_proj/kernel        [kv_lora, heads * (nope + v)]
+  layers_{i}/self_attn/o_proj/kernel (+ bias)  [heads * v, emb]
   norm/scale (+ bias)                          [emb]
   lm_head/kernel                               [emb, vocab]           untied only
 
 Cache layout (a dict, one entry per layer; keys are stored already rotated, as
 HF does, so a cached key never needs its position again):
   cache['layers'][i]['self_key'], ['self_value']: [batch, max_len, kv_heads, head_dim]
+  (DeepSeek-V3: keys [.., heads, qk_nope + qk_rope], values [.., heads, v_head_dim])
 
 Dtypes follow the T5 model: params are stored in float32 at init (cast to
 `config.dtype` by the caller), matmuls run in `config.dtype`, norms, softmax
 and rotary tables in float32, logits come out float32.
 """
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import flax.linen as nn
@@ -152,8 +201,30 @@ def _axes(x: Array, logical_axes: Tuple[str, ...]) -> Array:
   return nn.with_logical_constraint(x, logical_axes)
 
 
+def _yarn_inv_freq(config: DecoderOnlyConfig, d: int) -> np.ndarray:
+  """transformers' `_compute_yarn_parameters` frequencies (float64 here): each frequency
+  between the extrapolated (unscaled) and interpolated (/ factor) one by a linear ramp
+  over the dimensions between the beta_fast and beta_slow correction bounds."""
+  base, factor = config.rope_theta, config.rope_factor
+  old_len = config.rope_original_max_positions
+
+  def correction_dim(rotations):
+    return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+  if config.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, d - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a zero-width ramp.
+  ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+  extrapolation = 1 - ramp
+  pos_freqs = base ** (np.arange(0, d, 2, dtype=np.float64) / d)
+  return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rotary_inv_freq(config: DecoderOnlyConfig, sliding: bool = False) -> np.ndarray:
-  """Rotary inverse frequencies [head_dim // 2] float32, with the config's scaling.
+  """Rotary inverse frequencies [rotary_dim // 2] float32, with the config's scaling.
 
   sliding: for a sliding-window layer; with `sliding_rope_theta` set (Gemma 3)
   that base, unscaled, else the same table as full layers.
@@ -161,7 +232,7 @@ def rotary_inv_freq(config: DecoderOnlyConfig, sliding: bool = False) -> np.ndar
   Computed in float64 on the host (static per config) and rounded once; HF
   computes them in float32, a difference far below the logits tolerance.
   """
-  d = config.head_dim
+  d = config.rotary_dim
   if sliding and config.sliding_rope_theta is not None:
     return (1.0 / (config.sliding_rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
             ).astype(np.float32)
@@ -179,16 +250,24 @@ def rotary_inv_freq(config: DecoderOnlyConfig, sliding: bool = False) -> np.ndar
     smoothed = (1 - smooth) * scaled / config.rope_factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     inv_freq = np.where(medium, smoothed, scaled)
+  elif config.rope_scaling == "yarn":
+    inv_freq = _yarn_inv_freq(config, d)
   return inv_freq.astype(np.float32)
 
 
 def rotary_tables(positions: Array, config: DecoderOnlyConfig,
                   sliding: bool = False) -> Tuple[Array, Array]:
-  """cos, sin [batch|1, q, 1, head_dim] float32 for positions [batch|1, q]."""
+  """cos, sin [batch|1, q, 1, rotary_dim] float32 for positions [batch|1, q]; with yarn
+  (not on Gemma 3's separately based sliding layers) times its attention factor, as
+  transformers scales them."""
   angles = positions[..., None].astype(jnp.float32) * jnp.asarray(
       rotary_inv_freq(config, sliding))
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  return jnp.cos(angles), jnp.sin(angles)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  factor = config.yarn_attention_factor
+  if factor != 1.0 and not (sliding and config.sliding_rope_theta is not None):
+    cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+  return cos, sin
 
 
 def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
@@ -196,6 +275,12 @@ def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def deinterleave(x: Array) -> Array:
+  """Pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... | x1, x3, ...] on the last axis, the
+  rotate_half pairing (DeepSeek's `rope_interleave`)."""
+  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 class Dense(nn.Module):
@@ -225,9 +310,11 @@ class Norm(nn.Module):
 
   RMSNorm multiplies by (norm_offset + scale) in float32 and casts the product
   (Gemma's (1 + w), HF `GemmaRMSNorm`; Llama's offset is 0). Init makes the
-  multiplier 1 either way.
+  multiplier 1 either way. epsilon: None is config.norm_epsilon (DeepSeek's latent
+  norms use transformers' default 1e-6 whatever rms_norm_eps).
   """
   config: DecoderOnlyConfig
+  epsilon: Optional[float] = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -241,7 +328,8 @@ class Norm(nn.Module):
       x32 = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) +
                                     cfg.norm_epsilon)
       return (x32 * scale + bias).astype(_dtype(cfg))
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_epsilon)
+    eps = cfg.norm_epsilon if self.epsilon is None else self.epsilon
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if cfg.norm_offset:
       # Gemma: (1 + w) formed in float32 (w may be stored in bf16).
       return (x32 * (cfg.norm_offset + scale.astype(jnp.float32))).astype(_dtype(cfg))
@@ -275,7 +363,8 @@ def _set_block(cache: Array, block: Array, positions: Array) -> Array:
 
 
 def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: int,
-            scale: float, softcap: Optional[float] = None) -> Array:
+            scale: float, softcap: Optional[float] = None, sinks: Optional[Array] = None
+            ) -> Array:
   """Grouped-query dot-product attention, scores multiplied by `scale`.
 
   Query head h reads key/value head h // (heads / kv_heads), as HF's
@@ -283,23 +372,37 @@ def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: i
   (Gemma 2) scaled scores become softcap * tanh(scores / softcap) before the
   mask is added, HF's order.
 
+  With `sinks` (gpt-oss, [heads]) head h's softmax denominator also holds exp(sinks[h]),
+  a logit no value belongs to (transformers' eager_attention_forward concatenates it
+  and drops its probability).
+
   Args:
-    query: [batch, q, heads, head_dim]; key, value: [batch, k, kv_heads, head_dim].
+    query: [batch, q, heads, head_dim]; key: [batch, k, kv_heads, head_dim]; value:
+      [batch, k, kv_heads, value_dim].
     bias: [batch|1, 1, q, k] float32 (the mask folded in).
     scale: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5.
   Returns:
-    [batch, q, heads, head_dim] in the value's dtype.
+    [batch, q, heads, value_dim] in the value's dtype.
   """
   batch, q_len, heads, head_dim = query.shape
-  grouped = query.reshape(batch, q_len, num_kv_heads, heads // num_kv_heads, head_dim)
+  groups = heads // num_kv_heads
+  grouped = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
   scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key, preferred_element_type=jnp.float32)
   scores = scores * np.float32(scale)
   if softcap is not None:
     scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
   scores = scores + bias[:, :, None]
-  weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+  if sinks is None:
+    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+  else:
+    # Query head h = kv head h // groups, group h % groups (the reshape above).
+    sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, groups, 1, 1)
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    exp = jnp.exp(scores - top)
+    weights = (exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(
+        value.dtype)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value)
-  return out.reshape(batch, q_len, heads, head_dim)
+  return out.reshape(batch, q_len, heads, value.shape[-1])
 
 
 class Attention(nn.Module):
@@ -315,6 +418,8 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       self.q_norm = Norm(cfg)
       self.k_norm = Norm(cfg)
+    if cfg.attention_sinks:
+      self.sinks = self.param("sinks", _INIT, (cfg.num_heads,), jnp.float32)
 
   def _split(self, x: Array, heads: int) -> Array:
     x = x.reshape(x.shape[:-1] + (heads, self.config.head_dim))
@@ -338,48 +443,189 @@ class Attention(nn.Module):
       key = _set_block(layer_cache["self_key"], key, positions)
       value = _set_block(layer_cache["self_value"], value, positions)
       new_cache = dict(layer_cache, self_key=key, self_value=value)
-    scalar = cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
-    heads = _attend(query, key, value, bias, cfg.num_kv_heads, scalar ** -0.5,
-                    cfg.attn_logit_softcap)
+    heads = _attend(query, key, value, bias, cfg.num_kv_heads, cfg.attention_scale,
+                    cfg.attn_logit_softcap, self.sinks if cfg.attention_sinks else None)
     return self.o_proj(heads.reshape(heads.shape[:-2] + (-1,))), new_cache
 
 
-class Mlp(nn.Module):
-  """down_proj(act(gate_proj(x)) * up_proj(x)) (gated) or down_proj(act(up_proj(x)))."""
+class MlaAttention(nn.Module):
+  """DeepSeek-V3's multi-head latent attention (module docstring), caching full per-head
+  keys and values."""
   config: DecoderOnlyConfig
+
+  def setup(self):
+    cfg = self.config
+    heads = cfg.num_heads
+    if cfg.q_lora_rank is None:
+      self.q_proj = Dense(heads * cfg.head_dim, cfg)
+    else:
+      self.q_a_proj = Dense(cfg.q_lora_rank, cfg, cfg.qkv_bias)
+      self.q_a_layernorm = Norm(cfg, epsilon=1e-6)
+      self.q_b_proj = Dense(heads * cfg.head_dim, cfg)
+    self.kv_a_proj_with_mqa = Dense(cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg, cfg.qkv_bias)
+    self.kv_a_layernorm = Norm(cfg, epsilon=1e-6)
+    self.kv_b_proj = Dense(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg)
+    self.o_proj = Dense(cfg.emb_dim, cfg, cfg.out_bias)
+
+  def __call__(self, x: Array, bias: Array, rotary: Tuple[Array, Array],
+               layer_cache: Optional[Dict[str, Array]], positions: Optional[Array]):
+    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None)."""
+    cfg = self.config
+    batch, q_len = x.shape[:2]
+    heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if cfg.q_lora_rank is None:
+      query = self.q_proj(x)
+    else:
+      query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    query = query.reshape(batch, q_len, heads, nope + rope)
+    compressed = self.kv_a_proj_with_mqa(x)
+    latent, k_rot = compressed[..., :cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank:]
+    kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(batch, q_len, heads,
+                                                             nope + cfg.v_head_dim)
+    k_nope, value = kv[..., :nope], kv[..., nope:]
+    q_nope, q_rot = query[..., :nope], query[..., nope:]
+    k_rot = k_rot[:, :, None, :]  # One rotary key per token, shared by every head.
+    if cfg.rope_interleave:
+      q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+    q_rot, k_rot = apply_rotary(q_rot, *rotary), apply_rotary(k_rot, *rotary)
+    query = _axes(jnp.concatenate([q_nope, q_rot], axis=-1), ("batch", "length", "heads", "kv"))
+    key = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:-1] + (rope,))],
+                          axis=-1)
+    key = _axes(key, ("batch", "length", "heads", "kv"))
+    value = _axes(value, ("batch", "length", "heads", "kv"))
+    new_cache = None
+    if layer_cache is not None:
+      key = _set_block(layer_cache["self_key"], key, positions)
+      value = _set_block(layer_cache["self_value"], value, positions)
+      new_cache = dict(layer_cache, self_key=key, self_value=value)
+    out = _attend(query, key, value, bias, heads, cfg.attention_scale)
+    return self.o_proj(out.reshape(batch, q_len, heads * cfg.v_head_dim)), new_cache
+
+
+class Mlp(nn.Module):
+  """down_proj(act(gate_proj(x)) * up_proj(x)) (gated) or down_proj(act(up_proj(x))).
+
+  width: the hidden units (None: mlp_dim; DeepSeek's shared experts:
+  n_shared_experts * moe_mlp_dim).
+  """
+  config: DecoderOnlyConfig
+  width: Optional[int] = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     cfg = self.config
     act = _ACTIVATIONS[cfg.activation]
+    width = cfg.mlp_dim if self.width is None else self.width
     if cfg.gated_mlp:
-      hidden = act(Dense(cfg.mlp_dim, cfg, cfg.mlp_bias, name="gate_proj")(x)) * Dense(
-          cfg.mlp_dim, cfg, cfg.mlp_bias, name="up_proj")(x)
+      hidden = act(Dense(width, cfg, cfg.mlp_bias, name="gate_proj")(x)) * Dense(
+          width, cfg, cfg.mlp_bias, name="up_proj")(x)
     else:
-      hidden = act(Dense(cfg.mlp_dim, cfg, cfg.mlp_bias, name="up_proj")(x))
+      hidden = act(Dense(width, cfg, cfg.mlp_bias, name="up_proj")(x))
     hidden = _axes(hidden, ("batch", "length", "mlp"))
     return Dense(cfg.emb_dim, cfg, cfg.mlp_bias, name="down_proj")(hidden)
 
 
 class Experts(nn.Module):
-  """The experts' stacked SwiGLU weights: (gate_proj, up_proj [experts, emb, moe_mlp],
-  down_proj [experts, moe_mlp, emb]) float32 params."""
+  """The experts' stacked weights, float32 params: gate_proj, up_proj [experts, emb,
+  moe_mlp], down_proj [experts, moe_mlp, emb]; with moe_bias (gpt-oss) also
+  gate_proj_bias, up_proj_bias [experts, moe_mlp] and down_proj_bias [experts, emb]."""
   config: DecoderOnlyConfig
 
   @nn.compact
-  def __call__(self) -> Tuple[Array, Array, Array]:
+  def __call__(self) -> Dict[str, Array]:
     cfg = self.config
     num, emb, width = cfg.num_experts, cfg.emb_dim, cfg.expert_mlp_dim
-    return (self.param("gate_proj", _INIT, (num, emb, width), jnp.float32),
-            self.param("up_proj", _INIT, (num, emb, width), jnp.float32),
-            self.param("down_proj", _INIT, (num, width, emb), jnp.float32))
+    weights = dict(gate_proj=self.param("gate_proj", _INIT, (num, emb, width), jnp.float32),
+                   up_proj=self.param("up_proj", _INIT, (num, emb, width), jnp.float32),
+                   down_proj=self.param("down_proj", _INIT, (num, width, emb), jnp.float32))
+    if cfg.moe_bias:
+      zeros = nn.initializers.zeros
+      weights.update(
+          gate_proj_bias=self.param("gate_proj_bias", zeros, (num, width), jnp.float32),
+          up_proj_bias=self.param("up_proj_bias", zeros, (num, width), jnp.float32),
+          down_proj_bias=self.param("down_proj_bias", zeros, (num, emb), jnp.float32))
+    return weights
+
+
+class Router(nn.Module):
+  """A MoE layer's router: `kernel` [emb, experts] (config.kernel_layout); gpt-oss adds a
+  `bias` [experts], DeepSeek-V3 an `e_score_correction_bias` [experts] (choice only).
+
+  Returns (logits [batch, q, experts], the correction bias or None): in the compute dtype
+  (Mixtral, Qwen3-MoE, gpt-oss: HF's Linear), in float32 for DeepSeek-V3 (transformers
+  runs its router in float32).
+  """
+  config: DecoderOnlyConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Tuple[Array, Optional[Array]]:
+    cfg = self.config
+    layout, num = cfg.kernel_layout, cfg.num_experts
+    kernel = self.param("kernel", _INIT, kernel_shape(layout, x.shape[-1], num), jnp.float32)
+    if cfg.family == "deepseek_v3":
+      correction = self.param("e_score_correction_bias", nn.initializers.zeros, (num,),
+                              jnp.float32)
+      logits = project(x.astype(jnp.float32), kernel.astype(jnp.float32), layout,
+                       preferred_element_type=jnp.float32)
+      return logits, correction.astype(jnp.float32)
+    dtype = _dtype(cfg)
+    logits = project(x.astype(dtype), kernel.astype(dtype), layout, preferred_element_type=dtype)
+    if cfg.moe_bias:
+      logits = logits + self.param("bias", nn.initializers.zeros, (num,),
+                                   jnp.float32).astype(dtype)
+    return logits, None
+
+
+def route(config: DecoderOnlyConfig, logits: Array, correction: Optional[Array]
+          ) -> Tuple[Array, Array]:
+  """(weights [batch, q, k] float32, expert index [batch, q, k]) by the family's rule
+  (module docstring). Ties: lower index first (`jax.lax.top_k`)."""
+  k = config.num_experts_per_tok
+  if config.family == "gpt_oss":
+    top, index = jax.lax.top_k(logits.astype(jnp.float32), k)
+    return jax.nn.softmax(top, axis=-1), index
+  if config.family == "deepseek_v3":
+    num, groups = config.num_experts, config.n_group
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + correction
+    per_group = choice.reshape(choice.shape[:-1] + (groups, num // groups))
+    group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, config.topk_group)
+    kept = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.int32), axis=-2) > 0
+    kept = jnp.repeat(kept, num // groups, axis=-1)
+    _, index = jax.lax.top_k(jnp.where(kept, choice, -jnp.inf), k)
+    weights = jnp.take_along_axis(scores, index, axis=-1)
+    if config.norm_topk_prob:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
+    return weights * np.float32(config.routed_scaling_factor), index
+  # HF Mixtral / Qwen3-MoE: softmax and top-k in float32.
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, index = jax.lax.top_k(probs, k)
+  if config.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, index
+
+
+def _expert_glu(config: DecoderOnlyConfig):
+  """(gate, up) -> the experts' hidden units: act(gate) * up, or gpt-oss's clamped form."""
+  if config.family == "gpt_oss":
+    limit, alpha = np.float32(config.swiglu_limit), np.float32(config.swiglu_alpha)
+
+    def clamped(gate, up):
+      gate = jnp.minimum(gate, limit.astype(gate.dtype))
+      up = jnp.clip(up, -limit.astype(up.dtype), limit.astype(up.dtype))
+      return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha.astype(gate.dtype)))
+    return clamped
+  act = _ACTIVATIONS[config.activation]
+  return lambda gate, up: act(gate) * up
 
 
 class MoeMlp(nn.Module):
-  """A mixture of SwiGLU experts behind a softmax top-k router (module docstring).
+  """A mixture of experts behind a top-k router (module docstring), plus DeepSeek-V3's
+  shared experts.
 
-  Params: `gate` (the router, a Dense [emb, experts], no bias) and `experts`
-  (`gate_proj`, `up_proj` [experts, emb, moe_mlp], `down_proj` [experts, moe_mlp, emb]).
+  Params: `gate` (the `Router`), `experts` (`Experts`) and, for DeepSeek-V3,
+  `shared_experts` (an `Mlp` of n_shared_experts * moe_mlp_dim units).
   """
   config: DecoderOnlyConfig
 
@@ -389,34 +635,45 @@ class MoeMlp(nn.Module):
     dtype = _dtype(cfg)
     num, k = cfg.num_experts, cfg.num_experts_per_tok
     x = x.astype(dtype)
-    # HF: logits by a Linear in the activation dtype, softmax and top-k in float32.
-    router_logits = Dense(num, cfg, name="gate")(x)
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, index = jax.lax.top_k(probs, k)  # [batch, q, k], ties: lower index first
-    if cfg.norm_topk_prob:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    gate_w, up_w, down_w = Experts(cfg, name="experts")()
-    act = _ACTIVATIONS[cfg.activation]
+    weights, index = route(cfg, *Router(cfg, name="gate")(x))
+    w = Experts(cfg, name="experts")()
+    glu = _expert_glu(cfg)
     tokens = x.shape[0] * x.shape[1]
     gather = cfg.moe_dispatch == "gather" or (cfg.moe_dispatch == "auto" and
                                               2 * tokens * k <= num)
     if gather:
       take = lambda w: jnp.take(w, index, axis=0).astype(dtype)  # noqa: E731 [b, q, k, ...]
-      hidden = act(jnp.einsum("bqd,bqkdm->bqkm", x, take(gate_w),
-                              preferred_element_type=dtype)) * jnp.einsum(
-          "bqd,bqkdm->bqkm", x, take(up_w), preferred_element_type=dtype)
-      hidden = _axes(hidden, ("batch", "length", None, "mlp"))
+      gate = jnp.einsum("bqd,bqkdm->bqkm", x, take(w["gate_proj"]), preferred_element_type=dtype)
+      up = jnp.einsum("bqd,bqkdm->bqkm", x, take(w["up_proj"]), preferred_element_type=dtype)
+      if cfg.moe_bias:
+        gate, up = gate + take(w["gate_proj_bias"]), up + take(w["up_proj_bias"])
+      hidden = _axes(glu(gate, up), ("batch", "length", None, "mlp"))
       hidden = hidden * weights[..., None].astype(dtype)
-      return jnp.einsum("bqkm,bqkmd->bqd", hidden, take(down_w), preferred_element_type=dtype)
-    hidden = act(jnp.einsum("bqd,edm->bqem", x, gate_w.astype(dtype),
-                            preferred_element_type=dtype)) * jnp.einsum(
-        "bqd,edm->bqem", x, up_w.astype(dtype), preferred_element_type=dtype)
-    hidden = _axes(hidden, ("batch", "length", "expert", "mlp"))
-    # [batch, q, experts]: the top-k weights where chosen, zero elsewhere.
-    combine = jnp.sum(jax.nn.one_hot(index, num, dtype=jnp.float32) * weights[..., None],
-                      axis=-2)
-    hidden = hidden * combine[..., None].astype(dtype)
-    return jnp.einsum("bqem,emd->bqd", hidden, down_w.astype(dtype), preferred_element_type=dtype)
+      out = jnp.einsum("bqkm,bqkmd->bqd", hidden, take(w["down_proj"]),
+                       preferred_element_type=dtype)
+      if cfg.moe_bias:  # Each chosen expert's output bias, weighted like its output.
+        out = out + jnp.einsum("bqk,bqkd->bqd", weights.astype(dtype),
+                               take(w["down_proj_bias"]), preferred_element_type=dtype)
+    else:
+      gate = jnp.einsum("bqd,edm->bqem", x, w["gate_proj"].astype(dtype),
+                        preferred_element_type=dtype)
+      up = jnp.einsum("bqd,edm->bqem", x, w["up_proj"].astype(dtype), preferred_element_type=dtype)
+      if cfg.moe_bias:
+        gate = gate + w["gate_proj_bias"].astype(dtype)
+        up = up + w["up_proj_bias"].astype(dtype)
+      hidden = _axes(glu(gate, up), ("batch", "length", "expert", "mlp"))
+      # [batch, q, experts]: the top-k weights where chosen, zero elsewhere.
+      combine = jnp.sum(jax.nn.one_hot(index, num, dtype=jnp.float32) * weights[..., None],
+                        axis=-2)
+      hidden = hidden * combine[..., None].astype(dtype)
+      out = jnp.einsum("bqem,emd->bqd", hidden, w["down_proj"].astype(dtype),
+                       preferred_element_type=dtype)
+      if cfg.moe_bias:
+        out = out + jnp.einsum("bqe,ed->bqd", combine.astype(dtype),
+                               w["down_proj_bias"].astype(dtype), preferred_element_type=dtype)
+    if cfg.n_shared_experts:
+      out = out + Mlp(cfg, cfg.n_shared_experts * cfg.expert_mlp_dim, name="shared_experts")(x)
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -440,7 +697,7 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     if self.input_norm:
       self.input_layernorm = Norm(cfg)
-    self.self_attn = Attention(cfg)
+    self.self_attn = MlaAttention(cfg) if cfg.uses_mla else Attention(cfg)
     self.post_attention_layernorm = Norm(cfg)
     if cfg.sandwich_norms:
       self.pre_feedforward_layernorm = Norm(cfg)
@@ -462,14 +719,15 @@ class DecoderLayer(nn.Module):
 def init_cache(config: DecoderOnlyConfig, batch: int, max_len: int) -> Cache:
   """An all-zero cache of `max_len` positions per row (needs no params)."""
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  value_shape = shape[:-1] + (config.value_head_dim,)
   return dict(layers=[dict(self_key=jnp.zeros(shape, _dtype(config)),
-                           self_value=jnp.zeros(shape, _dtype(config)))
+                           self_value=jnp.zeros(value_shape, _dtype(config)))
                       for _ in range(config.num_layers)])
 
 
 class DecoderOnly(nn.Module):
-  """A decoder-only language model (Llama, Qwen2/3, Mistral, Gemma, GPT-2, Mixtral or Qwen3-MoE
-  layout, by config)."""
+  """A decoder-only language model (Llama, Qwen2/3, Mistral, Gemma, GPT-2, Mixtral, Qwen3-MoE,
+  DeepSeek-V3 or gpt-oss layout, by config)."""
   config: DecoderOnlyConfig
 
   def setup(self):

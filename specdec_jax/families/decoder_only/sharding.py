@@ -20,6 +20,14 @@ rule away: rules starting with ("expert", "model") put whole experts on devices
 (the `mlp` rule then finds `model` taken and leaves the units whole), which suits
 the 'dense' dispatch; the 'gather' dispatch then fetches the experts it reads from
 the devices holding them (correct, measured equal on a 2x2 CPU mesh, but traffic).
+gpt-oss's expert biases follow their dimension ([expert, mlp], [expert, embed]), its router
+bias and DeepSeek-V3's e_score_correction_bias are [expert], gpt-oss's attention sinks
+[heads] (split over `model` with the query heads).
+
+DeepSeek-V3's latent attention: q_a_proj / kv_a_proj_with_mqa [embed, None] and the
+latent norms [None] (the low-rank latents are small and replicated), q_b_proj / kv_b_proj
+[None, joined_kv] (heads over `model`, as q/k/v_proj), o_proj [joined_kv, embed]. Its cache
+is [batch, length, heads, kv] like the others' (all heads: keys and values are per head).
 """
 
 from typing import Any, Optional, Sequence, Tuple
@@ -40,10 +48,16 @@ _KERNEL_AXES = {
     "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed"),
     "lm_head": ("embed", "vocab"),
     "gate": ("embed", "expert"),  # The MoE router.
+    # DeepSeek-V3's latent attention.
+    "q_a_proj": ("embed", None), "kv_a_proj_with_mqa": ("embed", None),
+    "q_b_proj": (None, "joined_kv"), "kv_b_proj": (None, "joined_kv"),
 }
 # Stacked expert weights (leaves of `mlp/experts`).
 _EXPERT_AXES = {"gate_proj": ("expert", "embed", "mlp"), "up_proj": ("expert", "embed", "mlp"),
-                "down_proj": ("expert", "mlp", "embed")}
+                "down_proj": ("expert", "mlp", "embed"),
+                # gpt-oss's expert biases.
+                "gate_proj_bias": ("expert", "mlp"), "up_proj_bias": ("expert", "mlp"),
+                "down_proj_bias": ("expert", "embed")}
 
 
 def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
@@ -58,6 +72,12 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
     axes = ("vocab", "embed") if parent == "embed_tokens" else (None, "embed")
   elif leaf == "scale" and parent in ("q_norm", "k_norm"):
     axes = ("kv",)  # Gemma 3's and Qwen3's per-head q/k norms lie along head_dim.
+  elif leaf == "scale" and parent in ("q_a_layernorm", "kv_a_layernorm"):
+    axes = (None,)  # DeepSeek-V3's latent norms.
+  elif leaf == "sinks":
+    axes = ("heads",)  # gpt-oss: one logit per query head.
+  elif leaf == "e_score_correction_bias":
+    axes = ("expert",)
   elif leaf == "scale":
     axes = ("embed",)
   elif parent == "experts" and leaf in _EXPERT_AXES:
