@@ -6,9 +6,10 @@ Layers (each a folder or module; nothing imports upward from `core/`):
   families/  the family contract (base.py), the registry, and one folder per family
              (t5/, decoder_only/): network, fused decode, configs, checkpoints, axes
   drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft,
-             FeatureDraft, MedusaDraft, ParallelDraft, DFlashDraft (parallel.py: one-call drafters)
-  generation.py (staged: settings.py, placement.py, memory.py, programs.py), loading.py,
-  sharding.py, multihost.py, scaled_pair.py the entry points (scaled_pair: a trained
+             FeatureDraft, MedusaDraft, ParallelDraft and DFlashDraft (parallel.py: one-call
+             drafters), MtpDraft (a checkpoint's own MTP modules)
+  generation.py (staged: settings.py, placement.py, memory.py, programs.py), slots.py
+  (generate_many), loading.py, sharding.py, multihost.py, scaled_pair.py the entry points (scaled_pair: a trained
                                            pair embedded at a large model's cost)
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
@@ -25,9 +26,10 @@ from specdec_jax.core.verification.block import (batched_block_verification_step
 from specdec_jax.core.verification.token import batched_speculative_step, speculative_step
 from specdec_jax.demo_pair import DemoPair, load_demo_pair
 from specdec_jax.core.token_tree import TreeShape
-from specdec_jax.drafts import (AdaptiveGammaDraft, DFlashDraft, Draft, DraftStart, FeatureDraft,
-                                MedusaDraft, ModelDraft, NgramDraft, ParallelDraft,
-                                ParallelDrafter, PromptLookupDraft, ProposalPlan, Reads, TreeDraft, DynamicTreeDraft, as_draft,
+from specdec_jax.drafts import (AdaptiveGammaDraft, DFlashDraft, Draft, DraftStart,
+                                DynamicTreeDraft, FeatureDraft, MedusaDraft, ModelDraft,
+                                MtpDraft, NgramDraft, ParallelDraft, ParallelDrafter,
+                                PromptLookupDraft, ProposalPlan, Reads, TreeDraft, as_draft,
                                 chain_proposer, target_features)
 from specdec_jax.core.decoding import ChainProposer, TargetFns
 from specdec_jax.core.sampling import Sampling
@@ -53,7 +55,8 @@ from specdec_jax.families.tensor_io import CheckpointError
 from specdec_jax.generation import generate
 from specdec_jax.slots import ManyOutput, SlotStats, generate_many
 from specdec_jax.loading import (export_hf, load_dflash_draft, load_feature_draft,
-                                 load_medusa_draft, load_model, load_parallel_draft,
+                                 load_medusa_draft, load_model, load_mtp_draft,
+                                 load_parallel_draft,
                                  load_sharded_model, save_dflash_draft, save_feature_draft,
                                  save_medusa_draft,
                                  shard_model)

@@ -305,6 +305,34 @@ def load_dflash_draft(path, target, dtype=None):
   return DFlashDraft(target, **fmt.load(path, target, optional_dtype(dtype)))
 
 
+def load_mtp_draft(path, target, *, layout=None, dtype=None):
+  """Reads a checkpoint's own multi-token-prediction modules as an `MtpDraft` for `target`
+  (the model of that checkpoint: its embedding, LM head and layer kind).
+
+  Layouts (`drafts/mtp_checkpoints.py` lists the tensor names): DeepSeek-V3 / GLM-4.5
+  (config.json `num_nextn_predict_layers`, module k stored as layer num_hidden_layers + k
+  with enorm, hnorm, eh_proj, shared_head), Qwen3-Next / Qwen3.5 (`mtp.fc`,
+  `mtp.pre_fc_norm_*`, `mtp.layers.{k}`, `mtp.norm`) and MiMo (`model.mtp_layers.{k}`),
+  told apart by the tensor names. Drafting chains the modules (step i runs module i mod N).
+
+  Args:
+    path: the model's directory (config.json and safetensors; only the MTP tensors are read).
+    target: the decoder-only model itself.
+    layout: None (detected), 'deepseek', 'qwen3_next' or 'mimo'.
+    dtype: the modules' params dtype; default the target's.
+  Raises:
+    CheckpointError: no MTP modules (naming the config keys and tensor prefixes looked for,
+      per layout); a hidden size, vocabulary or layer count unlike the target's; missing,
+      unexpected or mis-shaped tensors (all named).
+  """
+  from specdec_jax.drafts import mtp_checkpoints
+  from specdec_jax.drafts.mtp import MtpDraft
+  if not is_model(target):
+    raise TypeError(f"load_mtp_draft takes the target model, got {type(target).__name__}")
+  found = mtp_checkpoints.load(os.fspath(path), target, layout, optional_dtype(dtype))
+  return MtpDraft(target, **found)
+
+
 def save_dflash_draft(draft, path) -> None:
   """Writes a decoder-only `DFlashDraft` as a z-lab directory that `load_dflash_draft` and
   z-lab's `DFlashDraftModel` read."""

@@ -15,6 +15,8 @@
   context plus K - 1 mask tokens (`drafts.parallel`: the base of one-call drafters).
 * `DFlashDraft`: DFlash, a few non-causal layers over the target's features that fill a
   block of masks in one call (both families; T5's also cross-attends to the encoder).
+* `MtpDraft`: a checkpoint's own multi-token-prediction modules (DeepSeek-V3, Qwen3-Next,
+  MiMo) drafting through the feature-draft machinery (`sj.load_mtp_draft`).
 """
 
 from specdec_jax.drafts.base import (NOTHING, Draft, DraftStart, ProposalPlan, Reads,  # noqa: F401
@@ -41,3 +43,4 @@ from specdec_jax.drafts.medusa import MedusaDraft  # noqa: E402,F401
 from specdec_jax.drafts.pard import ParallelDraft  # noqa: E402,F401
 from specdec_jax.drafts.parallel import ParallelDrafter  # noqa: E402,F401
 from specdec_jax.drafts.dflash import DFlashDraft  # noqa: E402,F401
+from specdec_jax.drafts.mtp import MtpDraft  # noqa: E402,F401
