@@ -63,6 +63,11 @@ DEFAULT_RULES = (
     ("relpos_buckets", None),
     ("length", None),
 )
+# Expert parallelism for mixture-of-experts targets: whole experts on the `model` axis
+# (each device holds E / model_size experts; the router's expert dimension follows), the
+# rest as DEFAULT_RULES. Without it the expert dimension is replicated and each expert's
+# units split over `model`, like a dense MLP (configs/sharding/expert_parallel.gin).
+EXPERT_PARALLEL_RULES = (("expert", "model"),) + DEFAULT_RULES
 # The draft is small: replicate its weights on every device, keep the batch
 # split over `data` like the target's.
 DRAFT_RULES = (("batch", "data"),)

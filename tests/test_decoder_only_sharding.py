@@ -257,3 +257,38 @@ def test_multidevice_hf_directory_loads_straight_into_shards(tmp_path, record_pl
                                   jax.tree_util.tree_leaves(expected)):
     assert got.sharding == sharding_
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@multidevice
+@pytest.mark.parametrize("dispatch", ["dense", "gather"])
+def test_multidevice_moe_experts_split_equals_unsharded(dispatch):
+  """A Mixtral-layout target with whole experts split over a 4-way model axis
+  (`sharding.EXPERT_PARALLEL_RULES`, configs/sharding/expert_parallel.gin) decodes as
+  unsharded, greedy and sampled, speculative with a draft of its layout: routing runs
+  inside the compiled step on every device."""
+  # 4 KV heads and 96 ids: every sharded dimension divides the 4-way model axis.
+  base = loading.load_model("mixtral_tiny", vocab_size=96, seed=1, dtype="float32",
+                            num_kv_heads=4, moe_dispatch=dispatch)
+  target = DecoderOnlyModel(base.config, jax.tree_util.tree_map(
+      lambda x: x * 3.0 if x.ndim >= 2 else x, base.params))
+  draft = loading.load_model("mixtral_tiny", vocab_size=96, seed=5, dtype="float32",
+                             num_layers=1, num_kv_heads=4, moe_dispatch=dispatch)
+  prompts = np.random.RandomState(0).randint(3, 96, (BATCH, WIDTH)).astype(np.int32)
+  mesh_target, mesh_draft = sharding.make_partitioners(
+      "2,4", logical_axis_rules=sharding.EXPERT_PARALLEL_RULES)
+  sharded = loading.shard_model(target, mesh_target)
+  experts = [x for path, x in jax.tree_util.tree_flatten_with_path(sharded.params)[0]
+             if x.ndim == 3]
+  assert experts and all(x.sharding.spec[0] == "model" for x in experts)  # whole experts
+  assert all({s.data.shape[0] for s in x.addressable_shards} == {x.shape[0] // 4}
+             for x in experts)
+  for sampled in ({}, dict(temperature=1.0, rng=jax.random.PRNGKey(3))):
+    kw = dict(max_decode_steps=STEPS, draft=draft, gamma=3, eos_id=-1, **sampled)
+    want = generate(target, prompts, LENGTHS, **kw)
+    got = generate(sharded, prompts, LENGTHS, partitioner=mesh_target,
+                   draft_partitioner=mesh_draft, **kw)
+    np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+    np.testing.assert_array_equal(got.stats.accepted, want.stats.accepted)
+    if not sampled:
+      alone = generate(target, prompts, LENGTHS, max_decode_steps=STEPS, eos_id=-1)
+      np.testing.assert_array_equal(np.asarray(alone.sequences), np.asarray(want.sequences))
