@@ -32,7 +32,8 @@ from specdec_jax.results import write_json_atomic
 from specdec_jax.tools import profiling
 from specdec_jax.tools.speedup import choose_gamma
 
-LAYOUTS = flags.DEFINE_list("layouts", ["mixtral"], "MoE layouts: mixtral, deepseek_v3.")
+LAYOUTS = flags.DEFINE_list("layouts", ["mixtral", "deepseek_v3"], "MoE layouts: mixtral, "
+                            "deepseek_v3.")
 BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4"], "Batch sizes.")
 MAX_K = flags.DEFINE_integer("max_k", 16, "C(k) for k = 1..max_k.")
 ALPHAS = flags.DEFINE_list("alphas", ["0.6", "0.8"], "Acceptance rates for the best gamma.")
@@ -46,9 +47,15 @@ SHAPES = {
     "mixtral": dict(emb_dim=1024, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
                     mlp_dim=3584, num_experts=8, num_experts_per_tok=2, vocab_size=8192,
                     sliding_window=None, max_positions=512),
+    # One dense layer then one MoE layer (first_k_dense_replace 1), 16 routed experts top 4
+    # in 4 groups (top 2 groups), one shared expert, latent attention.
+    "deepseek_v3": dict(emb_dim=1024, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=96,
+                        mlp_dim=4096, num_experts=16, num_experts_per_tok=4, moe_mlp_dim=1536,
+                        n_shared_experts=1, n_group=4, topk_group=2, q_lora_rank=384,
+                        kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                        v_head_dim=64, vocab_size=8192, max_positions=512,
+                        first_k_dense_replace=1, rope_scaling=None),
 }
-TINY = dict(emb_dim=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=64,
-            vocab_size=256, max_positions=128)
 
 
 def _configs(layout: str):
@@ -56,14 +63,17 @@ def _configs(layout: str):
   base = get_decoder_config(f"{layout}_tiny")
   shape = dict(SHAPES.get(layout, {}))
   if SMALL.value:
-    shape = dict(TINY, num_experts=4, num_experts_per_tok=2)
+    shape = {}  # the layout's tiny named config as it is
   moe = base.replace(**{k: v for k, v in shape.items() if hasattr(base, k)})
-  experts = moe.num_experts_per_tok
+  # Active per token: the routed top-k and the shared experts (MoE layers); attention kept
+  # as a Llama layer of the same width (latent attention's own cost is part of C(k)).
+  experts = moe.num_experts_per_tok + (getattr(moe, "n_shared_experts", None) or 0)
   expert_width = moe.moe_mlp_dim or moe.mlp_dim
   dense = get_decoder_config("llama_tiny").replace(
       emb_dim=moe.emb_dim, num_layers=moe.num_layers, num_heads=moe.num_heads,
-      num_kv_heads=moe.num_kv_heads, head_dim=moe.head_dim, mlp_dim=experts * expert_width,
-      vocab_size=moe.vocab_size, max_positions=moe.max_positions)
+      num_kv_heads=moe.num_kv_heads, head_dim=128 if not SMALL.value else moe.head_dim,
+      mlp_dim=experts * expert_width, vocab_size=moe.vocab_size,
+      max_positions=moe.max_positions)
   return moe, dense
 
 
