@@ -59,4 +59,11 @@ if [[ " $* " == *" --dry_run "* ]]; then THROUGHPUT_FLAGS=(--pairs=scaled --dry_
 "$PY" scripts/throughput.py "${THROUGHPUT_FLAGS[@]}" --output_json="$OUT/throughput.json" \
   2>&1 | tee "$OUT/throughput.log" \
   || echo "gpu_benchmarks.sh: the throughput part failed (see $OUT/throughput.log)" >&2
+# Issue 34: C(k) for k = 1..16 of Mixtral- and DeepSeek-V3-layout targets beside dense ones
+# of their active size, batch 1-16, and the best gamma each predicts.
+MOE_FLAGS=(--batch_sizes=1,4,16)
+if [[ " $* " == *" --dry_run "* ]]; then MOE_FLAGS=(--small --max_k=3 --repeats=2); fi
+"$PY" scripts/moe_cost_curve.py "${MOE_FLAGS[@]}" --output_json="$OUT/moe_cost_curve.json" \
+  2>&1 | tee "$OUT/moe_cost_curve.log" \
+  || echo "gpu_benchmarks.sh: the MoE cost-curve part failed (see $OUT/moe_cost_curve.log)" >&2
 "$PY" scripts/gpu_benchmarks.py --part=report --output_dir="$OUT" "$@"
