@@ -41,7 +41,7 @@ def _sharp(draft, scale=30.0):
   return params
 
 
-@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 def test_laws_from_the_incremental_context_equal_laws_from_scratch(family):
   """Rows gain 1..K+1 tokens per iteration; `observe` gets the target's features at the
   whole block, the slots past the accepted count filled with garbage (a rejected draft's

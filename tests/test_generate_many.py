@@ -40,7 +40,7 @@ def _drafts(family, target, dtype):
           "feature": (sj.FeatureDraft(target, seed=2), dict(gamma=2))}
 
 
-@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_each_output_equals_generate_alone(family, dtype):
   target = tiny_model(family, dtype=dtype)
