@@ -43,7 +43,7 @@ def greedy_runs(pair):
 def test_pair_loads(pair):
   # The distilled draft, then the trained heads where they ship (test_feature_training.py).
   assert pair.family == "decoder_only" and list(pair.drafts)[0] == "draft"
-  assert set(pair.drafts) <= {"draft", "feature", "medusa"}
+  assert set(pair.drafts) <= {"draft", "feature", "medusa", "dflash", "parallel"}
   target, draft = pair.target.config, pair.drafts["draft"].config
   assert (target.family, draft.family) == ("gpt2", "gpt2")
   assert target.vocab_size == draft.vocab_size == pair.tokenizer.vocab_size == 2048
@@ -69,7 +69,9 @@ def test_pair_loads(pair):
 def test_shipped_pair_fits_the_budget():
   total = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(DEFAULT_DIR)
               for f in files)
-  assert total <= 10e6, f"demo_pair_decoder_only/ is {total / 1e6:.1f} MB"
+  # 9.3 MB with the models, n-grams and feature / Medusa heads; the DFlash and PARD
+  # drafters (issue 32) add 2.3 MB.
+  assert total <= 12.5e6, f"demo_pair_decoder_only/ is {total / 1e6:.1f} MB"
 
 
 def test_missing_pair_names_the_training_command(tmp_path):

@@ -53,7 +53,7 @@ def test_missing_pair_is_a_clear_error(tmp_path):
 def test_pair_exposes_the_uniform_fields(pair):
   # The model drafts, then the feature head where one ships (test_feature_training.py).
   assert pair.family == "t5" and list(pair.drafts)[:2] == ["small", "tiny"]
-  assert set(pair.drafts) <= {"small", "tiny", "feature", "medusa"}
+  assert set(pair.drafts) <= {"small", "tiny", "feature", "medusa", "dflash", "parallel"}
   tokens, lengths = pair.inputs(3)
   assert tokens.shape == (3, pair.input_len) and tokens.dtype == np.int32 and lengths is None
   np.testing.assert_array_equal(pair.heldout_inputs(3), tokens)
@@ -69,7 +69,9 @@ def test_pair_exposes_the_uniform_fields(pair):
 @needs_pair
 def test_shipped_size_budget():
   total = sum(os.path.getsize(os.path.join(DEFAULT_DIR, f)) for f in os.listdir(DEFAULT_DIR))
-  assert total <= 25e6, f"demo_pair/ is {total / 1e6:.1f} MB"
+  # 24.7 MB with the models, n-grams and feature / Medusa heads; the DFlash and PARD
+  # drafters (issue 32) add 6.3 MB.
+  assert total <= 33e6, f"demo_pair/ is {total / 1e6:.1f} MB"
 
 
 @needs_pair

@@ -136,6 +136,7 @@ RUNS = {
     "trees_and_block.py": lambda c: c["mistral"],
     "feature_drafts.py": lambda c: [],
     "medusa.py": lambda c: [],
+    "parallel_drafters.py": lambda c: [],
     "multihost.py": lambda c: c["gpt2"] + [
         "--coordinator_address", f"localhost:{_free_port()}", "--num_processes", "1",
         "--process_id", "0"],
