@@ -22,3 +22,19 @@ def assert_matches_rows(sequences, rows):
   for got, want in zip(sequences, rows):
     assert got[:len(want)].tolist() == want
     assert (got[len(want):] == 0).all()
+
+
+def ragged_prompts(lengths, seed: int, vocab: int) -> np.ndarray:
+  """[batch, max(lengths)] int32 prompts of random ids in [3, vocab), right-padded with 0."""
+  rng = np.random.RandomState(seed)
+  prompts = np.zeros((len(lengths), max(lengths)), np.int32)
+  for b, n in enumerate(lengths):
+    prompts[b, :n] = rng.randint(3, vocab, n)
+  return prompts
+
+
+def hf_logits(hf, tokens) -> np.ndarray:
+  """transformers' logits [batch, len, vocab] of tokens, no padding mask (whole rows)."""
+  import torch
+  with torch.no_grad():
+    return hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()

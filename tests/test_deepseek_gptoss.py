@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import assert_matches_rows, hf_greedy
+from hf_reference import assert_matches_rows, hf_greedy, hf_logits, ragged_prompts
 
 import specdec_jax as sj
 from specdec_jax.families.decoder_only import checkpoints as cdo
@@ -142,16 +142,7 @@ def pairs(tmp_path_factory):
 
 
 def _prompts(lengths, seed):
-  rng = np.random.RandomState(seed)
-  prompts = np.zeros((len(lengths), max(lengths)), np.int32)
-  for b, n in enumerate(lengths):
-    prompts[b, :n] = rng.randint(3, VOCAB, n)
-  return prompts
-
-
-def _hf_logits(hf, tokens):
-  with torch.no_grad():
-    return hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+  return ragged_prompts(lengths, seed, VOCAB)
 
 
 def _with(model, **fields):
@@ -214,7 +205,7 @@ def test_logits_match_transformers(layout, pairs):
 
   # Teacher-forced full rows (20 tokens: past the window; 'auto' = dense at 60 tokens).
   tokens = _prompts([20, 20, 20], seed=1)
-  want = _hf_logits(hf, tokens)
+  want = hf_logits(hf, tokens)
   assert np.abs(want).max() > 1.0, "near-zero logits would prove nothing"
   np.testing.assert_allclose(np.asarray(model.logits(tokens)), want, atol=TOL, rtol=0)
   if layout == "deepseek_v3_plain":
@@ -227,7 +218,7 @@ def test_logits_match_transformers(layout, pairs):
   last, _ = gather.prefill(prompts, np.array(LENGTHS, np.int32),
                            gather.init_cache(len(LENGTHS), prompts.shape[1]))
   for b, n in enumerate(LENGTHS):
-    row = _hf_logits(hf, prompts[b:b + 1, :n])[0]
+    row = hf_logits(hf, prompts[b:b + 1, :n])[0]
     np.testing.assert_allclose(np.asarray(last)[b], row[-1], atol=TOL, rtol=0)
 
   # Each feature shapes these logits (params zeroed: no recompilation; one config change).
@@ -246,7 +237,7 @@ def test_logits_match_transformers(layout, pairs):
     experts = hf.model.layers[0].mlp.experts
     seen = []
     handle = experts.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
-    _hf_logits(hf, tokens)
+    hf_logits(hf, tokens)
     handle.remove()
     gate_up = seen[0] @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
     assert (gate_up[:, 0::2] > cfg.swiglu_limit).any() and (
@@ -340,7 +331,7 @@ def test_export_round_trip_fused_experts_and_widening(layout, pairs, tmp_path):
     assert json.load(f)["architectures"] == [type(pair["hf"]).__name__]
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
   assert type(hf) is type(pair["hf"])
-  np.testing.assert_allclose(want, _hf_logits(hf, tokens), atol=TOL, rtol=0)
+  np.testing.assert_allclose(want, hf_logits(hf, tokens), atol=TOL, rtol=0)
   again = sj.load_model(str(tmp_path / "export"), dtype="float32")
   assert again.config == model.config
   for a, b in zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(model.params)):

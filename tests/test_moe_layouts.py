@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import assert_matches_rows, hf_greedy
+from hf_reference import assert_matches_rows, hf_greedy, hf_logits, ragged_prompts
 
 import specdec_jax as sj
 from specdec_jax import memory, sharding
@@ -128,16 +128,7 @@ def pairs(tmp_path_factory):
 
 
 def _prompts(lengths, seed):
-  rng = np.random.RandomState(seed)
-  prompts = np.zeros((len(lengths), max(lengths)), np.int32)
-  for b, n in enumerate(lengths):
-    prompts[b, :n] = rng.randint(3, VOCAB, n)
-  return prompts
-
-
-def _hf_logits(hf, tokens):
-  with torch.no_grad():
-    return hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+  return ragged_prompts(lengths, seed, VOCAB)
 
 
 def _with(model, **fields):
@@ -168,7 +159,7 @@ def test_logits_match_transformers(layout, pairs):
 
   # Teacher-forced full rows (20 tokens: past Mixtral's window), every dispatch.
   tokens = _prompts([20, 20, 20], seed=1)
-  want = _hf_logits(hf, tokens)
+  want = hf_logits(hf, tokens)
   assert np.abs(want).max() > 1.0, "near-zero logits would prove nothing"
   for dispatch in ("dense", "gather", "auto"):
     got = np.asarray(_with(model, moe_dispatch=dispatch).logits(tokens))
@@ -182,7 +173,7 @@ def test_logits_match_transformers(layout, pairs):
                           model.init_cache(len(LENGTHS), prompts.shape[1]))
   padded = np.asarray(model.logits(prompts))
   for b, n in enumerate(LENGTHS):
-    row = _hf_logits(hf, prompts[b:b + 1, :n])[0]
+    row = hf_logits(hf, prompts[b:b + 1, :n])[0]
     np.testing.assert_allclose(np.asarray(last)[b], row[-1], atol=TOL, rtol=0)
     np.testing.assert_allclose(padded[b, :n], row, atol=TOL, rtol=0)
 
@@ -273,7 +264,7 @@ def test_fused_experts_export_round_trip_and_widening(layout, pairs, tmp_path):
   # the same function) load to the same params.
   _fused(pair["directory"], str(tmp_path / "fused"), model.config.family)
   hf_fused = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fused").eval()
-  np.testing.assert_array_equal(_hf_logits(hf_fused, tokens), _hf_logits(pair["hf"], tokens))
+  np.testing.assert_array_equal(hf_logits(hf_fused, tokens), hf_logits(pair["hf"], tokens))
   fused = sj.load_model(str(tmp_path / "fused"), dtype="float32")
   for a, b in zip(jax.tree_util.tree_leaves(fused.params),
                   jax.tree_util.tree_leaves(model.params)):
@@ -285,7 +276,7 @@ def test_fused_experts_export_round_trip_and_widening(layout, pairs, tmp_path):
     assert json.load(f)["architectures"] == [type(pair["hf"]).__name__]
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
   assert type(hf) is type(pair["hf"])
-  np.testing.assert_allclose(want, _hf_logits(hf, tokens), atol=TOL, rtol=0)
+  np.testing.assert_allclose(want, hf_logits(hf, tokens), atol=TOL, rtol=0)
   again = sj.load_model(str(tmp_path / "export"), dtype="float32")
   assert again.config == model.config
   for a, b in zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(model.params)):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import assert_matches_rows, hf_greedy
+from hf_reference import assert_matches_rows, hf_greedy, hf_logits, ragged_prompts
 
 import specdec_jax as sj
 from specdec_jax.families.decoder_only import checkpoints as cdo
@@ -109,16 +109,7 @@ def pairs(tmp_path_factory):
 
 
 def _prompts(lengths, seed):
-  rng = np.random.RandomState(seed)
-  prompts = np.zeros((len(lengths), max(lengths)), np.int32)
-  for b, n in enumerate(lengths):
-    prompts[b, :n] = rng.randint(3, VOCAB, n)
-  return prompts
-
-
-def _hf_logits(hf, tokens):
-  with torch.no_grad():
-    return hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+  return ragged_prompts(lengths, seed, VOCAB)
 
 
 # ---------------------------------------------------------------------------
@@ -140,7 +131,7 @@ def test_logits_match_transformers(layout, pairs):
 
   # Teacher-forced, full rows.
   tokens = _prompts([20, 20, 20], seed=1)
-  want = _hf_logits(hf, tokens)
+  want = hf_logits(hf, tokens)
   got = np.asarray(model.logits(tokens))
   assert np.abs(want).max() > 1.0, "near-zero logits would prove nothing"
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
@@ -153,7 +144,7 @@ def test_logits_match_transformers(layout, pairs):
                           model.init_cache(len(LENGTHS), prompts.shape[1]))
   padded = np.asarray(model.logits(prompts))
   for b, n in enumerate(LENGTHS):
-    row = _hf_logits(hf, prompts[b:b + 1, :n])[0]
+    row = hf_logits(hf, prompts[b:b + 1, :n])[0]
     np.testing.assert_allclose(np.asarray(last)[b], row[-1], atol=TOL, rtol=0)
     np.testing.assert_allclose(padded[b, :n], row, atol=TOL, rtol=0)
 
@@ -271,7 +262,7 @@ def test_export_round_trip_widening_and_errors(pairs, tmp_path):
     assert json.load(f)["architectures"] == ["Qwen3ForCausalLM"]
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
   assert type(hf).__name__ == "Qwen3ForCausalLM"
-  np.testing.assert_allclose(want, _hf_logits(hf, tokens), atol=TOL, rtol=0)
+  np.testing.assert_allclose(want, hf_logits(hf, tokens), atol=TOL, rtol=0)
   again = sj.load_model(str(tmp_path / "export"), dtype="float32")
   assert again.config == model.config
   for a, b in zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(model.params)):

@@ -318,6 +318,11 @@ class DFlashDraft(ParallelDrafter):
 
   def with_grown_params(self, large_target, params) -> "DFlashDraft":
     config = self.grown_config(large_target.config)
+    if getattr(large_target.config, "kernel_layout", "in_out") != "in_out":
+      # The protocol hands the arrays in the large target's kernel layout (`sj.scale_pair`:
+      # out_in); the drafter's own kernels are always [in, out].
+      from specdec_jax.families import kernel_layout as layouts
+      params = layouts.transpose_kernels(params)
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, config.dtype), params)
     return DFlashDraft(large_target, config=config, params=params)
 
