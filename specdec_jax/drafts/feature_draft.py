@@ -137,6 +137,18 @@ class FeatureDraft(Draft):
     return self.head.apply(params["head"], params["target"], tokens, features, positions, cache,
                            tree)
 
+  def _draft_step(self, params, tokens, features, positions, cache, step: int, context_end):
+    """Chain step `step` >= 1 of a proposal: the head on (its own previous output, x_step)
+    at `positions` [batch] (`context_end` [batch]: where the accepted context ends). A
+    draft of several heads (`MtpDraft`) picks the one for this step."""
+    del step, context_end
+    return self._apply(params, tokens, features, positions, cache)
+
+  def _step_logits(self, params, hidden, step: int):
+    """The law's logits at chain step `step` (0-based) from the head's output."""
+    del step
+    return self.head.logits(params["head"], params["target"], hidden)
+
   def _reduce(self, params, features):
     return self.head.reduce_features(params["head"], params["target"],
                                      features.astype(jnp.float32)).astype(jnp.float32)
@@ -195,10 +207,10 @@ class FeatureDraft(Draft):
     return observe
 
   def proposer(self, params, plan):
-    head, gamma, settings = self.head, plan.gamma, plan.sampling
+    gamma, settings = plan.gamma, plan.sampling
 
-    def draw(hidden, step_rng):
-      probs = settings.probs(head.logits(params["head"], params["target"], hidden))
+    def draw(hidden, step_rng, step):
+      probs = settings.probs(self._step_logits(params, hidden, step))
       return settings.draw(step_rng, probs), probs
 
     def propose(rng, state, sequences, lengths, max_drafted=None):
@@ -212,14 +224,14 @@ class FeatureDraft(Draft):
       hidden, cache = self._apply(params, state["pending_tokens"], state["pending_features"],
                                   lengths - count + 1 + offset, state["cache"])
       last = hidden[rows, jnp.clip(count - 1, 0, hidden.shape[1] - 1)]
-      token, probs = draw(last, rngs[0])
+      token, probs = draw(last, rngs[0], 0)
       tokens, laws = [token], [probs]
       for i in range(1, gamma):
         # Feeds (predicted feature of position lengths + i - 1, x_i) at lengths + i.
-        hidden, cache = self._apply(params, token[:, None], last[:, None], lengths + i + offset,
-                                    cache)
+        hidden, cache = self._draft_step(params, token[:, None], last[:, None],
+                                         lengths + i + offset, cache, i, lengths + offset)
         last = hidden[:, 0]
-        token, probs = draw(last, rngs[i])
+        token, probs = draw(last, rngs[i], i)
         tokens.append(token)
         laws.append(probs)
       keep = jnp.arange(gamma)[None] < limit[:, None]

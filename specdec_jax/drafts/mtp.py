@@ -26,10 +26,6 @@ tokens (the target's features at accepted positions only).
 
 from typing import Hashable
 
-import jax.numpy as jnp
-
-from specdec_jax.core import sampling
-from specdec_jax.drafts.base import chain_proposer
 from specdec_jax.drafts.feature_draft import FeatureDraft
 from specdec_jax.families.registry import family_of
 
@@ -85,42 +81,14 @@ class MtpDraft(FeatureDraft):
     return self.head.apply(params["head"], params["target"], tokens, features, positions,
                            cache, tree, module=module, context_end=context_end)
 
-  def proposer(self, params, plan):
-    head, gamma, settings, n = self.head, plan.gamma, plan.sampling, self.head.num_modules
+  # Chain steps (`FeatureDraft.proposer`): step i runs module i mod N (vLLM's reuse rule),
+  # which sees the accepted context and its own draft keys of this proposal.
+  def _draft_step(self, params, tokens, features, positions, cache, step: int, context_end):
+    return self._apply(params, tokens, features, positions, cache,
+                       module=step % self.num_modules, context_end=context_end)
 
-    def draw(hidden, step_rng, module):
-      probs = settings.probs(head.logits(params["head"], params["target"], hidden, module))
-      return settings.draw(step_rng, probs), probs
-
-    def propose(rng, state, sequences, lengths, max_drafted=None):
-      batch = sequences.shape[0]
-      rows = jnp.arange(batch)
-      offset, count = state["offset"], state["count"]
-      limit = (jnp.full((batch,), gamma, jnp.int32) if max_drafted is None else
-               jnp.clip(max_drafted, 1, gamma).astype(jnp.int32))
-      rngs = sampling.split_keys(rng, gamma)
-      # The pending (accepted) pairs, token positions lengths - count + 1 .. lengths,
-      # through every module; step 0 reads module 0's output at the last one.
-      hidden, cache = self._apply(params, state["pending_tokens"], state["pending_features"],
-                                  lengths - count + 1 + offset, state["cache"])
-      last = hidden[rows, jnp.clip(count - 1, 0, hidden.shape[1] - 1)]
-      token, probs = draw(last, rngs[0], 0)
-      tokens, laws = [token], [probs]
-      context_end = lengths + offset
-      for i in range(1, gamma):
-        # Module i mod N at position lengths + i: (its predecessor's output, x_i).
-        hidden, cache = self._apply(params, token[:, None], last[:, None], context_end + i,
-                                    cache, module=i % n, context_end=context_end)
-        last = hidden[:, 0]
-        token, probs = draw(last, rngs[i], i % n)
-        tokens.append(token)
-        laws.append(probs)
-      keep = jnp.arange(gamma)[None] < limit[:, None]
-      draft_tokens = jnp.where(keep, jnp.stack(tokens, axis=1), 0)
-      draft_probs = jnp.where(keep[..., None], jnp.stack(laws, axis=1), 0.0)
-      return draft_tokens, draft_probs, limit, dict(state, cache=cache)
-
-    return chain_proposer(propose, plan, observe=self.observer(params))
+  def _step_logits(self, params, hidden, step: int):
+    return self.head.logits(params["head"], params["target"], hidden, step % self.num_modules)
 
   def tree_expander(self, params, settings):
     """Token trees from the one module (`FeatureDraft.tree_expander`); a tree of several
