@@ -462,8 +462,11 @@ def run_features() -> Dict[str, Any]:
   for name, draft in parallel.items():
     methods.append((methods_lib.chain(draft, gamma, name=f"{name} chain gamma={gamma}"),
                     gamma + 1, c[name]))
-    methods.append((methods_lib.tree(draft, (2, 2, 1, 1)[:min(4, draft.max_tree_depth)],
-                                     name=f"{name} tree"), width, c[name]))
+    # The same tree as the feature head's (it fits `width`), cut to the levels a
+    # one-call drafter scores.
+    levels = branching[:draft.max_tree_depth or len(branching)]
+    methods.append((methods_lib.tree(draft, levels, name=f"{name} tree {levels}"), width,
+                    c[name]))
   rows = {}
   for method, block_width, cost in methods:
     timing = profiling.time_generate_pairs(

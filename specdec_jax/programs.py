@@ -122,5 +122,5 @@ def build_program(family, config, draft, settings, placement) -> Callable:
 
 def program_key(config, draft, settings, precision: Any, placement) -> Hashable:
   """Everything static about one decode: equal keys share a compiled program."""
-  return (config, None if draft is None else draft.static_key(), precision, settings,
+  return (config, None if draft is None else draft.compile_key(), precision, settings,
           placement.key)

@@ -15,10 +15,13 @@ input, as serving engines do (Orca, vLLM), so the batch stays full:
 
 and again until every input is harvested. Outputs come back in input order.
 
-Compiled programs: one start program at batch 1 (and one at batch_size for the
-first fill), one segment program, one refill program; all are reused across
-refills (no recompilation per refill). The host syncs once per segment (the
-`done` flags) plus once per refilled row.
+Compiled programs: a start program for the first fill (batch_size rows), one segment
+program and one refill program (a batch-1 start written into the slot, one dispatch),
+all reused across refills: no recompilation per refill. The host syncs once per segment,
+reading every slot's flags, tokens and counters in one transfer; refills are dispatched
+without waiting. So a decode of N inputs costs about N host syncs beyond the loop's own
+iterations (a segment ends when any row ends), each a few hundred microseconds on CPU
+(`SlotStats.segments` counts them).
 
 Exactness. Each row's loop state is its own (its length, positions, cache rows,
 draft state), so a row decodes the same tokens whatever shares its batch:
@@ -81,14 +84,6 @@ class ManyOutput(GenerateOutput):
   """`GenerateOutput` of every input, in input order (stats: per input; `stats.summary()`
   totals them), and `slots`: a `SlotStats`."""
   slots: Optional[SlotStats] = None
-
-
-def _batch_axes(small, large):
-  """Per leaf, the axis where a batch-1 and a batch-2 structure differ (None: no batch)."""
-  def axis(a, b):
-    diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-    return diff[0] if diff else None
-  return jax.tree_util.tree_map(axis, small, large)
 
 
 def _programs(family, config, draft, settings):
@@ -228,56 +223,85 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   ({input index: dict(sequences, counters)}, usage counts)."""
   rows = list(rows)
   config = model.config
-  key = ("slots", config, None if draft is None else draft.static_key(), settings)
+  key = ("slots", config, None if draft is None else draft.compile_key(), settings)
   # The carry is donated to the segment and refill programs: updated in place, not copied
   # (the cache's every row) at each call.
-  start_fn, segment_fn = PROGRAMS.get(key, lambda: (
-      lambda start, segment: (jax.jit(start), jax.jit(segment, donate_argnums=(2,))))(
-          *_programs(family, config, draft, settings)))
+  start_fn, segment_fn, refill_fn = PROGRAMS.get(key, lambda: _compiled(
+      *_programs(family, config, draft, settings)))
   params = model.params
   draft_params = None if draft is None else draft.params
   slots = min(slots, len(rows))
 
-  def start_rows(indices):
-    indices = list(indices)
+  def inputs_of(indices):
+    indices = np.asarray(indices, np.int32)
     lens = None if row_lengths is None else jnp.asarray(row_lengths[indices])
-    keys = jnp.stack([jax.random.fold_in(rng, int(i)) for i in indices])
-    return start_fn(params, draft_params, jnp.asarray(tokens[indices]), lens, keys)
+    return jnp.asarray(tokens[indices]), lens, jnp.asarray(indices)
 
-  carry, offset = start_rows(rows[:slots])
-  if slots > 1:
-    axes = _batch_axes(jax.eval_shape(lambda: start_rows(rows[:1])),
-                       jax.eval_shape(lambda: start_rows(rows[:2])))
-  else:
-    axes = jax.tree_util.tree_map(lambda _: 0, (carry, offset))
-  refill_fn = PROGRAMS.get(key + ("refill", slots),
-                           lambda: jax.jit(_refill(axes), donate_argnums=(0,)))
-
+  state = start_fn(params, draft_params, rng, *inputs_of(rows[:slots]))
   owner: List[Optional[int]] = list(rows[:slots])   # the input each slot decodes
   waiting = rows[slots:]
   results: Dict[int, Any] = {}
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
+  before = np.zeros((slots,), np.int64)  # each slot's iterations when the segment starts
   while any(o is not None for o in owner):
     live = np.asarray([o is not None for o in owner])
-    before = np.asarray(carry.counters.iterations)
-    carry = segment_fn(params, draft_params, carry, offset, jnp.asarray(live))
+    state = segment_fn(params, draft_params, state, jnp.asarray(live))
     usage["segments"] += 1
-    done = np.asarray(carry.done)
-    delta = (np.asarray(carry.counters.iterations) - before)[live]
+    # The host's one sync per segment: every slot's flags, tokens and counters at once.
+    carry = state[0]
+    done, sequences, counters = jax.device_get(
+        (carry.done, carry.sequences, carry.counters.as_dict()))
+    delta = (counters["iterations"] - before)[live]
     usage["iterations"] += int(delta.max()) if delta.size else 0
     usage["live_iterations"] += int(delta.sum())
+    before = counters["iterations"].astype(np.int64)
     for s, o in enumerate(owner):
       if o is None or not done[s]:
         continue
-      results[o] = jax.tree_util.tree_map(lambda x: np.asarray(x[s]), dict(
-          sequences=carry.sequences, counters=carry.counters.as_dict()))
+      results[o] = dict(sequences=sequences[s],
+                        counters={name: v[s] for name, v in counters.items()})
       if waiting:
-        carry, offset = refill_fn((carry, offset), start_rows(waiting[:1]), s)
+        state = refill_fn(state, params, draft_params, rng, *inputs_of(waiting[:1]), s)
         owner[s] = waiting.pop(0)
+        before[s] = 0
         usage["refills"] += 1
       else:
         owner[s] = None
   return results, usage
+
+
+def _compiled(start, segment):
+  """The jitted (start, segment, refill) of one static plan. Each input's key is
+  fold_in(rng, its index), made in the program. Refill starts one input at batch 1 and
+  writes it into a slot, one dispatch; it and segment update the state (the loop's carry
+  and each row's position offset) in place (donated)."""
+
+  def start_rows(params, draft_params, rng, tokens, lengths, indices):
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(indices)
+    return start(params, draft_params, tokens, lengths, keys)
+
+  def segment_state(params, draft_params, state, live):
+    carry, offset = state
+    return segment(params, draft_params, carry, offset, live), offset
+
+  def refill(state, params, draft_params, rng, tokens, lengths, indices, slot):
+    row = start_rows(params, draft_params, rng, tokens, lengths, indices)
+    slots = jax.tree_util.tree_leaves(state[0].done)[0].shape[0]
+    return jax.tree_util.tree_map(functools.partial(_put_row, slot=slot, slots=slots), state,
+                                  row)
+
+  return (jax.jit(start_rows), jax.jit(segment_state, donate_argnums=(2,)),
+          jax.jit(refill, donate_argnums=(0,)))
+
+
+def _put_row(big, small, *, slot, slots: int):
+  """big (a state leaf of `slots` rows) with small (the same leaf of one fresh row) written
+  at `slot` of its batch axis: the one axis where their shapes differ. A leaf of equal
+  shapes has no batch axis (kept), unless there is one slot (the fresh row replaces it)."""
+  differ = [i for i, (x, y) in enumerate(zip(big.shape, small.shape)) if x != y]
+  if not differ:
+    return small.astype(big.dtype) if slots == 1 else big
+  return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, differ[0])
 
 
 def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, run,
@@ -326,7 +350,7 @@ def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates):
   """C(k) for k = 1 and each candidate gamma + 1, at batch `slots`, and the draft's cost
   per proposal of each candidate gamma, relative to one target step (cached per shape)."""
   from specdec_jax.tools import profiling
-  key = ("slot_costs", model.config, draft.static_key(), slots, tokens.shape[1], steps,
+  key = ("slot_costs", model.config, draft.compile_key(), slots, tokens.shape[1], steps,
          tuple(candidates))
 
   def measure():
@@ -369,17 +393,3 @@ def _merged_counters(rows):
       padded.append(v)
     out[name] = np.stack(padded)
   return out
-
-
-def _refill(axes):
-  """(state, row, slot) -> state with row's batch-1 leaves written at `slot` of each leaf's
-  batch axis (leaves without one are kept)."""
-
-  def refill(state, row, slot):
-    def put(big, small, axis):
-      if axis is None:
-        return big
-      return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis)
-    return jax.tree_util.tree_map(put, state, row, axes)
-
-  return refill

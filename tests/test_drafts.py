@@ -411,3 +411,28 @@ def test_model_draft_cache_holds_every_accepted_position(greedy_setup):
           np.testing.assert_allclose(layer[name][b, :, :seen], ref_layer[name][b, :, :seen],
                                      atol=1e-5, err_msg=f"step {step} row {b} {name}")
   assert len(drafted_lengths) >= 3, drafted_lengths
+
+
+def test_a_subclass_that_overrides_a_method_gets_its_own_program():
+  """Compiled programs are keyed by `Draft.compile_key` (the class and `static_key`): a
+  subclass with its parent's static_key but its own `proposer` is traced, not served the
+  parent's cached program (a broken variant would otherwise pass an exactness test)."""
+  from tiny_models import tiny_model
+  target = tiny_model("decoder_only", vocab=16, seed=3)
+  drafter = tiny_model("decoder_only", vocab=16, seed=5)
+  traced = []
+
+  class Recording(ModelDraft):
+    def proposer(self, params, plan):
+      traced.append(plan.gamma)
+      return super().proposer(params, plan)
+
+  prompts = np.array([[3, 4, 5]], np.int32)
+  plain = generate(target, prompts, max_decode_steps=6, draft=ModelDraft(drafter), gamma=2)
+  recorded = generate(target, prompts, max_decode_steps=6, draft=Recording(drafter), gamma=2)
+  assert traced == [2]
+  np.testing.assert_array_equal(np.asarray(recorded.sequences), np.asarray(plain.sequences))
+  many = sj.generate_many(target, np.repeat(prompts, 2, 0), batch_size=1, max_decode_steps=6,
+                          draft=Recording(drafter), gamma=2)
+  assert traced[1:] and set(traced) == {2}
+  np.testing.assert_array_equal(np.asarray(many.sequences)[0], np.asarray(plain.sequences)[0])

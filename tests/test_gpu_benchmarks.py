@@ -49,9 +49,14 @@ def test_gpu_benchmarks_dry_run(tmp_path):
   assert "| tree (2, 1, 1) |" in table and "(block)" in table
   # Issue 23: the demo feature head embedded with the target, chain and trees.
   features = merged["features"]
-  assert set(features["c"]) == {"feature head", "small"} and all(
+  # Issue 32: the pair's one-call drafters (Medusa, DFlash, PARD) beside them, chain and tree.
+  assert set(features["c"]) == {"feature head", "small", "medusa", "dflash", "parallel"} and all(
       v > 0 for v in features["c"].values())
-  assert len(features["rows"]) == 4
+  assert len(features["rows"]) == 4 + 2 * 3
+  assert {"dflash chain gamma=4", "parallel tree (2, 1, 1)"} <= set(features["rows"])
   for row in features["rows"].values():
     assert row["identical_rows"] == row["rows"] == 2 and row["tokens_per_iteration"] >= 1
   assert "Feature drafts (issue 23)" in table and "| feature chain gamma=4 |" in table
+  # Issues 33 and 34: the throughput rows and the MoE cost curves, each in its own file.
+  throughput = json.loads((tmp_path / "throughput.json").read_text())
+  assert throughput and (tmp_path / "moe_cost_curve.json").exists()

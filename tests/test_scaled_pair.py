@@ -56,16 +56,49 @@ def test_embedded_target_and_drafts_keep_the_pairs_function(family, tmp_path):
 @pytest.mark.parametrize("family", ["decoder_only", "t5"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_act2_target_decodes_what_the_shipped_target_decodes(family, dtype, tmp_path):
-  """Act 2's embedded targets (the demo's default shapes) give the shipped target's greedy
-  outputs on held-out inputs, in float32 and bfloat16. First-copy growth keeps every product;
-  sums run in another order, so this is equality on these inputs, not a bitwise promise
-  (at a 2x-wide T5 test shape one of 8 bfloat16 rows flips a near-tie at 40 tokens)."""
+  """Act 2's embedded targets (the demo's default shapes) compute the shipped target's
+  function on held-out inputs. First-copy growth keeps every product; sums run in another
+  order, so this is not a bitwise promise. Float32: the greedy outputs are equal. Bfloat16:
+  the teacher-forced logits agree within a few bfloat16 steps, and a row may leave the
+  shipped target's greedy path only at a near-tie, one whose two logits differ by no more
+  than the logits themselves do (2 of 8 T5 rows do: one at an exact tie of the shipped
+  target, one at a gap of half a bfloat16 step; the drift is one step, 0.0625 at 16.9)."""
   from experiments.demo_act2 import DEFAULT_SHAPES
+  from specdec_jax.families.registry import family_of
   pair = sj.load_demo_pair(family, dtype=dtype)
   scaled = sj.scale_pair(pair, DEFAULT_SHAPES[family], cache_dir=str(tmp_path), log=None)
   steps = 24 if family == "decoder_only" else 40
-  np.testing.assert_array_equal(_greedy(scaled.target, pair, 8, steps),
-                                _greedy(pair.target, pair, 8, steps))
+  grown, shipped = _greedy(scaled.target, pair, 8, steps), _greedy(pair.target, pair, 8, steps)
+  if dtype == "float32":
+    np.testing.assert_array_equal(grown, shipped)
+    return
+  # Teacher-forced on the shipped target's own outputs: the laws each model saw at each step.
+  kind = family_of(pair.target)
+  inputs, lengths = pair.inputs(8)
+  tokens, checked_lengths = kind.check_inputs(pair.target.config, inputs, lengths, steps)
+  out = sj.generate(pair.target, inputs, lengths, max_decode_steps=steps)
+  batch = kind.continuation_batch(pair.target.config, tokens, checked_lengths,
+                                  np.asarray(out.sequences), np.asarray(out.lengths))
+  logits = {}
+  for name, model in (("shipped", pair.target), ("grown", scaled.target)):
+    logits[name], targets, weights = map(np.asarray, kind.token_logits(model.config,
+                                                                       model.params, batch))
+  scored = weights > 0
+  for row in range(len(shipped)):  # position j of the scored ones predicts new token j
+    np.testing.assert_array_equal(targets[row][scored[row]],
+                                  shipped[row][:int(out.lengths[row])])
+  drift = np.abs(logits["grown"] - logits["shipped"])[scored].max()
+  scale = np.abs(logits["shipped"][scored]).max()
+  assert drift <= 2 ** -5 * scale, (drift, scale)  # a few bfloat16 steps (2^-8 relative)
+  differing = [row for row in range(len(grown)) if not np.array_equal(grown[row], shipped[row])]
+  assert len(differing) <= 2, differing
+  for row in differing:
+    step = int(np.argmax(grown[row] != shipped[row]))
+    position = np.flatnonzero(scored[row])[step]
+    law = logits["shipped"][row, position]
+    gap = law[shipped[row, step]] - law[grown[row, step]]
+    # Teacher-forced and incremental logits round apart too, so the sign may not hold.
+    assert abs(gap) <= 2 * drift, (row, step, gap, drift)
 
 
 @pytest.mark.parametrize("family", ["decoder_only", "t5"])

@@ -613,6 +613,7 @@ def speculative_sample(inputs: Array,
     (`counters.LoopCounters.as_dict`).
   """
   check_loop_inputs(inputs)
+  check_verification(verification)
   if int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
   settings = sampling.Sampling(temperature, topk, topp)

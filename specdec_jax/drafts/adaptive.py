@@ -70,7 +70,7 @@ class AdaptiveGammaDraft(Draft):
     return self.draft.params
 
   def static_key(self) -> Hashable:
-    return ("adaptive_gamma", self.draft.static_key(), self.initial_gamma, self.increase,
+    return ("adaptive_gamma", self.draft.compile_key(), self.initial_gamma, self.increase,
             self.decrease)
 
   def check_compatible(self, target_config) -> None:

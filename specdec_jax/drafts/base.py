@@ -140,6 +140,11 @@ class Draft(abc.ABC):
   def static_key(self) -> Hashable:
     """Hashable description of everything static: equal keys share a compile."""
 
+  def compile_key(self) -> Hashable:
+    """What compiled-program caches key on: `static_key` and the draft's class, so a
+    subclass that overrides a method (say `proposer`) never reuses its parent's program."""
+    return (type(self), self.static_key())
+
   # -- the decode -------------------------------------------------------------
 
   @abc.abstractmethod

@@ -84,7 +84,7 @@ class ParallelDraft(ParallelDrafter):
     return self.model.params
 
   def static_key(self) -> Hashable:
-    return ("parallel", self.model_draft.static_key(), self.mask_token_id, self.gamma)
+    return ("parallel", self.model_draft.compile_key(), self.mask_token_id, self.gamma)
 
   def check_compatible(self, target_config) -> None:
     if not self.padding and self.vocab_size < target_config.vocab_size:

@@ -196,7 +196,7 @@ class TreeDraft(Draft):
     return self.inner.params
 
   def static_key(self) -> Hashable:
-    return ("tree", self.shape.branching, self.children, self.inner.static_key())
+    return ("tree", self.shape.branching, self.children, self.inner.compile_key())
 
   def check_compatible(self, target_config) -> None:
     self.inner.check_compatible(target_config)
@@ -403,7 +403,7 @@ class DynamicTreeDraft(TreeDraft):
     return f"a dynamic tree of node_budget {self.node_budget}"
 
   def static_key(self) -> Hashable:
-    return ("dynamic_tree", self.topk, self._depth, self.node_budget, self.inner.static_key())
+    return ("dynamic_tree", self.topk, self._depth, self.node_budget, self.inner.compile_key())
 
   def room(self, width: int) -> int:
     return width + self._depth * self.topk + 2 + self.inner.room(width)

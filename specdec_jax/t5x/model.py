@@ -500,7 +500,7 @@ class SpeculativeEncoderDecoderModel(_BASE):
     # Target-only decoding ignores the draft and gamma: leaving them out of the
     # key lets models that differ only there share one compiled decoder (a
     # launcher sweeping gamma compiles its target-only baseline once).
-    draft_key = ((None if self.draft is None else self.draft.static_key(), self.gamma,
+    draft_key = ((None if self.draft is None else self.draft.compile_key(), self.gamma,
                   self.verification) if self.is_speculative else (None, None, None))
     key = (self.target_config, *draft_key, self._decode_fn.__name__, self.block_width,
            self.temperature, self.topk, self.topp, int(num_decodes), max_decode_steps)
