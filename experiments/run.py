@@ -41,6 +41,7 @@ succeeded: a failed run leaves no results.
 """
 
 import abc
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -523,6 +524,15 @@ class Experiment:
   a `tasks.Tokenizer` (e.g. the byte fallback for random tiny models) wins
   over both. chat_template: render each input as one user turn of the
   tokenizer's chat template (instruction-tuned checkpoints).
+  gamma: a chain's tokens per proposal, or 'auto' (default; the GAMMA macro): with
+  slots, `sj.generate_many` chooses gamma (0: target-only) for each phase of inputs
+  from each choice's iteration cost measured at this batch size and the acceptance
+  so far, each chunk starting at the acceptance of the chunks before it; gamma is
+  at most W - 1, so greedy outputs still equal target-only decoding at W.
+  results.json gains `gamma_phases` (inputs, gamma, the alpha it was chosen at and
+  the speedup predicted) and `gamma_auto_costs`; its `gamma` is the speculating gamma
+  that decoded the most inputs. Without slots (SCHEDULING='batches', a mesh) and for
+  a tree's shape, 'auto' plans with AUTO_PLAN_GAMMA (4), said in `warnings`.
   max_input_length: the inputs' width (T5 cuts longer inputs, a prompt
   longer than it is an error). max_decode_steps must be >= gamma + 1 (the
   block that measures verification cost has gamma + 1 tokens).
@@ -552,7 +562,7 @@ class Experiment:
   tokenizer: Optional[tasks.Tokenizer] = None
   vocabulary: Optional[str] = None
   chat_template: bool = False
-  gamma: int = 4
+  gamma: Union[int, str] = "auto"
   temperature: float = 0.0
   topk: int = 0
   topp: Optional[float] = None
@@ -567,6 +577,11 @@ class Experiment:
 
 
 SCHEDULINGS = ("slots", "batches")
+# GAMMA='auto' (the default) lets `sj.generate_many` choose gamma per phase of inputs from
+# the batch's measured costs and the acceptance so far. Where it does not choose (fixed
+# batches, a mesh, a tree's shape), and for the timed verification call and the block
+# width, the launcher plans with this gamma.
+AUTO_PLAN_GAMMA = 4
 # Slots stream this many batches' worth of inputs per saved chunk (`measure`): a resumed
 # run restarts at the last chunk, the slots stay full inside one.
 CHUNK_BATCHES = 4
@@ -856,6 +871,7 @@ class Measured:
   verify_cost: float  # the verification call / one one-token call
   draft_step: Optional[float]  # seconds of one one-token call of the cost model
   occupancy: Optional[Dict[str, float]] = None  # slot occupancy per decoder (slots only)
+  phases: Optional[List[Dict[str, Any]]] = None  # the speculative decoder's gamma per phase
 
 
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
@@ -979,9 +995,9 @@ def build(exp: Experiment, planned: Plan) -> Setup:
                                      exp.max_decode_steps)
     settings = settings_lib.plan_settings(
         config, draft, max_decode_steps=exp.max_decode_steps, temperature=exp.temperature,
-        topk=exp.topk, topp=exp.topp, gamma=exp.gamma, verification=exp.verification,
-        block_width=exp.block_width)
-  verify_tokens, needed = spec.verify_block(exp.gamma, settings.block_width)
+        topk=exp.topk, topp=exp.topp, gamma=planned_gamma(exp, draft),
+        verification=exp.verification, block_width=exp.block_width)
+  verify_tokens, needed = spec.verify_block(planned_gamma(exp, draft), settings.block_width)
   if exp.max_decode_steps < verify_tokens:  # The timed verification call must fit.
     raise ValueError(f"max_decode_steps ({exp.max_decode_steps}) must be >= {needed}")
   if planned.partitioners is not None:
@@ -992,7 +1008,7 @@ def build(exp: Experiment, planned: Plan) -> Setup:
   local_inputs = None if planned.hosts is None else model_inputs(
       family, config, planned.local_rows, exp.max_input_length)
   return Setup(target, draft, spec.cost_model(draft), inputs, prompt_lengths, local_inputs,
-               settings, spec.theory_gamma(draft, exp.gamma), verify_tokens)
+               settings, spec.theory_gamma(draft, planned_gamma(exp, draft)), verify_tokens)
 
 
 def measure(exp: Experiment, planned: Plan, setup: Setup,
@@ -1024,13 +1040,14 @@ def measure(exp: Experiment, planned: Plan, setup: Setup,
   walltime = {k: sum(r.seconds[k] for r in records) for k in records[0].seconds}
   sequences = {k: np.concatenate([r.sequences[k] for r in records]) for k in records[0].sequences}
   lengths = {k: np.concatenate([r.lengths[k] for r in records]) for k in records[0].lengths}
+  phases = [p for r in records for p in (r.phases or [])] or None
   occupancy = None
   if all(r.occupancy is not None for r in records):
     rows = np.asarray([r.rows for r in records], np.float64)
     occupancy = {k: float(np.dot(rows, [r.occupancy[k] for r in records]) / rows.sum())
                  for k in records[0].occupancy}
   return Measured(sequences, lengths, _stack_stats([r.stats for r in records]), walltime,
-                  *times, occupancy=occupancy)
+                  *times, occupancy=occupancy, phases=phases)
 
 
 def _slots(exp: Experiment, planned: Plan) -> bool:
@@ -1074,11 +1091,13 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
     # independent samples (greedy ignores them).
     base_key = jax.random.fold_in(rng, 2 * batch_index)
     spec_key = jax.random.fold_in(rng, 2 * batch_index + 1)
-    base_out, base_len, _, base_time, base_occupancy = decode(False, width, batch_index,
-                                                              base_key)
+    base_out, base_len, _, base_time, base_occupancy, _ = decode(False, width, batch_index,
+                                                                 base_key)
     width_1_time = decode(False, 1, batch_index, base_key)[3] if width != 1 else 0.0
-    spec_out, spec_len, stats, spec_time, spec_occupancy = decode(True, width, batch_index,
-                                                                  spec_key)
+    # gamma='auto' starts each chunk at the acceptance of the chunks before it.
+    prior = _stack_stats([r.stats for r in records]).alpha if records else None
+    spec_out, spec_len, stats, spec_time, spec_occupancy, phases = decode(
+        True, width, batch_index, spec_key, prior_alpha=prior)
     record = BatchRecord(
         sequences={"baseline": base_out[:real], "speculative": spec_out[:real]},
         lengths={"baseline": base_len[:real], "speculative": spec_len[:real]},
@@ -1086,7 +1105,8 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
         seconds={"baseline": base_time, "baseline_width_1": width_1_time,
                  "speculative": spec_time},
         occupancy=None if base_occupancy is None else {"baseline": base_occupancy,
-                                                       "speculative": spec_occupancy})
+                                                       "speculative": spec_occupancy},
+        phases=phases)
     if progress is not None:
       progress.save_batch(batch_index, record)
     records.append(record)
@@ -1105,7 +1125,8 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
   target_part, draft_part = planned.partitioners or (None, None)
   hosts = planned.hosts
 
-  def decode(use_draft: bool, block_width: int, batch_index: int, key):
+  def decode(use_draft: bool, block_width: int, batch_index: int, key,
+             prior_alpha: Optional[float] = None):
     start = time.perf_counter()
     if _slots(exp, planned):  # the chunk's real rows through batch_size slots
       index, real = batches[batch_index]
@@ -1116,7 +1137,8 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
                           batch_size=exp.batch_size, max_decode_steps=exp.max_decode_steps,
                           temperature=exp.temperature, topk=exp.topk, topp=exp.topp, rng=key,
                           draft=setup.draft if use_draft else None, gamma=exp.gamma,
-                          block_width=block_width,
+                          block_width=block_width, prior_alpha=prior_alpha if use_draft and
+                          exp.gamma == "auto" else None,
                           verification=exp.verification if use_draft else "token")
       sequences = np.asarray(jax.block_until_ready(out.sequences))
       pad = len(batches[batch_index][0]) - real  # the record's rows, as batches have them
@@ -1124,7 +1146,10 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
       lens = np.asarray(out.lengths)
       lens = np.concatenate([lens, np.repeat(lens[-1:], pad, 0)])
       stats = None if out.stats is None else _pad_stats(out.stats, pad)
-      return sequences, lens, stats, time.perf_counter() - start, out.slots.occupancy
+      phases = [dict(p, inputs=[int(index[0]) + i for i in p["inputs"]])
+                for p in out.slots.phases] if use_draft else None
+      return (sequences, lens, stats, time.perf_counter() - start, out.slots.occupancy,
+              phases)
     if hosts is None:
       index = batches[batch_index][0]
       inputs, lengths = setup.inputs, setup.prompt_lengths
@@ -1134,13 +1159,15 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
     out = generate(setup.target, inputs[index], None if lengths is None else lengths[index],
                    max_decode_steps=exp.max_decode_steps, temperature=exp.temperature,
                    topk=exp.topk, topp=exp.topp, rng=key,
-                   draft=setup.draft if use_draft else None, gamma=exp.gamma,
+                   draft=setup.draft if use_draft else None,
+                   gamma=planned_gamma(exp, setup.draft),
                    block_width=block_width,
                    verification=exp.verification if use_draft else "token",
                    partitioner=target_part, draft_partitioner=draft_part,
                    process_local=hosts is not None, global_outputs=True)
     sequences = np.asarray(jax.block_until_ready(out.sequences))
-    return sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start, None
+    return (sequences, np.asarray(out.lengths), out.stats, time.perf_counter() - start, None,
+            None)
 
   return decode
 
@@ -1178,7 +1205,8 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
   """results.json's fields: the Table 2 figures and the theory's predictions, the draft's
   own fields, the exactness check, and every completion."""
   config, settings, stats = setup.target.config, setup.settings, measured.stats
-  width, gamma, alpha, walltime = settings.block_width, setup.gamma, stats.alpha, measured.walltime
+  width, alpha, walltime = settings.block_width, stats.alpha, measured.walltime
+  gamma = _theory_gamma(exp, setup, measured)
   c = None if measured.draft_step is None else measured.draft_step / measured.target_step
   baseline_width, baseline_time = width, walltime["baseline"]
   if width != 1 and walltime["baseline_width_1"] < baseline_time:
@@ -1211,6 +1239,11 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       tokens_per_s_speculative=float(measured.lengths["speculative"].sum()) / max(
           walltime["speculative"], 1e-9),
       slot_occupancy=measured.occupancy,
+      gamma_setting=exp.gamma,
+      gamma_phases=None if measured.phases is None else [
+          {k: v for k, v in p.items() if k not in _PHASE_COSTS} for p in measured.phases],
+      gamma_auto_costs=None if not measured.phases or exp.gamma != "auto" else {
+          k: v for k, v in measured.phases[0].items() if k in _PHASE_COSTS},
       acceptance_rate=stats.acceptance_rate, alpha=alpha,
       mean_tokens_per_iteration=stats.mean_tokens_per_iteration,
       expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, gamma),
@@ -1222,7 +1255,8 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       predicted_speedup=theory.walltime_improvement(alpha, gamma, c or 0.0),
       predicted_speedup_measured_verify_cost=theory.predicted_speedup_with_verify_cost(
           alpha, gamma, c or 0.0, measured.verify_cost),
-      operative_gin_config=gin.operative_config_str(), warnings=list(planned.warnings))
+      operative_gin_config=gin.operative_config_str(),
+      warnings=list(planned.warnings) + _auto_gamma_warnings(exp, planned, setup))
   result.update(planned.spec.report(setup.draft, stats, width, exp.temperature, c,
                                     measured.verify_cost))
   result.update(_exactness(exp, setup, measured))
@@ -1233,6 +1267,34 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       result["task"], result["draft"], exp.temperature, gamma, alpha, speedup,
       result["predicted_speedup_measured_verify_cost"], c)
   return result
+
+
+# A phase's measurements (the same in every phase of a batch size): results.json keeps them
+# once, as `gamma_auto_costs`.
+_PHASE_COSTS = ("cost_curve", "draft_cost", "iteration_ms")
+
+
+def _auto_gamma_warnings(exp: Experiment, planned: Plan, setup: Setup) -> List[str]:
+  """GAMMA='auto' where nothing chooses: said, with the gamma that ran."""
+  if exp.gamma != "auto" or isinstance(setup.draft, (TreeDraft, DynamicTreeDraft)):
+    return []
+  if not _slots(exp, planned):
+    return [f"GAMMA='auto' chooses gamma between phases of slot decoding; fixed batches "
+            f"(SCHEDULING='batches' or a mesh) drafted gamma={setup.gamma} throughout: set "
+            "--gin.GAMMA to an int to choose it"]
+  return []
+
+
+def _theory_gamma(exp: Experiment, setup: Setup, measured: Measured) -> int:
+  """results.json's gamma (the theory's): the setup's, or under gamma='auto' with slots
+  the speculating gamma that decoded the most inputs (the setup's if none speculated)."""
+  if exp.gamma != "auto" or not measured.phases or isinstance(setup.draft, (TreeDraft, DynamicTreeDraft)):
+    return setup.gamma
+  inputs = collections.Counter()
+  for phase in measured.phases:
+    if phase["gamma"]:
+      inputs[phase["gamma"]] += phase["inputs"][1] - phase["inputs"][0]
+  return inputs.most_common(1)[0][0] if inputs else setup.gamma
 
 
 def _checkpoint_path(spec) -> Optional[str]:
@@ -1410,8 +1472,25 @@ def _verification(value):
 
 # Each Experiment field's type and range: the same rules `specdec_jax.settings` applies to
 # generate's arguments, stated here once per field so that every bad one is reported.
+def _gamma(value):
+  if value != "auto":
+    try:
+      _int_at_least(1)(value)
+    except ValueError:
+      raise ValueError("must be an int >= 1 or 'auto'") from None
+
+
+def planned_gamma(exp: Experiment, draft: Optional[Draft] = None) -> int:
+  """The gamma the launcher plans with: GAMMA, or under 'auto' AUTO_PLAN_GAMMA (at most
+  the draft's own limit)."""
+  if exp.gamma != "auto":
+    return exp.gamma
+  most = None if draft is None else getattr(draft, "max_gamma", None)
+  return min(AUTO_PLAN_GAMMA, most or AUTO_PLAN_GAMMA)
+
+
 FIELD_CHECKS = (
-    ("gamma", _int_at_least(1)), ("max_decode_steps", _int_at_least(1)),
+    ("gamma", _gamma), ("max_decode_steps", _int_at_least(1)),
     ("batch_size", _int_at_least(1)), ("max_input_length", _int_at_least(1)),
     ("timing_repeats", _int_at_least(1)), ("seed", _int_at_least(0)),
     ("topk", _int_at_least(0)), ("block_width", _optional(_int_at_least(1))),
@@ -1440,11 +1519,12 @@ def experiment_problems(exp: Experiment) -> List[str]:
     except ValueError as e:
       problems.append(f"{e} (--gin.{setting_name('topk')} / --gin.{setting_name('topp')})")
   spec = exp.draft if isinstance(exp.draft, DraftSpec) else None
-  if not isinstance(spec, TreeSpec) and exp.max_decode_steps < exp.gamma + 1:
+  gamma_value = planned_gamma(exp)
+  if not isinstance(spec, TreeSpec) and exp.max_decode_steps < gamma_value + 1:
     steps, gamma = setting_name("max_decode_steps"), setting_name("gamma")
     problems.append(f"{steps} ({exp.max_decode_steps}) must be >= {gamma} + 1 "
-                    f"({exp.gamma + 1}): the timed verification call scores gamma + 1 tokens; "
-                    f"raise --gin.{steps} or lower --gin.{gamma}")
+                    f"({gamma_value + 1}): the timed verification call scores gamma + 1 "
+                    f"tokens; raise --gin.{steps} or lower --gin.{gamma}")
   return problems
 
 

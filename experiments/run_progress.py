@@ -41,12 +41,15 @@ class BatchRecord:
   seconds: {'baseline', 'baseline_width_1', 'speculative'} walltimes.
   occupancy: {'baseline', 'speculative'} slot occupancy (`sj.generate_many`), or None
     for fixed batches.
+  phases: the speculative decoder's phases (`SlotStats.phases`: inputs [start, stop) of
+    the run, gamma, and under gamma='auto' the alpha it was chosen at), or None.
   """
   sequences: Dict[str, np.ndarray]
   lengths: Dict[str, np.ndarray]
   stats: SpeculativeStats
   seconds: Dict[str, float]
   occupancy: Optional[Dict[str, float]] = None
+  phases: Optional[List[Dict[str, Any]]] = None
 
   @property
   def rows(self) -> int:
@@ -162,6 +165,8 @@ class RunProgress:
     if record.occupancy is not None:
       arrays["occupancy"] = np.asarray([record.occupancy[k] for k in sorted(record.occupancy)])
       arrays["occupancy_keys"] = np.asarray(sorted(record.occupancy))
+    if record.phases is not None:
+      arrays["phases_json"] = np.asarray(json.dumps(results_lib._jsonable(record.phases)))  # pylint: disable=protected-access
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     results_lib.write_bytes_atomic(self._batch_path(index), buffer.getvalue())
@@ -186,7 +191,8 @@ class RunProgress:
                              [float(s) for s in data["seconds"]])),
             occupancy=dict(zip([str(k) for k in data["occupancy_keys"]],
                                [float(s) for s in data["occupancy"]]))
-            if "occupancy" in data else None)
+            if "occupancy" in data else None,
+            phases=json.loads(str(data["phases_json"])) if "phases_json" in data else None)
     return out
 
   def step_times(self) -> Optional[List[Optional[float]]]:

@@ -8,14 +8,20 @@ sampled, each mode timed after one untimed call of the same shapes (compiles exc
     target, slots       `generate_many` target-only, B slots
     spec, batches       `generate` with the pair's draft at --gamma, chunks of B
     spec, slots         `generate_many` with the draft at --gamma, B slots
-    auto, slots         `generate_many(gamma='auto')`, B slots
+    auto, slots         `generate_many(gamma='auto')`, B slots, given the alpha of its
+                        own untimed first run (a long stream's steady state: the
+                        launcher gives each chunk the alpha of the chunks before it)
+
+Target-only decodes one token per call (block width 1, the fastest exact baseline on
+CPU); the fixed-gamma modes verify at width gamma + 1; auto at each phase's own.
 
 It reports tokens/s (tokens emitted, EOS included, over wall seconds), each mode's speedup
 against the faster target-only mode, and the efficiency of the speculative modes: measured
-speedup / the theory's prediction E[tokens] / (gamma c + C(gamma + 1)), with alpha pooled
-from that mode's own decode and c, C(k) measured at batch B (`tools.profiling`). A fixed
-batch waits for its slowest row (stragglers); slots refill, so their efficiency should
-approach 1.
+speedup against target-only of the same scheduling / the theory's prediction E[tokens] /
+(gamma c + C(gamma + 1)), with alpha pooled from that mode's own decode and c, C(k)
+measured at batch B (`tools.profiling`; C(1) is the one-token step target-only runs). A
+fixed batch waits for its slowest row (stragglers); slots refill, so their efficiency
+should approach 1. Greedy rows also count the outputs equal to target-only's.
 
 Pairs: 't5' and 'decoder_only' (the shipped demo pairs) and 'scaled' (the T5 demo target
 embedded at t5_1_1_base, `sj.scale_pair`: the same function at a cost whose steps are
@@ -25,6 +31,7 @@ memory-bound on this CPU; its drafts as shipped).
       --temperatures=0,1 --output_json=benchmarks/cpu/issue33/throughput.json
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -52,6 +59,8 @@ SCALED_SHAPE = flags.DEFINE_string("scaled_shape", "t5_1_1_base", "The 'scaled' 
 MAX_DECODE_STEPS = flags.DEFINE_integer("max_decode_steps", 0, "0: the pair's own.")
 OUTPUT_JSON = flags.DEFINE_string("output_json", "", "Write the results here (atomically).")
 DTYPE = flags.DEFINE_string("dtype", "", "The models' dtype (default: the pairs' float32).")
+MARKDOWN_FROM = flags.DEFINE_list("markdown_from", [], "Print these result files as "
+                                   "BENCHMARKS.md tables and run nothing.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny and short: the 'scaled' pair at "
                             "t5_1_1_small, 8 inputs, 8 steps (the GPU script's CPU test).")
 
@@ -82,6 +91,11 @@ def _timed(fn, repeats: int):
     jax.block_until_ready(out.sequences)
     seconds.append(time.perf_counter() - start)
   return statistics.median(seconds), out
+
+
+def _alpha(out) -> float:
+  """The acceptance pooled over a decode's rows (Corollary 3.6's estimate)."""
+  return float(np.sum(out.stats.beta_sum) / max(np.sum(out.stats.beta_count), 1))
 
 
 def _batches(target, inputs, lengths, b, **kw):
@@ -116,25 +130,33 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     kw = dict(max_decode_steps=steps, **sample)
     width = GAMMA.value + 1
     modes = {
-        "target, batches": lambda: _batches(target, inputs, lengths, b, block_width=width, **kw),
+        "target, batches": lambda: _batches(target, inputs, lengths, b, block_width=1, **kw),
         "target, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
-                                                  block_width=width, **kw),
+                                                  block_width=1, **kw),
         "spec, batches": lambda: _batches(target, inputs, lengths, b, draft=draft,
                                           gamma=GAMMA.value, block_width=width, **kw),
         "spec, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
                                                 draft=draft, gamma=GAMMA.value,
                                                 block_width=width, **kw),
+        # Given the alpha of its untimed first run, as the launcher gives each chunk the
+        # alpha of those before it: a long stream's steady state, no probe phase.
         "auto, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
-                                                draft=draft, gamma="auto", **kw),
+                                                draft=draft, gamma="auto",
+                                                prior_alpha=prior.get("alpha"), **kw),
     }
-    results = {}
+    results, prior, sequences = {}, {}, {}
     for mode, fn in modes.items():
+      if mode == "auto, slots":
+        prior["alpha"] = _alpha(fn())  # untimed (and compiles)
       seconds, out = _timed(fn, REPEATS.value)
       tokens = int(np.sum(np.asarray(out.lengths)))
       results[mode] = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)
       if out.stats is not None:
-        beta, count = np.sum(out.stats.beta_sum), np.sum(out.stats.beta_count)
-        results[mode]["alpha"] = float(beta / max(count, 1))
+        results[mode]["alpha"] = _alpha(out)
+      if temperature == 0:
+        sequences[mode] = np.asarray(out.sequences)
+        results[mode]["identical_to_target"] = float(np.mean(np.all(
+            sequences[mode] == sequences["target, batches"], axis=1)))
       slots = getattr(out, "slots", None)
       if slots is not None:
         results[mode]["occupancy"] = slots.occupancy
@@ -169,8 +191,42 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
               max_decode_steps=steps, gamma=GAMMA.value, rows=rows)
 
 
+def markdown(document) -> str:
+  """The results as BENCHMARKS.md tables: per pair and temperature, one row per batch size
+  (tokens/s of each mode, speedups against the faster target-only mode, efficiencies,
+  occupancy and what auto chose)."""
+  lines = []
+  for result in document["results"]:
+    lines += ["", f"**{result['label']}, T = {result['temperature']:g}** "
+              f"({result['num_inputs']} inputs, {result['max_decode_steps']} new tokens at most, "
+              f"fixed gamma {result['gamma']})", "",
+              "| B | target batches tok/s | target slots | spec batches (eff) | spec slots (eff) "
+              "| auto slots | auto's gamma (phases) | slot occupancy (spec) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+      m = row["modes"]
+
+      def cell(mode):
+        r = m[mode]
+        eff = f", eff {r['efficiency']:.2f}" if "efficiency" in r else ""
+        return f"{r['tokens_per_s']:.0f} ({r['speedup']:.2f}X{eff})"
+
+      gammas = ", ".join(f"{g} x{len(list(run))}" for g, run in itertools.groupby(
+          p["gamma"] for p in m["auto, slots"].get("phases", [])))
+      lines.append(
+          f"| {row['batch_size']} | {cell('target, batches')} | {cell('target, slots')} | "
+          f"{cell('spec, batches')} | {cell('spec, slots')} | {cell('auto, slots')} | "
+          f"{gammas} | {m['spec, slots'].get('occupancy', float('nan')):.2f} |")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv):
   del argv
+  if MARKDOWN_FROM.value:  # render earlier results, run nothing
+    for path in MARKDOWN_FROM.value:
+      with open(path) as f:
+        print(markdown(json.load(f)))
+    return
   document = dict(machine=dict(backend=jax.default_backend(), devices=[str(d) for d in
                                                                       jax.devices()],
                                cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M")),

@@ -30,7 +30,7 @@ class CompileCache:
 
   def __init__(self):
     self._programs: Dict[Hashable, Callable] = {}
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()  # a build may get the programs it times
 
   def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
     """The program stored under `key`, built by `build()` the first time."""

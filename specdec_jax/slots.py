@@ -6,7 +6,8 @@ input, as serving engines do (Orca, vLLM), so the batch stays full:
 
     start      the first batch_size inputs: the family's start (T5's encoder,
                a decoder-only prefill), the draft's state, the loop's carry
-    segment    the decode loop, run until some live row is done (one compiled
+    segment    the decode loop, run until some live rows are done (one; B/8 of
+               them at a large batch B; all once no input waits) (one compiled
                program: `decoding.LoopParts` iterated under a while loop)
     harvest    the host reads the finished rows (tokens, counters)
     refill     the next input's start at batch 1, written into the free slot's
@@ -19,9 +20,9 @@ Compiled programs: a start program for the first fill (batch_size rows), one seg
 program and one refill program (a batch-1 start written into the slot, one dispatch),
 all reused across refills: no recompilation per refill. The host syncs once per segment,
 reading every slot's flags, tokens and counters in one transfer; refills are dispatched
-without waiting. So a decode of N inputs costs about N host syncs beyond the loop's own
-iterations (a segment ends when any row ends), each a few hundred microseconds on CPU
-(`SlotStats.segments` counts them).
+without waiting. So a decode of N inputs costs at most about N host syncs beyond the
+loop's own iterations (N / (B/8) at a large batch), each some hundred microseconds on
+CPU plus a batch-1 start per refill (`SlotStats.segments` and `refills` count them).
 
 Exactness. Each row's loop state is its own (its length, positions, cache rows,
 draft state), so a row decodes the same tokens whatever shares its batch:
@@ -135,21 +136,35 @@ def _programs(family, config, draft, settings):
     loop = parts(params, draft_params, inputs, begun.offset, begun.cache, state, keys)
     return loop.init, begun.offset
 
-  def segment(params, draft_params, carry, offset, live):
-    """The loop from `carry` until some live row is done (or none is live)."""
+  def segment(params, draft_params, carry, offset, live, wait_for):
+    """The loop from `carry` until `wait_for` live rows are done (or all live ones)."""
     inputs = jnp.zeros((live.shape[0], steps), jnp.int32)
     body = parts(params, draft_params, inputs, offset, carry.cache, carry.draft_state,
                  carry.rng).body
-    return jax.lax.while_loop(lambda c: ~jnp.any(c.done & live) & jnp.any(live), body, carry)
+    enough = jnp.minimum(wait_for, jnp.sum(live))
 
-  return start, segment
+    def going(c):
+      return (jnp.sum(c.done & live) < enough) & jnp.any(live)
+
+    return jax.lax.while_loop(going, body, carry)
+
+  def iterate(params, draft_params, carry, offset, count):
+    """`count` iterations from `carry`, done rows or not (each costs what a live one
+    does): what one iteration of this plan costs, timed by `_iteration_ms`."""
+    inputs = jnp.zeros((carry.done.shape[0], steps), jnp.int32)
+    body = parts(params, draft_params, inputs, offset, carry.cache, carry.draft_state,
+                 carry.rng).body
+    return jax.lax.fori_loop(0, count, lambda _, c: body(c), carry)
+
+  return start, segment, iterate
 
 
 def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_steps: int,
                   draft=None, rng: Optional[Array] = None, temperature: float = 0.0,
                   topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
-                  gamma: Union[int, str] = 4, verification: str = "token",
-                  block_width: Optional[int] = None) -> ManyOutput:
+                  gamma: Union[int, str] = "auto", verification: str = "token",
+                  block_width: Optional[int] = None, prior_alpha: Optional[float] = None
+                  ) -> ManyOutput:
   """Decodes every row of `inputs` through `batch_size` slots, refilling freed slots.
 
   Args:
@@ -158,10 +173,16 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     batch_size: slots decoded together (>= 1; more than N is cut to N).
     max_decode_steps, draft, temperature / topk / topp, eos_id, verification,
       block_width: as `generate`'s (every draft kind, chains and trees).
-    gamma: a chain's tokens per proposal, or "auto": chosen for this batch size from the
-      target's cost curve C(k) measured at it, the draft's cost and the acceptance
-      measured so far (`choose_phase_gamma`), 0 (target-only) where the theory predicts
-      speculation loses; re-decided between phases of 4 x batch_size inputs.
+    gamma: a chain's tokens per proposal, or "auto" (the default): chosen for this batch
+      size from the target's cost curve C(k) measured at it (once per shape, cached),
+      the draft's cost per proposal measured at it, and the acceptance measured so far
+      (`choose_phase_gamma`), 0 (target-only) where the theory predicts speculation
+      loses; re-decided between phases of 4 x batch_size inputs. A tree or another draft
+      of a shape of its own decodes at that shape ("auto" chooses nothing there).
+    prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
+      inputs of the same stream, as the launcher passes between chunks). The first
+      phase is chosen at it; without it, the first batch drafts min(4, the draft's
+      most) tokens to measure alpha (unless speculation loses even at alpha = 1).
     rng: the call's key; input i draws from fold_in(rng, i) alone.
   Returns:
     ManyOutput: sequences [N, max_decode_steps], lengths [N], stats per input (None
@@ -187,9 +208,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   auto = isinstance(gamma, str)
   if auto and gamma != AUTO:
     raise ValueError(f"gamma must be an int >= 1 or 'auto', got {gamma!r}")
-  if auto and draft_obj is not None and draft_obj.block_slots(1) != 2:
-    raise ValueError(f"gamma='auto' chooses a chain's gamma; a {type(draft_obj).__name__} "
-                     "has a shape of its own: pass it without gamma")
+  if prior_alpha is not None and (not auto or not 0.0 <= prior_alpha <= 1.0):
+    raise ValueError(f"prior_alpha ({prior_alpha!r}) is an acceptance rate in [0, 1] for "
+                     "gamma='auto'; with a fixed gamma there is nothing to choose")
+  chooses = auto and draft_obj is not None and draft_obj.block_slots(1) == 2
 
   def settings_for(g):
     return plan_settings(config, None if g == 0 else draft_obj, max_decode_steps=steps,
@@ -201,18 +223,20 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   slots = min(int(batch_size), n)
   rng = jax.random.PRNGKey(0) if rng is None else rng
   run = functools.partial(_decode_slots, model, family, tokens, row_lengths, slots, rng)
-  if not auto or draft_obj is None:
-    settings = settings_for(4 if auto else gamma)
+  if not chooses:
+    settings = settings_for(_own_gamma(draft_obj) if auto else gamma)
     results, usage = run(settings, None if draft_obj is None else draft_obj, range(n))
     phases = [dict(inputs=[0, n], gamma=settings.gamma if draft_obj is not None else 0)]
+    width = max(settings.gamma, 1)
   else:
-    results, usage, phases = _auto_phases(model, draft_obj, tokens, row_lengths, slots, steps,
-                                          settings_for, run, block_width)
+    results, usage, phases, width = _auto_phases(model, draft_obj, tokens, row_lengths, slots,
+                                                 steps, settings_for, run, block_width,
+                                                 prior_alpha)
   sequences = jnp.asarray(np.stack([results[i]["sequences"][1:] for i in range(n)]))
-  counters = _merged_counters([results[i]["counters"] for i in range(n)])
-  gammas = [p["gamma"] for p in phases]
+  counters = _merged_counters([results[i]["counters"] for i in range(n)],
+                              width if chooses else 0)
   out = make_output(sequences, counters if draft_obj is not None else None,
-                    settings_for(0).eos_id, max(gammas + [1]))
+                    settings_for(0).eos_id, width)
   stats = SlotStats(batch_size=slots, inputs=n, seconds=time.perf_counter() - wall,
                     phases=tuple(phases), **usage)
   return ManyOutput(out.sequences, out.lengths, out.stats, slots=stats)
@@ -223,11 +247,7 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   ({input index: dict(sequences, counters)}, usage counts)."""
   rows = list(rows)
   config = model.config
-  key = ("slots", config, None if draft is None else draft.compile_key(), settings)
-  # The carry is donated to the segment and refill programs: updated in place, not copied
-  # (the cache's every row) at each call.
-  start_fn, segment_fn, refill_fn = PROGRAMS.get(key, lambda: _compiled(
-      *_programs(family, config, draft, settings)))
+  start_fn, segment_fn, refill_fn, _ = _slot_programs(family, config, draft, settings)
   params = model.params
   draft_params = None if draft is None else draft.params
   slots = min(slots, len(rows))
@@ -243,14 +263,18 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   results: Dict[int, Any] = {}
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
   before = np.zeros((slots,), np.int64)  # each slot's iterations when the segment starts
+  # A segment runs until `refill_after` rows are done (one when few slots), so that a
+  # large batch syncs less often than once per finished row; with no input waiting, until
+  # every live row is done.
+  refill_after = max(1, slots // 8)
   while any(o is not None for o in owner):
     live = np.asarray([o is not None for o in owner])
-    state = segment_fn(params, draft_params, state, jnp.asarray(live))
+    wait_for = min(refill_after, len(waiting)) if waiting else int(live.sum())
+    state, packed = segment_fn(params, draft_params, state, live, wait_for)
     usage["segments"] += 1
-    # The host's one sync per segment: every slot's flags, tokens and counters at once.
-    carry = state[0]
-    done, sequences, counters = jax.device_get(
-        (carry.done, carry.sequences, carry.counters.as_dict()))
+    # The host's one sync per segment: every slot's flags, tokens and counters in one
+    # transfer.
+    done, sequences, counters = _unpacked(np.asarray(packed), state[0])
     delta = (counters["iterations"] - before)[live]
     usage["iterations"] += int(delta.max()) if delta.size else 0
     usage["live_iterations"] += int(delta.sum())
@@ -270,7 +294,46 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   return results, usage
 
 
-def _compiled(start, segment):
+def _packed(carry) -> Array:
+  """[batch, n] int32: each row's done flag, sequence and counters (floats bitcast), what
+  the host reads after a segment, as one array (one transfer)."""
+  columns = [carry.done.astype(jnp.int32)[:, None], carry.sequences]
+  for value in carry.counters.as_dict().values():
+    value = value.reshape(value.shape[0], -1)
+    if jnp.issubdtype(value.dtype, jnp.floating):
+      value = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.int32)
+    columns.append(value.astype(jnp.int32))
+  return jnp.concatenate(columns, axis=1)
+
+
+def _unpacked(packed: np.ndarray, carry):
+  """`_packed`'s (done [batch] bool, sequences [batch, len + 1], counters {name: [batch,
+  ...]}) on the host; shapes and dtypes read from `carry`'s arrays (no transfer)."""
+  done = packed[:, 0].astype(bool)
+  width = carry.sequences.shape[1]
+  sequences = packed[:, 1:1 + width]
+  at, counters = 1 + width, {}
+  for name, value in carry.counters.as_dict().items():
+    size = int(np.prod(value.shape[1:], dtype=np.int64))
+    column = packed[:, at:at + size]
+    at += size
+    if np.issubdtype(value.dtype, np.floating):
+      column = column.view(np.float32).astype(value.dtype)
+    else:
+      column = column.astype(value.dtype)
+    counters[name] = column.reshape(value.shape)
+  return done, sequences, counters
+
+
+def _slot_programs(family, config, draft, settings):
+  """(start, segment, refill, iterate) jitted for one static plan, compiled once per
+  process (`PROGRAMS`). The carry is donated to the segment and refill programs: updated
+  in place, not copied (the cache's every row) at each call."""
+  key = ("slots", config, None if draft is None else draft.compile_key(), settings)
+  return PROGRAMS.get(key, lambda: _compiled(*_programs(family, config, draft, settings)))
+
+
+def _compiled(start, segment, iterate):
   """The jitted (start, segment, refill) of one static plan. Each input's key is
   fold_in(rng, its index), made in the program. Refill starts one input at batch 1 and
   writes it into a slot, one dispatch; it and segment update the state (the loop's carry
@@ -280,9 +343,10 @@ def _compiled(start, segment):
     keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(indices)
     return start(params, draft_params, tokens, lengths, keys)
 
-  def segment_state(params, draft_params, state, live):
+  def segment_state(params, draft_params, state, live, wait_for):
     carry, offset = state
-    return segment(params, draft_params, carry, offset, live), offset
+    carry = segment(params, draft_params, carry, offset, live, wait_for)
+    return (carry, offset), _packed(carry)
 
   def refill(state, params, draft_params, rng, tokens, lengths, indices, slot):
     row = start_rows(params, draft_params, rng, tokens, lengths, indices)
@@ -291,7 +355,7 @@ def _compiled(start, segment):
                                   row)
 
   return (jax.jit(start_rows), jax.jit(segment_state, donate_argnums=(2,)),
-          jax.jit(refill, donate_argnums=(0,)))
+          jax.jit(refill, donate_argnums=(0,)), jax.jit(iterate, static_argnums=(4,)))
 
 
 def _put_row(big, small, *, slot, slots: int):
@@ -304,28 +368,62 @@ def _put_row(big, small, *, slot, slots: int):
   return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, differ[0])
 
 
+def _own_gamma(draft) -> int:
+  """The gamma a draft decodes at under gamma='auto' when auto does not choose (a tree's
+  shape ignores it): 4, or the draft's most if fewer."""
+  return 4 if draft is None else min(4, draft.max_gamma or 4)
+
+
 def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, run,
-                 block_width):
+                 block_width, prior_alpha):
   """gamma='auto': phases of inputs, each at the gamma chosen before it (see
-  `choose_phase_gamma`). The first phase (one batch) drafts at min(4, the draft's most)
-  to measure alpha, unless the theory says speculation loses even at alpha = 1."""
+  `choose_phase_gamma`). Without `prior_alpha` the first phase (one batch) drafts at
+  min(4, the draft's most) to measure alpha, unless the theory says speculation loses
+  even at alpha = 1. Returns (results, usage, phases, the counters' gamma width)."""
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
   most = min(8, draft.max_gamma or 8)
   if block_width is not None:
     most = min(most, block_width - 1)
-  candidates = [g for g in (1, 2, 3, 4, 6, 8) if g <= most]
-  costs = _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates)
+  # Powers of two: each candidate costs a compile and a timing, once per shape.
+  candidates = [g for g in (1, 2, 4, 8) if g <= most]
+  # Each gamma's iteration costs its proposal and one target call at the block width it
+  # runs at (gamma + 1 on CPU float32, else `block_width` or the default), and target-only
+  # decoding one call at its own width: both relative to that, so the theory compares what
+  # each phase would really run.
+  widths = {g: settings_for(g).block_width for g in [0] + candidates}
+  costs = _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates,
+                       sorted(set(widths.values())))
+  # What decides: each plan's whole iteration timed at this batch size (its proposal, its
+  # target call, verification, sampling and bookkeeping), relative to target-only's, so
+  # E[tokens] / cost is what a phase would really run. On a small model the loop's own
+  # work is a large part of an iteration, and the parts' sum alone would overpredict.
+  timed = _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for,
+                        [0] + candidates)
+  iteration = {g: ms for g, (ms, _) in timed.items()}
+  verify = {g + 1: iteration[g] / iteration[0] for g in candidates}
+  proposal = {g: 0.0 for g in candidates}
+
+  def per_token(results):
+    """Each plan's refill (an input's start) per token an input emits, in units of
+    target-only's iteration per row (`choose_phase_gamma`): what speculation does not
+    shorten. Tokens per input: the mean so far, at first max_decode_steps."""
+    eos = settings_for(0).eos_id
+    emitted = [_emitted(r["sequences"][1:], eos) for r in results.values()]
+    per_input = float(np.mean(emitted)) if emitted else float(steps)
+    return {g: refill * slots / (iteration[0] * max(per_input, 1.0))
+            for g, (_, refill) in timed.items()}
   results, phases = {}, []
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
-  start, alpha = 0, None
+  start, alpha = 0, prior_alpha
   while start < n:
     if alpha is None:
-      best, predicted = speedup.choose_phase_gamma(1.0, costs["draft"], costs["curve"])
+      best, predicted = speedup.choose_phase_gamma(1.0, proposal, verify, per_token(results))
       gamma = 0 if best == 0 else min(4, most)
       size = slots
     else:
-      gamma, predicted = speedup.choose_phase_gamma(alpha, costs["draft"], costs["curve"])
+      gamma, predicted = speedup.choose_phase_gamma(alpha, proposal, verify,
+                                                    per_token(results))
       size = 4 * slots
     rows = range(start, min(n, start + size))
     got, used = run(settings_for(gamma), draft if gamma else None, rows)
@@ -337,21 +435,79 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     start = rows.stop
     beta = [(r["counters"]["beta_sum"], r["counters"]["beta_count"]) for r in results.values()
             if "beta_sum" in r["counters"]]
-    if beta:
-      alpha = float(sum(b for b, _ in beta) / max(sum(c for _, c in beta), 1))
+    measured = sum(c for _, c in beta)
+    if measured:  # else the alpha it was chosen at stands (a target-only phase measures none)
+      alpha = float(sum(b for b, _ in beta) / measured)
     elif alpha is None:
       alpha = 0.0  # target-only from the start: nothing measured, nothing to gain
   for phase in phases:
     phase["cost_curve"] = {str(k): v for k, v in costs["curve"].items()}
-  return results, usage, phases
+    phase["draft_cost"] = {str(g): v for g, v in costs["draft"].items()}
+    phase["iteration_ms"] = {str(g): v for g, v in iteration.items()}
+    phase["refill_ms"] = {str(g): refill for g, (_, refill) in timed.items()}
+  return results, usage, phases, max(candidates)
 
 
-def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates):
-  """C(k) for k = 1 and each candidate gamma + 1, at batch `slots`, and the draft's cost
-  per proposal of each candidate gamma, relative to one target step (cached per shape)."""
+def _emitted(sequence: np.ndarray, eos_id: int) -> int:
+  """Tokens one output holds: through its first EOS, else all of them."""
+  ends = np.flatnonzero(sequence == eos_id)
+  return int(ends[0]) + 1 if ends.size else len(sequence)
+
+
+def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):
+  """{gamma: (ms of one iteration of the slot loop at batch `slots`, ms of one refill)}
+  (gamma 0: target-only): each plan's real loop body on the first `slots` inputs,
+  `ITERATIONS_TIMED` iterations per timed call, and its refill program (one input's
+  start written into a slot), the plans timed in turn, the least of 3 rounds (cached
+  per shape)."""
+  family = family_of(model)
+  key = ("slot_iteration_ms", model.config, draft.compile_key(), slots, tokens.shape[1],
+         tuple(gammas), tuple(settings_for(g) for g in gammas))
+
+  def measure():
+    rows = np.arange(slots, dtype=np.int32)
+    lens = None if row_lengths is None else jnp.asarray(row_lengths[rows])
+    one = (jnp.asarray(tokens[:1]), None if lens is None else lens[:1], jnp.asarray(rows[:1]))
+    plans = {}
+    for g in gammas:
+      plan_draft = draft if g else None
+      start_fn, _, refill_fn, iterate_fn = _slot_programs(family, model.config, plan_draft,
+                                                          settings_for(g))
+      params = (model.params, None if plan_draft is None else draft.params)
+      state = start_fn(*params, jax.random.PRNGKey(0), jnp.asarray(tokens[rows]), lens,
+                       jnp.asarray(rows))
+      plans[g] = (params, state, refill_fn, iterate_fn)
+
+    def timed(g):
+      params, state, refill_fn, iterate_fn = plans[g]
+      begin = time.perf_counter()
+      jax.block_until_ready(iterate_fn(*params, *state, ITERATIONS_TIMED))
+      middle = time.perf_counter()
+      copy = jax.tree_util.tree_map(jnp.copy, state)  # the refill consumes its state
+      jax.block_until_ready(copy)
+      middle_copy = time.perf_counter()
+      jax.block_until_ready(refill_fn(copy, *params, jax.random.PRNGKey(0), *one, 0))
+      return ((middle - begin) / ITERATIONS_TIMED, time.perf_counter() - middle_copy)
+
+    for g in gammas:  # compiles
+      timed(g)
+    rounds = [{g: timed(g) for g in gammas} for _ in range(3)]
+    return {g: tuple(1e3 * min(r[g][i] for r in rounds) for i in range(2)) for g in gammas}
+
+  return PROGRAMS.get(key, measure)
+
+
+# Iterations per timed call of `_iteration_ms`: enough that a call's dispatch is noise.
+ITERATIONS_TIMED = 8
+
+
+def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates, widths):
+  """C(k) for k = 1, each candidate gamma + 1 and each of `widths`, at batch `slots`, and
+  the draft's cost per proposal of each candidate gamma, relative to one target step
+  (cached per shape)."""
   from specdec_jax.tools import profiling
   key = ("slot_costs", model.config, draft.compile_key(), slots, tokens.shape[1], steps,
-         tuple(candidates))
+         tuple(candidates), tuple(widths))
 
   def measure():
     batch = tokens[:slots]
@@ -359,12 +515,18 @@ def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates):
     # continues its context (T5's encoder lengths are read from the padding).
     continued = family_of(model).context(None, None).continued
     lens = row_lengths[:slots] if continued and row_lengths is not None else None
-    ks = sorted({1} | {g + 1 for g in candidates})
+    ks = sorted({1} | {g + 1 for g in candidates} | set(widths))
     ms = profiling.time_block_calls({"target": model}, batch, max(steps, max(ks)) + 1, ks,
                                     repeats=3, calls=4, lengths=lens)["target"]
     probe = max(candidates)
-    proposal = profiling.time_proposals(model, {"draft": draft}, batch, max(steps, 4) + 1,
-                                        probe, repeats=3, calls=4, lengths=lens)["draft"]
+    try:
+      proposal = profiling.time_proposals(model, {"draft": draft}, batch, max(steps, 4) + 1,
+                                          probe, repeats=3, calls=4, lengths=lens)["draft"]
+    except Exception as e:  # a draft of one's own whose proposer needs more than its state
+      raise ValueError(
+          f"gamma='auto' times the draft's proposals alone (tools.profiling.time_proposals) "
+          f"and could not time this {type(draft).__name__}'s ({type(e).__name__}: {e}); "
+          "pass an int gamma instead") from e
     per_call = proposal / draft.calls_per_proposal(probe) / ms[1]
     return dict(curve={k: ms[k] / ms[1] for k in ks},
                 draft={g: per_call * draft.calls_per_proposal(g) for g in candidates})
@@ -372,9 +534,11 @@ def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates):
   return PROGRAMS.get(key, measure)
 
 
-def _merged_counters(rows):
+def _merged_counters(rows, gamma: int):
   """Per-input counter dicts (position arrays of different gammas across phases, or none
-  for target-only rows) stacked into [N, ...] arrays, padded with zeros."""
+  for target-only rows) stacked into [N, ...] arrays, padded with zeros to the widest,
+  and under gamma='auto' to its largest candidate `gamma` (0: no such floor), so that
+  calls with the same candidates stack alike (the launcher's chunks)."""
   names = sorted({k for r in rows for k in r})
   if not names:
     return None
@@ -383,6 +547,7 @@ def _merged_counters(rows):
     values = [r.get(name) for r in rows]
     shape = max((np.shape(v) for v in values if v is not None), key=len)
     width = max((np.shape(v)[-1] for v in values if v is not None and np.ndim(v)), default=0)
+    width = max(width, gamma) if width else 0
     template = np.zeros((width,) if len(shape) else (), np.asarray(
         next(v for v in values if v is not None)).dtype)
     padded = []

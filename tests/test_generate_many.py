@@ -121,6 +121,13 @@ def test_choose_phase_gamma_never_speculates_where_the_theory_says_it_loses():
   one_call = {g: 0.3 for g in (1, 2, 4, 8)}
   assert choose_phase_gamma(0.8, one_call, curve)[0] >= choose_phase_gamma(
       0.8, {g: 0.3 * g for g in (1, 2, 4, 8)}, curve)[0]
+  # Each input's own start, per token it emits: speculation does not shorten it. Target
+  # only costs 1 + 0.5 per token, gamma 4 1.6 / 4.0951 + 0.5: 1.5 / 0.8907 = 1.684.
+  gamma, predicted = choose_phase_gamma(0.9, cheap, curve, {g: 0.5 for g in (0, 1, 2, 4, 8)})
+  assert gamma == 4 and abs(predicted - 1.5 / (1.6 / 4.0951 + 0.5)) < 1e-3
+  # A start that costs more with a draft (its prefill too) can erase a small gain.
+  assert choose_phase_gamma(0.5, cheap, curve)[0] > 0
+  assert choose_phase_gamma(0.5, cheap, curve, {0: 0.0, 1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})[0] == 0
 
 
 def test_auto_gamma_runs_in_phases_and_stays_exact():
@@ -141,6 +148,44 @@ def test_auto_gamma_runs_in_phases_and_stays_exact():
   with pytest.raises(ValueError, match="gamma must be an int >= 1 or 'auto'"):
     sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, gamma="best",
                      max_decode_steps=4)
-  with pytest.raises(ValueError, match="gamma='auto' chooses a chain's gamma"):
-    sj.generate_many(target, tokens, lengths, batch_size=2, gamma="auto", max_decode_steps=4,
-                     draft=sj.TreeDraft(drafter, (2, 1)))
+  with pytest.raises(ValueError, match=r"prior_alpha \(1.5\) is an acceptance rate"):
+    sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, prior_alpha=1.5,
+                     max_decode_steps=4)
+  # A tree decodes at its own shape: gamma='auto' (the default) chooses nothing there.
+  tree = sj.TreeDraft(drafter, (2, 1))
+  out = sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=10,
+                         draft=tree, block_width=9)
+  assert len(out.slots.phases) == 1 and "alpha" not in out.slots.phases[0]
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+
+
+def test_auto_gamma_starts_at_the_prior_alpha_and_pads_its_counters():
+  """With prior_alpha (the launcher's acceptance of earlier chunks) the first phase is
+  chosen, not probed; counters are as wide as the largest candidate gamma whatever was
+  chosen, so chunks stack."""
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=6)
+  drafter = tiny_model("decoder_only", seed=11)
+  out = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, block_width=9,
+                         max_decode_steps=10, prior_alpha=0.0)
+  assert [p["gamma"] for p in out.slots.phases] == [0] and out.slots.phases[0]["alpha"] == 0.0
+  assert out.stats.gamma == 8 and out.stats.position_drafted.shape == (6, 8)
+  assert not np.asarray(out.stats.drafted).any()
+
+
+def test_auto_gamma_names_a_draft_it_cannot_time():
+  """A draft whose proposals cannot be timed alone: a clear error naming the fix."""
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=4)
+
+  class NeedsTheCache(sj.ModelDraft):
+    def proposer(self, params, plan):
+      inner = super().proposer(params, plan)
+
+      def propose(rng, state, sequences, lengths, max_drafted=None, *, target_cache):
+        return inner.propose(rng, state, sequences, lengths, max_drafted)
+      return inner._replace(propose=propose, reads_cache=True)
+
+  with pytest.raises(ValueError, match="could not time this NeedsTheCache.*pass an int gamma"):
+    sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=8,
+                     draft=NeedsTheCache(tiny_model("decoder_only", seed=11)))

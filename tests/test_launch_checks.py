@@ -134,8 +134,9 @@ def test_values_gin_cannot_read_get_a_quoting_hint(dirs):
 
 
 @pytest.mark.parametrize("binding,message", [
-    ("GAMMA = -2", "GAMMA must be an int >= 1, got -2: set --gin.GAMMA"),
-    ("GAMMA = 2.5", "GAMMA must be an int >= 1, got 2.5: set --gin.GAMMA"),
+    ("GAMMA = -2", "GAMMA must be an int >= 1 or 'auto', got -2: set --gin.GAMMA"),
+    ("GAMMA = 2.5", "GAMMA must be an int >= 1 or 'auto', got 2.5: set --gin.GAMMA"),
+    ("GAMMA = 'best'", "GAMMA must be an int >= 1 or 'auto', got 'best': set --gin.GAMMA"),
     ("TEMPERATURE = -1.0", "TEMPERATURE must be a number >= 0, got -1.0: set --gin.TEMPERATURE"),
     ("BATCH_SIZE = 0", "BATCH_SIZE must be an int >= 1, got 0: set --gin.BATCH_SIZE"),
     ("Experiment.topp = 2.0", "Experiment.topp must be None (no top-p filtering) or a mass in "

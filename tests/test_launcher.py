@@ -624,3 +624,27 @@ def test_results_name_checkpoints_explain_columns_and_warn_on_another_tokenizer(
   markdown = (out / "results.md").read_text()
   assert "Columns: **temp** the sampling temperature" in markdown
   assert "**predicted** Theorem 3.8's speedup" in markdown
+
+
+def test_gamma_auto_streams_in_phases_and_says_where_it_cannot_choose(pairs, tmp_path):
+  """GAMMA='auto' (the default) with slots: generate_many chooses gamma per phase; greedy
+  outputs stay the target's; results.json says the gamma of every phase and the measured
+  costs it chose from. With fixed batches nothing chooses: gamma 4 ran, said in warnings."""
+  target_dir, draft_dir = pairs["llama"]
+  prompts = PROMPTS * 3
+  files = ["configs/pairs/local.gin", "configs/tasks/local_file.gin"]
+  bindings = [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
+              f"INPUT_FILE = '{_input_file(tmp_path, prompts)}'", "GAMMA = 'auto'"]
+  result = _run(files, bindings, tmp_path / "slots")
+  assert result["gamma_setting"] == "auto" and result["scheduling"] == "slots"
+  assert result["identical_outputs"] is True
+  phases = result["gamma_phases"]
+  assert phases[0]["inputs"][0] == 0 and phases[-1]["inputs"][1] == len(prompts)
+  assert all(a["inputs"][1] == b["inputs"][0] for a, b in zip(phases, phases[1:]))
+  assert all(p["gamma"] in (0, 1, 2, 4) for p in phases)  # W = 5: gamma <= 4
+  assert result["gamma"] in (1, 2, 4)
+  assert set(result["gamma_auto_costs"]["iteration_ms"]) == {"0", "1", "2", "4"}
+  assert not any("GAMMA='auto'" in w for w in result["warnings"])
+  fixed = _run(files, bindings + ["SCHEDULING = 'batches'"], tmp_path / "batches")
+  assert fixed["gamma"] == 4 and fixed["gamma_phases"] is None
+  assert any("GAMMA='auto' chooses gamma between phases" in w for w in fixed["warnings"])

@@ -105,8 +105,8 @@ def choose_gamma(alpha: float, c: float, curve: Dict[int, float], max_gamma: int
   return max(candidates, key=lambda g: (predicted_decode_speedup(alpha, g, c, curve), -g))
 
 
-def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[int, float]
-                       ) -> Tuple[int, float]:
+def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[int, float],
+                       per_token: Optional[Dict[int, float]] = None) -> Tuple[int, float]:
   """The gamma for the next inputs of a batch, 0 meaning target-only: (gamma, its predicted
   speedup over target-only decoding at this batch size).
 
@@ -114,16 +114,22 @@ def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[i
   one whole proposal's cost / one target step, at this batch size} (gamma times a model
   draft's step; one call for a drafter that fills the block at once); curve: {k: C(k)}
   at this batch size. Each gamma is predicted as E[tokens per iteration] / (draft_cost +
-  C(gamma + 1)) (Theorem 3.8 with both costs measured); target-only is 1. The best wins,
-  the smaller on ties, and 0 whenever no gamma is predicted to beat 1: speculation never
-  runs where the theory says it loses.
+  C(gamma + 1)) (Theorem 3.8 with both costs measured); target-only is 1. per_token:
+  {gamma: what each input's own fixed work (its start, written into a slot) adds per
+  token it emits, in target steps per row}, 0 (target-only) among them, or None: a cost
+  that speculation does not shorten, so it pulls every prediction toward 1. The best
+  wins, the smaller on ties, and 0 whenever no gamma is predicted to beat target-only:
+  speculation never runs where the theory says it loses.
   """
+  extra = per_token or {}
+  target_only = 1.0 + extra.get(0, 0.0)
   best, best_speedup = 0, 1.0
   for gamma in sorted(draft_cost):
     if gamma + 1 not in curve:
       continue
     tokens = theory.expected_tokens_per_iteration(min(max(alpha, 0.0), 0.999), gamma)
-    predicted = tokens / (draft_cost[gamma] + curve[gamma + 1])
+    predicted = target_only / ((draft_cost[gamma] + curve[gamma + 1]) / tokens
+                               + extra.get(gamma, 0.0))
     if predicted > best_speedup:
       best, best_speedup = gamma, predicted
   return best, best_speedup
