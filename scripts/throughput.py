@@ -31,6 +31,7 @@ memory-bound on this CPU; its drafts as shipped).
       --temperatures=0,1 --output_json=benchmarks/cpu/issue33/throughput.json
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -93,11 +94,6 @@ def _timed(fn, repeats: int):
   return statistics.median(seconds), out
 
 
-def _alpha(out) -> float:
-  """The acceptance pooled over a decode's rows (Corollary 3.6's estimate)."""
-  return float(np.sum(out.stats.beta_sum) / max(np.sum(out.stats.beta_count), 1))
-
-
 def _batches(target, inputs, lengths, b, **kw):
   """`generate` over consecutive chunks of b inputs, one output of every row (the last
   chunk padded with copies of its first row, dropped afterwards: one program)."""
@@ -115,8 +111,10 @@ def _batches(target, inputs, lengths, b, **kw):
   lens = np.concatenate([np.asarray(o.lengths) for o in outs])[:n]
   stats = None
   if outs[0].stats is not None:
-    stats = SimpleNamespace(**{f: np.concatenate([getattr(o.stats, f) for o in outs])[:n]
-                               for f in ("beta_sum", "beta_count")})
+    stats = dataclasses.replace(outs[0].stats, **{  # the chunks' rows, padding dropped
+        f.name: np.concatenate([getattr(o.stats, f.name) for o in outs])[:n]
+        for f in dataclasses.fields(outs[0].stats)
+        if f.name != "gamma" and getattr(outs[0].stats, f.name) is not None})
   return SimpleNamespace(sequences=seqs, lengths=lens, stats=stats)
 
 
@@ -147,12 +145,12 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     results, prior, sequences = {}, {}, {}
     for mode, fn in modes.items():
       if mode == "auto, slots":
-        prior["alpha"] = _alpha(fn())  # untimed (and compiles)
+        prior["alpha"] = fn().stats.alpha  # untimed (and compiles)
       seconds, out = _timed(fn, REPEATS.value)
       tokens = int(np.sum(np.asarray(out.lengths)))
       results[mode] = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)
       if out.stats is not None:
-        results[mode]["alpha"] = _alpha(out)
+        results[mode]["alpha"] = out.stats.alpha
       if temperature == 0:
         sequences[mode] = np.asarray(out.sequences)
         results[mode]["identical_to_target"] = float(np.mean(np.all(

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.core import decoding
-from specdec_jax.core.outputs import GenerateOutput, make_output
+from specdec_jax.core.outputs import GenerateOutput, make_output, sequence_lengths
 from specdec_jax.drafts.base import NOTHING, DraftStart, ProposalPlan
 from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.registry import family_of, is_model
@@ -408,9 +408,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     """Each plan's refill (an input's start) per token an input emits, in units of
     target-only's iteration per row (`choose_phase_gamma`): what speculation does not
     shorten. Tokens per input: the mean so far, at first max_decode_steps."""
-    eos = settings_for(0).eos_id
-    emitted = [_emitted(r["sequences"][1:], eos) for r in results.values()]
-    per_input = float(np.mean(emitted)) if emitted else float(steps)
+    emitted = [r["sequences"][1:] for r in results.values()]
+    per_input = float(np.mean(sequence_lengths(np.stack(emitted), settings_for(0).eos_id))
+                      ) if emitted else float(steps)
     return {g: refill * slots / (iteration[0] * max(per_input, 1.0))
             for g, (_, refill) in timed.items()}
   results, phases = {}, []
@@ -446,12 +446,6 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     phase["iteration_ms"] = {str(g): v for g, v in iteration.items()}
     phase["refill_ms"] = {str(g): refill for g, (_, refill) in timed.items()}
   return results, usage, phases, max(candidates)
-
-
-def _emitted(sequence: np.ndarray, eos_id: int) -> int:
-  """Tokens one output holds: through its first EOS, else all of them."""
-  ends = np.flatnonzero(sequence == eos_id)
-  return int(ends[0]) + 1 if ends.size else len(sequence)
 
 
 def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):

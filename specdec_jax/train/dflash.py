@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.families.registry import family_of
-from specdec_jax.train.feature_heads import soft_cross_entropy
+from specdec_jax.train.feature_heads import draw_anchors, soft_cross_entropy
 
 Array = jax.Array
 
@@ -96,18 +96,8 @@ def block_anchors(weights, num_anchors: int, num_positions: int, seed: int) -> n
     raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
   if num_positions < 1:
     raise ValueError(f"num_positions must be >= 1, got {num_positions}")
-  rng = np.random.default_rng([int(seed), 37])
-  b, t = weights.shape
-  out = np.zeros((b, num_anchors), np.int32)
-  for row in range(b):
-    learned = np.flatnonzero(weights[row, :max(t - num_positions + 1, 0)] > 0)
-    if len(learned) == 0:
-      continue
-    if len(learned) >= num_anchors:
-      out[row] = np.sort(rng.choice(learned, num_anchors, replace=False))
-    else:
-      out[row] = np.resize(learned, num_anchors)
-  return out
+  t = weights.shape[1]
+  return draw_anchors(weights[:, :max(t - num_positions + 1, 0)], num_anchors, seed, stream=37)
 
 
 def teacher_slots(teacher: Array, weights: Array, anchors: Array, num_positions: int):

@@ -110,7 +110,15 @@ def ttt_anchors(weights, num_anchors: int, seed: int) -> np.ndarray:
   weights = np.asarray(weights)
   if num_anchors < 1:
     raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
-  rng = np.random.default_rng([int(seed), 23])
+  return draw_anchors(weights, num_anchors, seed, stream=23)
+
+
+def draw_anchors(weights: np.ndarray, num_anchors: int, seed: int, stream: int) -> np.ndarray:
+  """[batch, num_anchors] int32: per row, `num_anchors` distinct positions with weight > 0
+  drawn uniformly by the generator of (seed, stream), sorted; rows with fewer repeat
+  theirs, a row with none gets zeros. The one draw behind every anchored loss (each loss
+  its own `stream`, so their batches stay what they were)."""
+  rng = np.random.default_rng([int(seed), int(stream)])
   out = np.zeros((weights.shape[0], num_anchors), np.int32)
   for b, row in enumerate(weights):
     learned = np.flatnonzero(row > 0)
