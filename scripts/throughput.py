@@ -53,6 +53,9 @@ PAIRS = flags.DEFINE_list("pairs", ["t5", "decoder_only", "scaled"], "t5, decode
 BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes B.")
 TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
 NUM_INPUTS = flags.DEFINE_integer("num_inputs", 64, "Held-out inputs decoded by every mode.")
+INPUTS_PER_SLOT = flags.DEFINE_integer(
+    "inputs_per_slot", 0, "At batch B, decode max(num_inputs, this x B) inputs (held-out rows "
+    "repeated if there are fewer): a stream long enough that its tail is a small part.")
 GAMMA = flags.DEFINE_integer("gamma", 4, "The fixed gamma.")
 DRAFT = flags.DEFINE_string("draft", "", "The pair's draft (default: its first).")
 REPEATS = flags.DEFINE_integer("repeats", 1, "Timed runs per mode (median).")
@@ -78,9 +81,31 @@ def _pair(name: str):
     pair = sj.load_demo_pair(name, dtype=dtype)
     target, drafts, label = pair.target, pair.drafts, f"{name} demo pair"
   draft_name = DRAFT.value or next(iter(drafts))  # the pair's first: its model draft
-  inputs, lengths = pair.inputs(8 if DRY_RUN.value else NUM_INPUTS.value)
+  inputs, lengths = pair.inputs()
   steps = 8 if DRY_RUN.value else (MAX_DECODE_STEPS.value or pair.max_decode_steps)
   return target, drafts[draft_name], inputs, lengths, steps, f"{label}, draft {draft_name!r}"
+
+
+def _stream(inputs, lengths, b: int):
+  """The inputs decoded at batch b: num_inputs of them, or inputs_per_slot x b (held-out
+  rows cycled when there are fewer)."""
+  n = 8 if DRY_RUN.value else max(NUM_INPUTS.value, INPUTS_PER_SLOT.value * b)
+  rows = np.arange(n) % len(inputs)
+  return inputs[rows], None if lengths is None else lengths[rows]
+
+
+def _iteration_ms(target, draft, x, lengths, b, steps, temperature):
+  """{0: ms of one target-only slot-loop iteration at width 1, gamma: at width gamma + 1},
+  at batch b (`sj.slots`' timing of whole iterations, which gamma='auto' decides by)."""
+  from specdec_jax import slots, settings
+  draft = settings.check_draft(target.config, draft, x, lengths, steps)
+
+  def settings_for(g):
+    return settings.plan_settings(target.config, draft if g else None, max_decode_steps=steps,
+                                  temperature=temperature, gamma=max(g, 1),
+                                  block_width=g + 1)
+  timed = slots._iteration_ms(target, draft, x, lengths, b, settings_for, [0, GAMMA.value])
+  return {g: ms for g, (ms, _) in timed.items()}
 
 
 def _timed(fn, repeats: int):
@@ -119,11 +144,12 @@ def _batches(target, inputs, lengths, b, **kw):
 
 
 def run_pair(name: str, temperature: float) -> Dict[str, Any]:
-  target, draft, inputs, lengths, steps, label = _pair(name)
+  target, draft, heldout, heldout_lengths, steps, label = _pair(name)
   rng = jax.random.PRNGKey(0)
   sample = dict(temperature=temperature, rng=rng) if temperature > 0 else {}
   rows: List[Dict[str, Any]] = []
   for b in [int(v) for v in BATCH_SIZES.value]:
+    inputs, lengths = _stream(heldout, heldout_lengths, b)
     b = min(b, len(inputs))
     kw = dict(max_decode_steps=steps, **sample)
     width = GAMMA.value + 1
@@ -171,21 +197,32 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
                                         GAMMA.value, 3, calls=4, lengths=l)["draft"]
     c = proposal / GAMMA.value / ms[1]
     verify = ms[width] / ms[1]
+    # The loop's own theory: each plan's whole iteration (proposal, target call,
+    # verification, sampling, bookkeeping) timed at batch b, as gamma='auto' times them:
+    # what the slots would run at full occupancy with i.i.d. acceptance. Against it,
+    # efficiency is what scheduling (stragglers, refills, syncs) leaves.
+    loop = _iteration_ms(target, draft, x, l, b, steps, temperature)
     for mode in ("spec, batches", "spec, slots"):
       r = results[mode]
-      predicted = theory.predicted_speedup_with_verify_cost(
-          min(r["alpha"], 0.999), GAMMA.value, c, verify)
+      alpha = min(r["alpha"], 0.999)
+      predicted = theory.predicted_speedup_with_verify_cost(alpha, GAMMA.value, c, verify)
       # Against the target-only mode of the same scheduling (the theory has no stragglers
       # in its baseline either).
       same = results["target, " + mode.split(", ")[1]]["seconds"]
       r["predicted_speedup"] = predicted
       r["efficiency"] = (same / r["seconds"]) / predicted
-    rows.append(dict(batch_size=b, c=c, verify_cost=verify, modes=results))
-    print(f"{label}, T={temperature}, B={b}: " + ", ".join(
+      r["predicted_speedup_loop"] = theory.expected_tokens_per_iteration(alpha, GAMMA.value) * loop[0] / loop[
+          GAMMA.value]
+      r["efficiency_loop"] = (same / r["seconds"]) / r["predicted_speedup_loop"]
+    rows.append(dict(batch_size=b, inputs=len(inputs), c=c, verify_cost=verify,
+                     iteration_ms={str(g): v for g, v in loop.items()}, modes=results))
+    print(f"{label}, T={temperature}, B={b}, {len(inputs)} inputs: " + ", ".join(
         f"{m} {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}X"
-        + (f", eff {r['efficiency']:.2f}" if "efficiency" in r else "") + ")"
+        + (f", eff {r['efficiency']:.2f} / loop {r['efficiency_loop']:.2f}"
+           if "efficiency" in r else "") + ")"
         for m, r in results.items()), flush=True)
-  return dict(pair=name, label=label, temperature=temperature, num_inputs=len(inputs),
+  return dict(pair=name, label=label, temperature=temperature,
+              num_inputs=", ".join(f"{r['inputs']} at B = {r['batch_size']}" for r in rows),
               max_decode_steps=steps, gamma=GAMMA.value, rows=rows)
 
 
@@ -206,7 +243,9 @@ def markdown(document) -> str:
 
       def cell(mode):
         r = m[mode]
-        eff = f", eff {r['efficiency']:.2f}" if "efficiency" in r else ""
+        eff = (f", eff {r['efficiency']:.2f} / {r['efficiency_loop']:.2f}"
+               if "efficiency_loop" in r else
+               f", eff {r['efficiency']:.2f}" if "efficiency" in r else "")
         return f"{r['tokens_per_s']:.0f} ({r['speedup']:.2f}X{eff})"
 
       gammas = ", ".join(f"{g} x{len(list(run))}" for g, run in itertools.groupby(

@@ -10,19 +10,26 @@ input, as serving engines do (Orca, vLLM), so the batch stays full:
                them at a large batch B; all once no input waits) (one compiled
                program: `decoding.LoopParts` iterated under a while loop)
     harvest    the host reads the finished rows (tokens, counters)
-    refill     the next input's start at batch 1, written into the free slot's
-               rows of every carry leaf (its cache rows, its draft state, its
-               sequence, key and counters), in place
+    refill     the next input's row, written into the free slot's rows of every
+               carry leaf (its cache rows, its draft state, its sequence, key and
+               counters), in place, from a stash: the next batch_size waiting
+               inputs started together, when the stash is empty
 
 and again until every input is harvested. Outputs come back in input order.
 
-Compiled programs: a start program for the first fill (batch_size rows), one segment
-program and one refill program (a batch-1 start written into the slot, one dispatch),
-all reused across refills: no recompilation per refill. The host syncs once per segment,
-reading every slot's flags, tokens and counters in one transfer; refills are dispatched
+Why a stash: a start reads every weight of the encoder (or the prompt's layers) once
+whatever its batch, so inputs started one at a time pay that read each (the T5-base
+encoder at batch 1: 57 ms on this CPU, 31 ms per input at batch 16); started
+batch_size at a time they share it, as fixed batches do. It holds batch_size rows of the
+state (the decode's memory doubles while one is pending); it is freed when used up.
+
+Compiled programs: one start program (batch_size rows: the first fill and every
+stash), one segment program and one put program (stash rows into slots, one dispatch),
+all reused: no recompilation per refill. The host syncs once per segment, reading every
+slot's flags, tokens and counters in one transfer; starts and puts are dispatched
 without waiting. So a decode of N inputs costs at most about N host syncs beyond the
 loop's own iterations (N / (B/8) at a large batch), each some hundred microseconds on
-CPU plus a batch-1 start per refill (`SlotStats.segments` and `refills` count them).
+CPU, and N / B starts (`SlotStats.segments` and `refills` count them).
 
 Exactness. Each row's loop state is its own (its length, positions, cache rows,
 draft state), so a row decodes the same tokens whatever shares its batch:
@@ -43,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.core import decoding
+from specdec_jax.core import decoding, theory
 from specdec_jax.core.outputs import GenerateOutput, make_output, sequence_lengths
 from specdec_jax.drafts.base import NOTHING, DraftStart, ProposalPlan
 from specdec_jax.families.base import call_block, shift_block_fn
@@ -174,10 +181,12 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     max_decode_steps, draft, temperature / topk / topp, eos_id, verification,
       block_width: as `generate`'s (every draft kind, chains and trees).
     gamma: a chain's tokens per proposal, or "auto" (the default): chosen for this batch
-      size from the target's cost curve C(k) measured at it (once per shape, cached),
-      the draft's cost per proposal measured at it, and the acceptance measured so far
+      size from each plan's whole loop iteration and refill timed at it (once per shape,
+      cached), the acceptance measured so far and the tokens per iteration it gave
       (`choose_phase_gamma`), 0 (target-only) where the theory predicts speculation
-      loses; re-decided between phases of 4 x batch_size inputs. A tree or another draft
+      loses; re-decided when the inputs handed out run short (after the first batch,
+      then every 4 x batch_size inputs), the slots kept full while the gamma stays the
+      same (a run drains only when the gamma changes). A tree or another draft
       of a shape of its own decodes at that shape ("auto" chooses nothing there).
     prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
       inputs of the same stream, as the launcher passes between chunks). The first
@@ -242,24 +251,33 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   return ManyOutput(out.sequences, out.lengths, out.stats, slots=stats)
 
 
-def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draft, rows):
-  """Decodes the inputs `rows` (indices into tokens) through `slots` slots at `settings`:
+def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draft, rows,
+                  more=None):
+  """Decodes the inputs `rows` (indices into tokens) through `slots` slots at `settings`,
+  and then those `more(results so far, usage so far, seconds so far)` returns each time
+  no input waits (until it returns none; None: ask again at the next refill point):
   ({input index: dict(sequences, counters)}, usage counts)."""
+  began = time.perf_counter()
   rows = list(rows)
   config = model.config
-  start_fn, segment_fn, refill_fn, _ = _slot_programs(family, config, draft, settings)
+  start_fn, segment_fn, put_fn, _ = _slot_programs(family, config, draft, settings)
   params = model.params
   draft_params = None if draft is None else draft.params
   slots = min(slots, len(rows))
 
-  def inputs_of(indices):
-    indices = np.asarray(indices, np.int32)
+  def started(indices):
+    """The starts of `indices` at batch `slots` (short groups padded with their last
+    input, whose copies are never put): one dispatch."""
+    indices = np.asarray(list(indices) + [indices[-1]] * (slots - len(indices)), np.int32)
     lens = None if row_lengths is None else jnp.asarray(row_lengths[indices])
-    return jnp.asarray(tokens[indices]), lens, jnp.asarray(indices)
+    return start_fn(params, draft_params, rng, jnp.asarray(tokens[indices]), lens,
+                    jnp.asarray(indices))
 
-  state = start_fn(params, draft_params, rng, *inputs_of(rows[:slots]))
+  state = started(rows[:slots])
+  axes = _batch_axes(start_fn, params, draft_params, rng, tokens, row_lengths)
   owner: List[Optional[int]] = list(rows[:slots])   # the input each slot decodes
   waiting = rows[slots:]
+  stash, stashed = None, []  # inputs started ahead, and the stash row of each
   results: Dict[int, Any] = {}
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
   before = np.zeros((slots,), np.int64)  # each slot's iterations when the segment starts
@@ -267,9 +285,18 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   # large batch syncs less often than once per finished row; with no input waiting, until
   # every live row is done.
   refill_after = max(1, slots // 8)
-  while any(o is not None for o in owner):
+  while any(o is not None for o in owner) or waiting or stashed:
+    if not waiting and not stashed and more is not None:
+      got = more(results, usage, time.perf_counter() - began)
+      if got is not None:
+        waiting = list(got)
+        more = more if waiting else None
     live = np.asarray([o is not None for o in owner])
-    wait_for = min(refill_after, len(waiting)) if waiting else int(live.sum())
+    pending = len(waiting) + len(stashed)
+    if pending:
+      wait_for = min(refill_after, pending)
+    else:  # one more finished row may decide what comes next; else all of them
+      wait_for = 1 if more is not None else int(live.sum())
     state, packed = segment_fn(params, draft_params, state, live, wait_for)
     usage["segments"] += 1
     # The host's one sync per segment: every slot's flags, tokens and counters in one
@@ -280,18 +307,58 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
     usage["live_iterations"] += int(delta.sum())
     before = counters["iterations"].astype(np.int64)
     for s, o in enumerate(owner):
-      if o is None or not done[s]:
-        continue
-      results[o] = dict(sequences=sequences[s],
-                        counters={name: v[s] for name, v in counters.items()})
-      if waiting:
-        state = refill_fn(state, params, draft_params, rng, *inputs_of(waiting[:1]), s)
-        owner[s] = waiting.pop(0)
-        before[s] = 0
-        usage["refills"] += 1
-      else:
+      if o is not None and done[s]:
+        results[o] = dict(sequences=sequences[s],
+                          counters={name: v[s] for name, v in counters.items()})
         owner[s] = None
+    into, taken = [], []  # slots refilled, and the stash row each takes
+    for s in range(slots):
+      if owner[s] is not None or not (waiting or stashed):
+        continue
+      if not stashed:  # the next `slots` waiting inputs, started in one batch
+        if taken:
+          state = _put(put_fn, axes, state, stash, into, taken, slots)
+          into, taken = [], []
+        group, waiting = waiting[:slots], waiting[slots:]
+        stash, stashed = started(group), list(enumerate(group))
+      row, owner[s] = stashed.pop(0)
+      into.append(s)
+      taken.append(row)
+      before[s] = 0
+      usage["refills"] += 1
+    if taken:
+      state = _put(put_fn, axes, state, stash, into, taken, slots)
+    if not stashed:
+      stash = None  # free its memory
   return results, usage
+
+
+def _put(put_fn, axes, state, stash, into, taken, slots: int):
+  """`state` with stash rows `taken` written into slots `into` (one dispatch, padded to
+  `slots` entries whose writes are dropped: one program)."""
+  pad = slots - len(into)
+  return put_fn(state, stash, jnp.asarray(into + [slots] * pad, jnp.int32),
+                jnp.asarray(taken + [0] * pad, jnp.int32), axes)
+
+
+def _batch_axes(start_fn, params, draft_params, rng, tokens, row_lengths):
+  """The batch axis of each leaf of the slot state, in `tree_leaves` order (None where a
+  leaf has none): a static argument of the put program, found
+  from the start's shapes at batch 1 and 2 (traced, not run; once per shape)."""
+  def shapes(b):
+    index = jax.ShapeDtypeStruct((b,), jnp.int32)
+    lens = None if row_lengths is None else index
+    return jax.eval_shape(start_fn, params, draft_params, rng,
+                          jax.ShapeDtypeStruct((b, tokens.shape[1]), jnp.int32), lens, index)
+
+  def axis(one, two):
+    differ = [i for i, (x, y) in enumerate(zip(one.shape, two.shape)) if x != y]
+    return differ[0] if differ else None
+
+  key = ("slot_axes", start_fn, tokens.shape[1], row_lengths is None)
+  return PROGRAMS.get(key, lambda: tuple(
+      axis(a, b) for a, b in zip(jax.tree_util.tree_leaves(shapes(1)),
+                                 jax.tree_util.tree_leaves(shapes(2)))))
 
 
 def _packed(carry) -> Array:
@@ -334,10 +401,10 @@ def _slot_programs(family, config, draft, settings):
 
 
 def _compiled(start, segment, iterate):
-  """The jitted (start, segment, refill) of one static plan. Each input's key is
-  fold_in(rng, its index), made in the program. Refill starts one input at batch 1 and
-  writes it into a slot, one dispatch; it and segment update the state (the loop's carry
-  and each row's position offset) in place (donated)."""
+  """The jitted (start, segment, put, iterate) of one static plan. Each input's key is
+  fold_in(rng, its index), made in the program. Put writes rows of a stash (inputs
+  started ahead, in a batch) into freed slots, one dispatch; it and segment update the
+  state (the loop's carry and each row's position offset) in place (donated)."""
 
   def start_rows(params, draft_params, rng, tokens, lengths, indices):
     keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(indices)
@@ -348,24 +415,24 @@ def _compiled(start, segment, iterate):
     carry = segment(params, draft_params, carry, offset, live, wait_for)
     return (carry, offset), _packed(carry)
 
-  def refill(state, params, draft_params, rng, tokens, lengths, indices, slot):
-    row = start_rows(params, draft_params, rng, tokens, lengths, indices)
-    slots = jax.tree_util.tree_leaves(state[0].done)[0].shape[0]
-    return jax.tree_util.tree_map(functools.partial(_put_row, slot=slot, slots=slots), state,
-                                  row)
+  def put(state, stash, into, taken, axes):
+    """state with stash rows `taken` [slots] at slots `into` [slots] (entries equal to
+    the slot count write nothing)."""
+    slots = state[0].done.shape[0]
+
+    def leaf(big, small, axis):
+      if axis is None:  # no batch axis: a single slot takes the fresh value
+        return small.astype(big.dtype) if slots == 1 else big
+      rows = jnp.take(small, taken, axis=axis).astype(big.dtype)
+      return big.at[(slice(None),) * axis + (into,)].set(rows, mode="drop")
+
+    bigs, tree = jax.tree_util.tree_flatten(state)
+    return tree.unflatten([leaf(big, small, axis) for big, small, axis in
+                           zip(bigs, jax.tree_util.tree_leaves(stash), axes)])
 
   return (jax.jit(start_rows), jax.jit(segment_state, donate_argnums=(2,)),
-          jax.jit(refill, donate_argnums=(0,)), jax.jit(iterate, static_argnums=(4,)))
-
-
-def _put_row(big, small, *, slot, slots: int):
-  """big (a state leaf of `slots` rows) with small (the same leaf of one fresh row) written
-  at `slot` of its batch axis: the one axis where their shapes differ. A leaf of equal
-  shapes has no batch axis (kept), unless there is one slot (the fresh row replaces it)."""
-  differ = [i for i, (x, y) in enumerate(zip(big.shape, small.shape)) if x != y]
-  if not differ:
-    return small.astype(big.dtype) if slots == 1 else big
-  return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, differ[0])
+          jax.jit(put, donate_argnums=(0,), static_argnums=(4,)),
+          jax.jit(iterate, static_argnums=(4,)))
 
 
 def _own_gamma(draft) -> int:
@@ -415,31 +482,94 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
             for g, (_, refill) in timed.items()}
   results, phases = {}, []
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
-  start, alpha = 0, prior_alpha
-  while start < n:
+
+  def tokens_factor(alpha):
+    """Tokens per iteration measured over the inputs drafted so far, over E[tokens] at
+    `alpha` and each one's gamma (at most 1; 1 before any): acceptances that come in runs
+    (not i.i.d.) give fewer tokens per iteration than alpha predicts."""
+    gamma_of = {i: p["gamma"] for p in phases for i in range(*p["inputs"])}
+    got = want = 0.0
+    for i, r in results.items():
+      if gamma_of.get(i) and "accepted" in r["counters"]:
+        iterations = float(r["counters"]["iterations"])
+        got += float(r["counters"]["accepted"]) + iterations
+        want += iterations * theory.expected_tokens_per_iteration(min(alpha, 0.999),
+                                                                   gamma_of[i])
+    return min(1.0, got / want) if want else 1.0
+
+  walls: Dict[int, Tuple[float, int]] = {}  # gamma: (seconds, loop iterations) run at it
+
+  def slowness(g):
+    """The wall time per loop iteration measured at gamma g (refills, syncs and tails
+    included) over its timed iteration alone. Where g has not run: target-only 1 (as
+    timed), a speculative gamma the most measured at any plan. Unknowns count against
+    speculation: it runs only where it is predicted to win with what was measured."""
+    measured = {h: 1e3 * seconds / (count * iteration[h])
+                for h, (seconds, count) in walls.items() if count}
+    if g in measured:
+      return measured[g]
+    return max(measured.values(), default=1.0) if g else 1.0
+
+  def choose(alpha):
+    """(gamma, predicted speedup, inputs) of the next phase at `alpha` (None: unmeasured)."""
     if alpha is None:
       best, predicted = speedup.choose_phase_gamma(1.0, proposal, verify, per_token(results))
-      gamma = 0 if best == 0 else min(4, most)
-      size = slots
-    else:
-      gamma, predicted = speedup.choose_phase_gamma(alpha, proposal, verify,
-                                                    per_token(results))
-      size = 4 * slots
+      return (0 if best == 0 else min(4, most)), predicted, slots
+    base = slowness(0)
+    measured_verify = {g + 1: verify[g + 1] * slowness(g) / base for g in candidates}
+    gamma, predicted = speedup.choose_phase_gamma(alpha, proposal, measured_verify,
+                                                  per_token(results), tokens_factor(alpha))
+    # One batch first, so that the tokens per iteration are measured early; then 4.
+    return gamma, predicted, (4 if results else 1) * slots
+
+  def measured_alpha(alpha):
+    """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:
+    a target-only phase measures none; 0 when nothing was ever measured)."""
+    beta = [(r["counters"]["beta_sum"], r["counters"]["beta_count"])
+            for r in results.values() if "beta_sum" in r["counters"]]
+    count = sum(c for _, c in beta)
+    if count:
+      return float(sum(b for b, _ in beta) / count)
+    return 0.0 if alpha is None else alpha
+
+  start, alpha = 0, prior_alpha
+  chosen = choose(alpha)
+  while start < n:
+    gamma, predicted, size = chosen
     rows = range(start, min(n, start + size))
-    got, used = run(settings_for(gamma), draft if gamma else None, rows)
-    results.update(got)
-    for name in usage:
-      usage[name] += used[name]
     phases.append(dict(inputs=[start, rows.stop], gamma=gamma, alpha=alpha,
                        predicted_speedup=predicted))
     start = rows.stop
-    beta = [(r["counters"]["beta_sum"], r["counters"]["beta_count"]) for r in results.values()
-            if "beta_sum" in r["counters"]]
-    measured = sum(c for _, c in beta)
-    if measured:  # else the alpha it was chosen at stands (a target-only phase measures none)
-      alpha = float(sum(b for b, _ in beta) / measured)
-    elif alpha is None:
-      alpha = 0.0  # target-only from the start: nothing measured, nothing to gain
+
+    def more(so_far, used, seconds):
+      """At a refill point with no input waiting: the next phase's inputs if it keeps this
+      run's gamma (the slots stay full), else none (this run drains, the next starts)."""
+      nonlocal start, alpha, chosen
+      if len(so_far) < max(1, slots // 4):
+        return None  # too little measured in this run yet
+      results.update(so_far)
+      walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
+      alpha = measured_alpha(alpha)
+      chosen = choose(alpha)
+      if start >= n or chosen[0] != gamma:
+        return []
+      after = range(start, min(n, start + chosen[2]))
+      phases.append(dict(inputs=[start, after.stop], gamma=gamma, alpha=alpha,
+                         predicted_speedup=chosen[1]))
+      start = after.stop
+      return after
+
+    earlier = walls.get(gamma, (0.0, 0))
+    began = time.perf_counter()
+    got, used = run(settings_for(gamma), draft if gamma else None, rows, more=more)
+    walls[gamma] = (earlier[0] + time.perf_counter() - began,
+                    earlier[1] + used["iterations"])
+    results.update(got)
+    for name in usage:
+      usage[name] += used[name]
+    if start < n and chosen[0] == gamma:  # decided before this run's last inputs ended
+      alpha = measured_alpha(alpha)
+      chosen = choose(alpha)
   for phase in phases:
     phase["cost_curve"] = {str(k): v for k, v in costs["curve"].items()}
     phase["draft_cost"] = {str(g): v for g, v in costs["draft"].items()}
@@ -451,9 +581,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
 def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):
   """{gamma: (ms of one iteration of the slot loop at batch `slots`, ms of one refill)}
   (gamma 0: target-only): each plan's real loop body on the first `slots` inputs,
-  `ITERATIONS_TIMED` iterations per timed call, and its refill program (one input's
-  start written into a slot), the plans timed in turn, the least of 3 rounds (cached
-  per shape)."""
+  `ITERATIONS_TIMED` iterations per timed call, and its refill per input (a batch start
+  shared by `slots` inputs, and one put of a stash row into a slot), the plans timed in
+  turn, the least of 3 rounds (cached per shape)."""
   family = family_of(model)
   key = ("slot_iteration_ms", model.config, draft.compile_key(), slots, tokens.shape[1],
          tuple(gammas), tuple(settings_for(g) for g in gammas))
@@ -461,27 +591,30 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
   def measure():
     rows = np.arange(slots, dtype=np.int32)
     lens = None if row_lengths is None else jnp.asarray(row_lengths[rows])
-    one = (jnp.asarray(tokens[:1]), None if lens is None else lens[:1], jnp.asarray(rows[:1]))
+    batch = (jnp.asarray(tokens[rows]), lens, jnp.asarray(rows))
     plans = {}
     for g in gammas:
       plan_draft = draft if g else None
-      start_fn, _, refill_fn, iterate_fn = _slot_programs(family, model.config, plan_draft,
-                                                          settings_for(g))
+      start_fn, _, put_fn, iterate_fn = _slot_programs(family, model.config, plan_draft,
+                                                       settings_for(g))
       params = (model.params, None if plan_draft is None else draft.params)
-      state = start_fn(*params, jax.random.PRNGKey(0), jnp.asarray(tokens[rows]), lens,
-                       jnp.asarray(rows))
-      plans[g] = (params, state, refill_fn, iterate_fn)
+      axes = _batch_axes(start_fn, *params, jax.random.PRNGKey(0), tokens, row_lengths)
+      state = start_fn(*params, jax.random.PRNGKey(0), *batch)
+      plans[g] = (params, state, start_fn, put_fn, iterate_fn, axes)
 
     def timed(g):
-      params, state, refill_fn, iterate_fn = plans[g]
+      params, state, start_fn, put_fn, iterate_fn, axes = plans[g]
       begin = time.perf_counter()
       jax.block_until_ready(iterate_fn(*params, *state, ITERATIONS_TIMED))
       middle = time.perf_counter()
-      copy = jax.tree_util.tree_map(jnp.copy, state)  # the refill consumes its state
+      stash = jax.block_until_ready(start_fn(*params, jax.random.PRNGKey(0), *batch))
+      started = time.perf_counter()
+      copy = jax.tree_util.tree_map(jnp.copy, state)  # the put consumes its state
       jax.block_until_ready(copy)
-      middle_copy = time.perf_counter()
-      jax.block_until_ready(refill_fn(copy, *params, jax.random.PRNGKey(0), *one, 0))
-      return ((middle - begin) / ITERATIONS_TIMED, time.perf_counter() - middle_copy)
+      copied = time.perf_counter()
+      jax.block_until_ready(_put(put_fn, axes, copy, stash, [0], [0], slots))
+      return ((middle - begin) / ITERATIONS_TIMED,
+              (started - middle) / slots + time.perf_counter() - copied)
 
     for g in gammas:  # compiles
       timed(g)

@@ -168,7 +168,8 @@ def test_auto_gamma_starts_at_the_prior_alpha_and_pads_its_counters():
   drafter = tiny_model("decoder_only", seed=11)
   out = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, block_width=9,
                          max_decode_steps=10, prior_alpha=0.0)
-  assert [p["gamma"] for p in out.slots.phases] == [0] and out.slots.phases[0]["alpha"] == 0.0
+  assert {p["gamma"] for p in out.slots.phases} == {0} and out.slots.phases[0]["alpha"] == 0.0
+  assert out.slots.phases[0]["inputs"] == [0, 2]  # one batch first, then re-decided
   assert out.stats.gamma == 8 and out.stats.position_drafted.shape == (6, 8)
   assert not np.asarray(out.stats.drafted).any()
 

@@ -714,10 +714,13 @@ def target_parts(inputs: Array, cache: Any, tokens_to_logits: BlockFn, eos_id: i
   row_ids = jnp.arange(batch)
 
   def body(carry: SpeculativeCarry):
-    rng, step_rng = sampling.split_keys(carry.rng, 2)
     block = pad_block(carry.sequences[row_ids, carry.lengths][:, None], width)
     scored = as_scored(tokens_to_logits(block, carry.lengths, carry.cache))
-    token = settings.draw(step_rng, settings.probs(scored.logits[:, 0]))
+    if settings.greedy:  # the one-hot's argmax is the logits' argmax; no key is used
+      rng, token = carry.rng, sampling.argmax(scored.logits[:, 0])
+    else:
+      rng, step_rng = sampling.split_keys(carry.rng, 2)
+      token = settings.draw(step_rng, settings.probs(scored.logits[:, 0]))
     sequences, lengths, done, _ = emit(carry.sequences, carry.lengths, carry.done,
                                        token[:, None], jnp.ones((batch,), jnp.int32), eos_id,
                                        limit)

@@ -106,7 +106,8 @@ def choose_gamma(alpha: float, c: float, curve: Dict[int, float], max_gamma: int
 
 
 def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[int, float],
-                       per_token: Optional[Dict[int, float]] = None) -> Tuple[int, float]:
+                       per_token: Optional[Dict[int, float]] = None,
+                       tokens_factor: float = 1.0) -> Tuple[int, float]:
   """The gamma for the next inputs of a batch, 0 meaning target-only: (gamma, its predicted
   speedup over target-only decoding at this batch size).
 
@@ -117,7 +118,10 @@ def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[i
   C(gamma + 1)) (Theorem 3.8 with both costs measured); target-only is 1. per_token:
   {gamma: what each input's own fixed work (its start, written into a slot) adds per
   token it emits, in target steps per row}, 0 (target-only) among them, or None: a cost
-  that speculation does not shorten, so it pulls every prediction toward 1. The best
+  that speculation does not shorten, so it pulls every prediction toward 1.
+  tokens_factor: the tokens per iteration measured so far over those E[tokens] predicts
+  at the measured alpha (<= 1 where acceptances come in runs, not i.i.d.), applied to
+  every gamma's E[tokens]. The best
   wins, the smaller on ties, and 0 whenever no gamma is predicted to beat target-only:
   speculation never runs where the theory says it loses.
   """
@@ -127,7 +131,8 @@ def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[i
   for gamma in sorted(draft_cost):
     if gamma + 1 not in curve:
       continue
-    tokens = theory.expected_tokens_per_iteration(min(max(alpha, 0.0), 0.999), gamma)
+    tokens = tokens_factor * theory.expected_tokens_per_iteration(
+        min(max(alpha, 0.0), 0.999), gamma)
     predicted = target_only / ((draft_cost[gamma] + curve[gamma + 1]) / tokens
                                + extra.get(gamma, 0.0))
     if predicted > best_speedup:
