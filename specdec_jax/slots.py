@@ -4,32 +4,35 @@ A fixed batch decodes until its slowest row ends, and its finished rows ride
 along. Here a row that ends (EOS or its step limit) gives its slot to the next
 input, as serving engines do (Orca, vLLM), so the batch stays full:
 
-    start      the first batch_size inputs: the family's start (T5's encoder,
-               a decoder-only prefill), the draft's state, the loop's carry
-    segment    the decode loop, run until some live rows are done (one; B/8 of
-               them at a large batch B; all once no input waits) (one compiled
-               program: `decoding.LoopParts` iterated under a while loop)
-    harvest    the host reads the finished rows (tokens, counters)
-    refill     the next input's row, written into the free slot's rows of every
-               carry leaf (its cache rows, its draft state, its sequence, key and
-               counters), in place, from a stash: the next batch_size waiting
-               inputs started together, when the stash is empty
+    stash      the next S waiting inputs (S = max(batch_size, MIN_STASH)) started
+               together: the family's start (T5's encoder, a decoder-only prefill),
+               the draft's state, each row's loop carry
+    segment    the decode loop (one compiled program: `decoding.LoopParts`
+               iterated under a while loop); before each iteration, every free slot
+               (its row done, or no input in it yet) takes the next stash row: that
+               row written over the slot's rows of every carry leaf (cache rows,
+               draft state, sequence, key, counters), in place, the finished row
+               kept aside. It runs until the stash is used up and a row ends (or,
+               with no input waiting, until every row ends)
+    harvest    the host reads the rows swapped out and the finished rows (tokens,
+               counters), in the order the swaps were made
 
-and again until every input is harvested. Outputs come back in input order.
+and a new stash, until every input is harvested. Outputs come back in input order.
 
 Why a stash: a start reads every weight of the encoder (or the prompt's layers) once
 whatever its batch, so inputs started one at a time pay that read each (the T5-base
-encoder at batch 1: 57 ms on this CPU, 31 ms per input at batch 16); started
-batch_size at a time they share it, as fixed batches do. It holds batch_size rows of the
-state (the decode's memory doubles while one is pending); it is freed when used up.
+encoder at batch 1: 57 ms on this CPU, 31 ms per input at batch 16); S at a time they
+share it, as fixed batches do. Why swaps inside the loop: the host then syncs once
+per stash, not once per finished row (each sync leaves the device idle while the
+host reads and dispatches: a large part of a small model's iteration). The decode
+holds batch_size + S rows of state.
 
-Compiled programs: one start program (batch_size rows: the first fill and every
-stash), one segment program and one put program (stash rows into slots, one dispatch),
-all reused: no recompilation per refill. The host syncs once per segment, reading every
-slot's flags, tokens and counters in one transfer; starts and puts are dispatched
-without waiting. So a decode of N inputs costs at most about N host syncs beyond the
-loop's own iterations (N / (B/8) at a large batch), each some hundred microseconds on
-CPU, and N / B starts (`SlotStats.segments` and `refills` count them).
+Compiled programs: one start program (S rows), one segment program and one blank
+program (the first batch_size slots, none held yet), all reused: no recompilation per
+refill or call. The host syncs once per segment, reading the swaps and every slot's
+flags, tokens and counters in one transfer; a decode of N inputs syncs about N / S +
+(rows that end while a stash is used up and inputs wait) times, and starts N / S
+stashes (`SlotStats.segments` and `refills` count them).
 
 Exactness. Each row's loop state is its own (its length, positions, cache rows,
 draft state), so a row decodes the same tokens whatever shares its batch:
@@ -143,25 +146,71 @@ def _programs(family, config, draft, settings):
     loop = parts(params, draft_params, inputs, begun.offset, begun.cache, state, keys)
     return loop.init, begun.offset
 
-  def segment(params, draft_params, carry, offset, live, wait_for):
-    """The loop from `carry` until `wait_for` live rows are done (or all live ones)."""
-    inputs = jnp.zeros((live.shape[0], steps), jnp.int32)
-    body = parts(params, draft_params, inputs, offset, carry.cache, carry.draft_state,
-                 carry.rng).body
-    enough = jnp.minimum(wait_for, jnp.sum(live))
+  def decode_step(params, draft_params, carry, offset):
+    """One loop iteration of every row (rows that are done emit nothing)."""
+    inputs = jnp.zeros((carry.done.shape[0], steps), jnp.int32)
+    return parts(params, draft_params, inputs, offset, carry.cache, carry.draft_state,
+                 carry.rng).body(carry)
 
-    def going(c):
-      return (jnp.sum(c.done & live) < enough) & jnp.any(live)
+  def segment(params, draft_params, state, stash, live, cursor, limit, host_waits, axes):
+    """The loop from `state` ((carry, offset) of B slots), a free slot (a done row, or one
+    no input holds: `live` [B] False) taking the next stash row (rows cursor..limit - 1
+    of `stash`, inputs started together) before each iteration, in slot order. Runs
+    until no row decodes and none can be swapped in, or, when `host_waits` (inputs
+    beyond this stash), until a finished row finds the stash empty.
 
-    return jax.lax.while_loop(going, body, carry)
+    Returns (state, live, cursor, swaps, loop iterations): swaps = (finished [R, n]
+    (`_packed` of the row each stash row replaced), slot_of [R] int32 (where stash row k
+    went), harvested [R] bool (it replaced a finished input, not a free slot)).
+    """
+    slots = live.shape[0]
+    rows = stash[0].done.shape[0]
+    width = _packed(state[0]).shape[1]
+    swaps = (jnp.zeros((rows, width), jnp.int32), jnp.full((rows,), -1, jnp.int32),
+             jnp.zeros((rows,), jnp.bool_))
+
+    def swap_in(loop):
+      state, live, cursor, swaps, count = loop
+      free = state[0].done | ~live
+      n = jnp.minimum(jnp.sum(free), limit - cursor)
+      order = jnp.nonzero(free, size=slots, fill_value=0)[0]
+      before = _packed(state[0])  # each slot swaps once per call: its row as it ended
+
+      def one(j, inner):
+        state, live, (finished, slot_of, harvested) = inner
+        slot, k = order[j], cursor + j
+        finished = finished.at[k].set(before[slot])
+        slot_of = slot_of.at[k].set(slot)
+        harvested = harvested.at[k].set(live[slot])
+        leaves, tree = jax.tree_util.tree_flatten(state)
+        state = tree.unflatten([_swapped(leaf, new, axis, slot, k, slots) for leaf, new, axis
+                                in zip(leaves, jax.tree_util.tree_leaves(stash), axes)])
+        return state, live.at[slot].set(True), (finished, slot_of, harvested)
+
+      state, live, swaps = jax.lax.fori_loop(0, n, one, (state, live, swaps))
+      return state, live, cursor + n, swaps, count
+
+    def body(loop):
+      free = loop[0][0].done | ~loop[1]
+      loop = jax.lax.cond(jnp.any(free) & (loop[2] < limit), swap_in, lambda x: x, loop)
+      (carry, offset), live, cursor, swaps, count = loop
+      carry = decode_step(params, draft_params, carry, offset)
+      return (carry, offset), live, cursor, swaps, count + 1
+
+    def going(loop):
+      (carry, _), live, cursor, _, _ = loop
+      left = cursor < limit
+      free = carry.done | ~live
+      blocked = jnp.any(live & carry.done) & ~left  # a finished row, no row to take its slot
+      return (jnp.any(live & ~carry.done) | (left & jnp.any(free))) & ~(host_waits & blocked)
+
+    return jax.lax.while_loop(going, body, (state, live, cursor, swaps, jnp.int32(0)))
 
   def iterate(params, draft_params, carry, offset, count):
     """`count` iterations from `carry`, done rows or not (each costs what a live one
     does): what one iteration of this plan costs, timed by `_iteration_ms`."""
-    inputs = jnp.zeros((carry.done.shape[0], steps), jnp.int32)
-    body = parts(params, draft_params, inputs, offset, carry.cache, carry.draft_state,
-                 carry.rng).body
-    return jax.lax.fori_loop(0, count, lambda _, c: body(c), carry)
+    return jax.lax.fori_loop(
+        0, count, lambda _, c: decode_step(params, draft_params, c, offset), carry)
 
   return start, segment, iterate
 
@@ -255,90 +304,91 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
                   more=None):
   """Decodes the inputs `rows` (indices into tokens) through `slots` slots at `settings`,
   and then those `more(results so far, usage so far, seconds so far)` returns each time
-  no input waits (until it returns none; None: ask again at the next refill point):
+  no input waits (until it returns none; None: ask again at the next sync):
   ({input index: dict(sequences, counters)}, usage counts)."""
   began = time.perf_counter()
   rows = list(rows)
   config = model.config
-  start_fn, segment_fn, put_fn, _ = _slot_programs(family, config, draft, settings)
+  start_fn, segment_fn, blank_fn, _ = _slot_programs(family, config, draft, settings)
   params = model.params
   draft_params = None if draft is None else draft.params
   slots = min(slots, len(rows))
+  size = stash_size(slots)
 
   def started(indices):
-    """The starts of `indices` at batch `slots` (short groups padded with their last
-    input, whose copies are never put): one dispatch."""
-    indices = np.asarray(list(indices) + [indices[-1]] * (slots - len(indices)), np.int32)
+    """The starts of `indices` at batch `size` (a short group padded with its last
+    input, whose copies are never swapped in): one dispatch."""
+    indices = np.asarray(list(indices) + [indices[-1]] * (size - len(indices)), np.int32)
     lens = None if row_lengths is None else jnp.asarray(row_lengths[indices])
     return start_fn(params, draft_params, rng, jnp.asarray(tokens[indices]), lens,
                     jnp.asarray(indices))
 
-  state = started(rows[:slots])
   axes = _batch_axes(start_fn, params, draft_params, rng, tokens, row_lengths)
-  owner: List[Optional[int]] = list(rows[:slots])   # the input each slot decodes
-  waiting = rows[slots:]
-  stash, stashed = None, []  # inputs started ahead, and the stash row of each
+  waiting = rows
+  stash, stashed = None, []           # the inputs started ahead, in stash row order
+  cursor = 0                          # the next stash row to swap in
+  owner: List[Optional[int]] = [None] * slots   # the input each slot decodes
+  live = np.zeros((slots,), bool)
+  state = None
   results: Dict[int, Any] = {}
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
-  before = np.zeros((slots,), np.int64)  # each slot's iterations when the segment starts
-  # A segment runs until `refill_after` rows are done (one when few slots), so that a
-  # large batch syncs less often than once per finished row; with no input waiting, until
-  # every live row is done.
-  refill_after = max(1, slots // 8)
-  while any(o is not None for o in owner) or waiting or stashed:
-    if not waiting and not stashed and more is not None:
+  while True:
+    if not waiting and cursor == len(stashed) and more is not None:
       got = more(results, usage, time.perf_counter() - began)
       if got is not None:
         waiting = list(got)
         more = more if waiting else None
-    live = np.asarray([o is not None for o in owner])
-    pending = len(waiting) + len(stashed)
-    if pending:
-      wait_for = min(refill_after, pending)
-    else:  # one more finished row may decide what comes next; else all of them
-      wait_for = 1 if more is not None else int(live.sum())
-    state, packed = segment_fn(params, draft_params, state, live, wait_for)
+    if cursor == len(stashed) and waiting:  # the next stash: `size` inputs started together
+      group, waiting = waiting[:size], waiting[size:]
+      stash, stashed, cursor = started(group), group, 0
+      if state is None:
+        state = blank_fn(stash, axes, slots)
+    if not live.any() and cursor == len(stashed):
+      break
+    host_waits = bool(waiting) or more is not None
+    state, (live_now, cursor_now, count, packed, swaps) = segment_fn(
+        params, draft_params, state, stash, jnp.asarray(live), jnp.int32(cursor),
+        jnp.int32(len(stashed)), jnp.bool_(host_waits), axes)
     usage["segments"] += 1
-    # The host's one sync per segment: every slot's flags, tokens and counters in one
-    # transfer.
-    done, sequences, counters = _unpacked(np.asarray(packed), state[0])
-    delta = (counters["iterations"] - before)[live]
-    usage["iterations"] += int(delta.max()) if delta.size else 0
-    usage["live_iterations"] += int(delta.sum())
-    before = counters["iterations"].astype(np.int64)
-    for s, o in enumerate(owner):
-      if o is not None and done[s]:
-        results[o] = dict(sequences=sequences[s],
-                          counters={name: v[s] for name, v in counters.items()})
-        owner[s] = None
-    into, taken = [], []  # slots refilled, and the stash row each takes
-    for s in range(slots):
-      if owner[s] is not None or not (waiting or stashed):
-        continue
-      if not stashed:  # the next `slots` waiting inputs, started in one batch
-        if taken:
-          state = _put(put_fn, axes, state, stash, into, taken, slots)
-          into, taken = [], []
-        group, waiting = waiting[:slots], waiting[slots:]
-        stash, stashed = started(group), list(enumerate(group))
-      row, owner[s] = stashed.pop(0)
-      into.append(s)
-      taken.append(row)
-      before[s] = 0
+    # The host's one sync per segment (per stash at most, or per finished row once the
+    # stash is empty and inputs wait): the swaps it made and every slot's rows.
+    live_now, cursor_now, count, packed, (finished, slot_of, harvested) = jax.device_get(
+        (live_now, cursor_now, count, packed, swaps))
+    usage["iterations"] += int(count)
+    for k in range(cursor, int(cursor_now)):  # the swaps in the order they were made
+      slot = int(slot_of[k])
+      if harvested[k]:
+        _harvest(results, owner[slot], finished[k], state[0])
+      owner[slot] = stashed[k]
       usage["refills"] += 1
-    if taken:
-      state = _put(put_fn, axes, state, stash, into, taken, slots)
-    if not stashed:
-      stash = None  # free its memory
+    cursor = int(cursor_now)
+    live = np.array(live_now, bool)
+    done = packed[:, 0].astype(bool)
+    for slot in range(slots):
+      if live[slot] and done[slot]:
+        _harvest(results, owner[slot], packed[slot], state[0])
+        owner[slot], live[slot] = None, False
+  usage["refills"] -= min(slots, len(rows))  # the first fill is not a refill
+  usage["live_iterations"] = int(sum(r["counters"]["iterations"] for r in results.values()))
   return results, usage
 
 
-def _put(put_fn, axes, state, stash, into, taken, slots: int):
-  """`state` with stash rows `taken` written into slots `into` (one dispatch, padded to
-  `slots` entries whose writes are dropped: one program)."""
-  pad = slots - len(into)
-  return put_fn(state, stash, jnp.asarray(into + [slots] * pad, jnp.int32),
-                jnp.asarray(taken + [0] * pad, jnp.int32), axes)
+def _harvest(results, index, packed_row, carry):
+  """results[index] = the sequence and counters of one `_packed` row."""
+  _, sequences, counters = _unpacked(packed_row[None], carry)
+  results[index] = dict(sequences=sequences[0],
+                        counters={name: v[0] for name, v in counters.items()})
+
+
+def stash_size(slots: int) -> int:
+  """Inputs started together for the slots (`MIN_STASH` at least, so that few slots
+  still share each start's weight reads and sync once per that many inputs)."""
+  return max(int(slots), MIN_STASH)
+
+
+# The fewest inputs started together: at batch 1-4, starts shared 8 ways and one host sync
+# per 8 inputs, for a stash of 8 rows of state.
+MIN_STASH = 8
 
 
 def _batch_axes(start_fn, params, draft_params, rng, tokens, row_lengths):
@@ -388,7 +438,7 @@ def _unpacked(packed: np.ndarray, carry):
       column = column.view(np.float32).astype(value.dtype)
     else:
       column = column.astype(value.dtype)
-    counters[name] = column.reshape(value.shape)
+    counters[name] = column.reshape((packed.shape[0],) + value.shape[1:])
   return done, sequences, counters
 
 
@@ -401,38 +451,38 @@ def _slot_programs(family, config, draft, settings):
 
 
 def _compiled(start, segment, iterate):
-  """The jitted (start, segment, put, iterate) of one static plan. Each input's key is
-  fold_in(rng, its index), made in the program. Put writes rows of a stash (inputs
-  started ahead, in a batch) into freed slots, one dispatch; it and segment update the
-  state (the loop's carry and each row's position offset) in place (donated)."""
+  """The jitted (start, segment, blank, iterate) of one static plan. Each input's key is
+  fold_in(rng, its index), made in the program. Segment swaps stash rows into free slots
+  inside its loop and updates the state in place (donated); blank is B slots that no
+  input holds yet (copies of a stash row), for the first swaps to fill."""
 
   def start_rows(params, draft_params, rng, tokens, lengths, indices):
     keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(indices)
     return start(params, draft_params, tokens, lengths, keys)
 
-  def segment_state(params, draft_params, state, live, wait_for):
-    carry, offset = state
-    carry = segment(params, draft_params, carry, offset, live, wait_for)
-    return (carry, offset), _packed(carry)
+  def segment_state(params, draft_params, state, stash, live, cursor, limit, host_waits,
+                    axes):
+    state, live, cursor, swaps, count = segment(params, draft_params, state, stash, live,
+                                                cursor, limit, host_waits, axes)
+    return state, (live, cursor, count, _packed(state[0]), swaps)
 
-  def put(state, stash, into, taken, axes):
-    """state with stash rows `taken` [slots] at slots `into` [slots] (entries equal to
-    the slot count write nothing)."""
-    slots = state[0].done.shape[0]
+  def blank(stash, axes, slots):
+    leaves, tree = jax.tree_util.tree_flatten(stash)
+    return tree.unflatten([
+        leaf if axis is None else jnp.take(leaf, jnp.zeros((slots,), jnp.int32), axis=axis)
+        for leaf, axis in zip(leaves, axes)])
 
-    def leaf(big, small, axis):
-      if axis is None:  # no batch axis: a single slot takes the fresh value
-        return small.astype(big.dtype) if slots == 1 else big
-      rows = jnp.take(small, taken, axis=axis).astype(big.dtype)
-      return big.at[(slice(None),) * axis + (into,)].set(rows, mode="drop")
+  return (jax.jit(start_rows), jax.jit(segment_state, donate_argnums=(2,), static_argnums=(8,)),
+          jax.jit(blank, static_argnums=(1, 2)), jax.jit(iterate, static_argnums=(4,)))
 
-    bigs, tree = jax.tree_util.tree_flatten(state)
-    return tree.unflatten([leaf(big, small, axis) for big, small, axis in
-                           zip(bigs, jax.tree_util.tree_leaves(stash), axes)])
 
-  return (jax.jit(start_rows), jax.jit(segment_state, donate_argnums=(2,)),
-          jax.jit(put, donate_argnums=(0,), static_argnums=(4,)),
-          jax.jit(iterate, static_argnums=(4,)))
+def _swapped(leaf, new, axis, slot, k, slots: int):
+  """State leaf `leaf` with row `slot` of its batch axis replaced by row k of the stash's
+  same leaf `new` (a leaf with no batch axis is kept; with one slot the stash's)."""
+  if axis is None:
+    return new.astype(leaf.dtype) if slots == 1 else leaf
+  row = jax.lax.dynamic_slice_in_dim(new, k, 1, axis).astype(leaf.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(leaf, row, slot, axis)
 
 
 def _own_gamma(draft) -> int:
@@ -581,40 +631,35 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
 def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):
   """{gamma: (ms of one iteration of the slot loop at batch `slots`, ms of one refill)}
   (gamma 0: target-only): each plan's real loop body on the first `slots` inputs,
-  `ITERATIONS_TIMED` iterations per timed call, and its refill per input (a batch start
-  shared by `slots` inputs, and one put of a stash row into a slot), the plans timed in
+  `ITERATIONS_TIMED` iterations per timed call, and its refill per input (a stash's start
+  shared by `stash_size(slots)` inputs; the swap itself is a row copy), the plans timed in
   turn, the least of 3 rounds (cached per shape)."""
   family = family_of(model)
   key = ("slot_iteration_ms", model.config, draft.compile_key(), slots, tokens.shape[1],
          tuple(gammas), tuple(settings_for(g) for g in gammas))
 
   def measure():
-    rows = np.arange(slots, dtype=np.int32)
+    size = stash_size(slots)
+    rows = np.arange(size, dtype=np.int32) % tokens.shape[0]
     lens = None if row_lengths is None else jnp.asarray(row_lengths[rows])
     batch = (jnp.asarray(tokens[rows]), lens, jnp.asarray(rows))
     plans = {}
     for g in gammas:
       plan_draft = draft if g else None
-      start_fn, _, put_fn, iterate_fn = _slot_programs(family, model.config, plan_draft,
-                                                       settings_for(g))
+      start_fn, _, blank_fn, iterate_fn = _slot_programs(family, model.config, plan_draft,
+                                                         settings_for(g))
       params = (model.params, None if plan_draft is None else draft.params)
       axes = _batch_axes(start_fn, *params, jax.random.PRNGKey(0), tokens, row_lengths)
-      state = start_fn(*params, jax.random.PRNGKey(0), *batch)
-      plans[g] = (params, state, start_fn, put_fn, iterate_fn, axes)
+      stash = start_fn(*params, jax.random.PRNGKey(0), *batch)
+      plans[g] = (params, blank_fn(stash, axes, slots), start_fn, iterate_fn)
 
     def timed(g):
-      params, state, start_fn, put_fn, iterate_fn, axes = plans[g]
+      params, state, start_fn, iterate_fn = plans[g]
       begin = time.perf_counter()
       jax.block_until_ready(iterate_fn(*params, *state, ITERATIONS_TIMED))
       middle = time.perf_counter()
-      stash = jax.block_until_ready(start_fn(*params, jax.random.PRNGKey(0), *batch))
-      started = time.perf_counter()
-      copy = jax.tree_util.tree_map(jnp.copy, state)  # the put consumes its state
-      jax.block_until_ready(copy)
-      copied = time.perf_counter()
-      jax.block_until_ready(_put(put_fn, axes, copy, stash, [0], [0], slots))
-      return ((middle - begin) / ITERATIONS_TIMED,
-              (started - middle) / slots + time.perf_counter() - copied)
+      jax.block_until_ready(start_fn(*params, jax.random.PRNGKey(0), *batch))
+      return (middle - begin) / ITERATIONS_TIMED, (time.perf_counter() - middle) / size
 
     for g in gammas:  # compiles
       timed(g)

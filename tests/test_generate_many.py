@@ -90,7 +90,9 @@ def test_programs_are_reused_across_refills_and_calls():
   out = sj.generate_many(target, np.concatenate([tokens, tokens]),
                          np.concatenate([lengths, lengths]), batch_size=2, max_decode_steps=8)
   assert len(PROGRAMS.entries("slots")) == before and out.slots.refills == 12
-  assert 0 < out.slots.occupancy <= 1 and out.slots.segments >= 7
+  # 12 refills from stashes of 8 inputs swapped in inside the loop: the host syncs once
+  # per stash (and once more where a row ends with the stash empty), not per refill.
+  assert 0 < out.slots.occupancy <= 1 and 2 <= out.slots.segments <= 4
 
 
 def test_bad_generate_many_input_gets_clear_errors():
