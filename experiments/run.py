@@ -85,7 +85,7 @@ from specdec_jax.core.outputs import SpeculativeStats
 from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.generation import generate
-from specdec_jax.slots import generate_many
+from specdec_jax.slots import generate_many, stash_size
 from specdec_jax import demo_pair
 from specdec_jax.loading import (load_dflash_draft, load_feature_draft, load_medusa_draft,
                                  load_model, load_parallel_draft, load_sharded_model,
@@ -551,7 +551,8 @@ class Experiment:
   (shape, children law, width), `depth_histogram` and `per_rank_acceptance`.
   scheduling: 'slots' (default; the SCHEDULING macro): both decoders stream the
   inputs through batch_size slots (`sj.generate_many`: a row that ends gives its
-  slot to the next input), in saved chunks of CHUNK_BATCHES * batch_size inputs;
+  slot to the next input), in saved chunks of CHUNK_BATCHES stashes' worth of inputs
+  (`sj.slots.stash_size(batch_size)`: max(batch_size, 8) each);
   'batches': fixed batches of batch_size, each decoded until its slowest row ends
   (what a mesh over several processes runs). results.json gains the tokens per
   second of each decoder and, with slots, their slot occupancy.
@@ -582,8 +583,9 @@ SCHEDULINGS = ("slots", "batches")
 # batches, a mesh, a tree's shape), and for the timed verification call and the block
 # width, the launcher plans with this gamma.
 AUTO_PLAN_GAMMA = 4
-# Slots stream this many batches' worth of inputs per saved chunk (`measure`): a resumed
-# run restarts at the last chunk, the slots stay full inside one.
+# Slots stream this many stashes' worth of inputs (max(batch_size, 8) each, started
+# together) per saved chunk (`measure`): a resumed run restarts at the last chunk, the
+# slots stay full inside one, and no stash is cut short but the last.
 CHUNK_BATCHES = 4
 
 
@@ -1057,8 +1059,10 @@ def _slots(exp: Experiment, planned: Plan) -> bool:
 
 
 def _chunk(exp: Experiment, planned: Plan) -> int:
-  """Inputs per saved record: a batch, or CHUNK_BATCHES batches' worth of slots."""
-  return exp.batch_size * (CHUNK_BATCHES if _slots(exp, planned) else 1)
+  """Inputs per saved record: a batch, or CHUNK_BATCHES stashes' worth of slots."""
+  if _slots(exp, planned):
+    return CHUNK_BATCHES * stash_size(exp.batch_size)
+  return exp.batch_size
 
 
 def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,

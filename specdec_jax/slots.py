@@ -233,13 +233,13 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       size from each plan's whole loop iteration and refill timed at it (once per shape,
       cached), the acceptance measured so far and the tokens per iteration it gave
       (`choose_phase_gamma`), 0 (target-only) where the theory predicts speculation
-      loses; re-decided when the inputs handed out run short (after the first batch,
-      then every 4 x batch_size inputs), the slots kept full while the gamma stays the
-      same (a run drains only when the gamma changes). A tree or another draft
+      loses; re-decided when the inputs handed out run short (after the first stash of
+      max(batch_size, 8) inputs, then every 4 stashes), the slots kept full while the
+      gamma stays the same (a run drains only when it changes). A tree or another draft
       of a shape of its own decodes at that shape ("auto" chooses nothing there).
     prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
       inputs of the same stream, as the launcher passes between chunks). The first
-      phase is chosen at it; without it, the first batch drafts min(4, the draft's
+      phase is chosen at it; without it, the first stash drafts min(4, the draft's
       most) tokens to measure alpha (unless speculation loses even at alpha = 1).
     rng: the call's key; input i draws from fold_in(rng, i) alone.
   Returns:
@@ -564,13 +564,14 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     """(gamma, predicted speedup, inputs) of the next phase at `alpha` (None: unmeasured)."""
     if alpha is None:
       best, predicted = speedup.choose_phase_gamma(1.0, proposal, verify, per_token(results))
-      return (0 if best == 0 else min(4, most)), predicted, slots
+      return (0 if best == 0 else min(4, most)), predicted, stash_size(slots)
     base = slowness(0)
     measured_verify = {g + 1: verify[g + 1] * slowness(g) / base for g in candidates}
     gamma, predicted = speedup.choose_phase_gamma(alpha, proposal, measured_verify,
                                                   per_token(results), tokens_factor(alpha))
-    # One batch first, so that the tokens per iteration are measured early; then 4.
-    return gamma, predicted, (4 if results else 1) * slots
+    # One stash first, so that the tokens per iteration are measured early; then 4 (whole
+    # stashes: a short one starts padding rows).
+    return gamma, predicted, (4 if results else 1) * stash_size(slots)
 
   def measured_alpha(alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:

@@ -143,7 +143,7 @@ def test_auto_gamma_runs_in_phases_and_stays_exact():
   want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
   phases = out.slots.phases
-  assert phases[0]["inputs"] == [0, 2] and phases[0]["alpha"] is None
+  assert phases[0]["inputs"] == [0, 8] and phases[0]["alpha"] is None  # one stash
   assert phases[-1]["inputs"][1] == 9 and all(p["gamma"] in (0, 1, 2, 3, 4, 6, 8)
                                               for p in phases)
   assert all(p["alpha"] is not None for p in phases[1:]) and "1" in phases[0]["cost_curve"]
@@ -171,7 +171,7 @@ def test_auto_gamma_starts_at_the_prior_alpha_and_pads_its_counters():
   out = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, block_width=9,
                          max_decode_steps=10, prior_alpha=0.0)
   assert {p["gamma"] for p in out.slots.phases} == {0} and out.slots.phases[0]["alpha"] == 0.0
-  assert out.slots.phases[0]["inputs"] == [0, 2]  # one batch first, then re-decided
+  assert out.slots.phases[0]["inputs"] == [0, 6]  # one stash (8) first, then re-decided
   assert out.stats.gamma == 8 and out.stats.position_drafted.shape == (6, 8)
   assert not np.asarray(out.stats.drafted).any()
 
