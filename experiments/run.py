@@ -1098,7 +1098,8 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
     base_out, base_len, _, base_time, base_occupancy, _ = decode(False, width, batch_index,
                                                                  base_key)
     width_1_time = decode(False, 1, batch_index, base_key)[3] if width != 1 else 0.0
-    # gamma='auto' starts each chunk at the acceptance of the chunks before it.
+    # gamma='auto' starts each chunk at the acceptance of the chunks before it, and with
+    # what the chunk before it measured (this process's; none after a resume).
     prior = _stack_stats([r.stats for r in records]).alpha if records else None
     spec_out, spec_len, stats, spec_time, spec_occupancy, phases = decode(
         True, width, batch_index, spec_key, prior_alpha=prior)
@@ -1129,6 +1130,8 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
   target_part, draft_part = planned.partitioners or (None, None)
   hosts = planned.hosts
 
+  learned = {}  # gamma='auto': the last chunk's `out.slots.measured`, the next one's prior
+
   def decode(use_draft: bool, block_width: int, batch_index: int, key,
              prior_alpha: Optional[float] = None):
     start = time.perf_counter()
@@ -1143,7 +1146,11 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
                           draft=setup.draft if use_draft else None, gamma=exp.gamma,
                           block_width=block_width, prior_alpha=prior_alpha if use_draft and
                           exp.gamma == "auto" else None,
+                          prior=learned.get(block_width) if use_draft and exp.gamma == "auto"
+                          else None,
                           verification=exp.verification if use_draft else "token")
+      if use_draft and out.slots.measured is not None:
+        learned[block_width] = out.slots.measured
       sequences = np.asarray(jax.block_until_ready(out.sequences))
       pad = len(batches[batch_index][0]) - real  # the record's rows, as batches have them
       sequences = np.concatenate([sequences, np.repeat(sequences[-1:], pad, 0)])

@@ -8,9 +8,10 @@ sampled, each mode timed after one untimed call of the same shapes (compiles exc
     target, slots       `generate_many` target-only, B slots
     spec, batches       `generate` with the pair's draft at --gamma, chunks of B
     spec, slots         `generate_many` with the draft at --gamma, B slots
-    auto, slots         `generate_many(gamma='auto')`, B slots, given the alpha of its
-                        own untimed first run (a long stream's steady state: the
-                        launcher gives each chunk the alpha of the chunks before it)
+    auto, slots         `generate_many(gamma='auto')`, B slots, given what its own
+                        untimed first run measured (`prior=out.slots.measured`: a long
+                        stream's steady state, as the launcher gives each chunk what
+                        the chunks before it measured)
 
 Target-only decodes one token per call (block width 1, the fastest exact baseline on
 CPU); the fixed-gamma modes verify at width gamma + 1; auto at each phase's own.
@@ -162,16 +163,16 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
         "spec, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
                                                 draft=draft, gamma=GAMMA.value,
                                                 block_width=width, **kw),
-        # Given the alpha of its untimed first run, as the launcher gives each chunk the
-        # alpha of those before it: a long stream's steady state, no probe phase.
+        # Given what its untimed first run measured, as the launcher gives each chunk
+        # what the chunks before it measured: a long stream's steady state, no probe.
         "auto, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
                                                 draft=draft, gamma="auto",
-                                                prior_alpha=prior.get("alpha"), **kw),
+                                                prior=prior.get("measured"), **kw),
     }
     results, prior, sequences = {}, {}, {}
     for mode, fn in modes.items():
       if mode == "auto, slots":
-        prior["alpha"] = fn().stats.alpha  # untimed (and compiles)
+        prior["measured"] = fn().slots.measured  # untimed (and compiles)
       seconds, out = _timed(fn, REPEATS.value)
       tokens = int(np.sum(np.asarray(out.lengths)))
       results[mode] = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)

@@ -74,7 +74,9 @@ class SlotStats:
   live_iterations: row-iterations of live rows; occupancy: live_iterations /
   (iterations * batch_size), 1.0 when every slot worked every iteration; seconds: the
   call's wall time; phases: the inputs [start, stop) decoded at each gamma (0:
-  target-only), with, under gamma='auto', the alpha and predicted speedup it was chosen at.
+  target-only), with, under gamma='auto', the alpha and predicted speedup it was chosen at;
+  measured: under gamma='auto', what it learned (alpha, tokens per iteration against
+  E[tokens], each plan's wall time and loop iterations), the next call's `prior`.
   """
   batch_size: int
   inputs: int
@@ -84,6 +86,7 @@ class SlotStats:
   live_iterations: int
   seconds: float
   phases: Tuple[Dict[str, Any], ...] = ()
+  measured: Optional[Dict[str, Any]] = None
 
   @property
   def occupancy(self) -> float:
@@ -219,8 +222,8 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
                   draft=None, rng: Optional[Array] = None, temperature: float = 0.0,
                   topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
                   gamma: Union[int, str] = "auto", verification: str = "token",
-                  block_width: Optional[int] = None, prior_alpha: Optional[float] = None
-                  ) -> ManyOutput:
+                  block_width: Optional[int] = None, prior_alpha: Optional[float] = None,
+                  prior: Optional[Dict[str, Any]] = None) -> ManyOutput:
   """Decodes every row of `inputs` through `batch_size` slots, refilling freed slots.
 
   Args:
@@ -241,6 +244,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       inputs of the same stream, as the launcher passes between chunks). The first
       phase is chosen at it; without it, the first stash drafts min(4, the draft's
       most) tokens to measure alpha (unless speculation loses even at alpha = 1).
+    prior: gamma="auto" only: `out.slots.measured` of an earlier call of the same stream
+      (the launcher passes each chunk the one before): its alpha (unless prior_alpha),
+      tokens per iteration and, at the same batch size, each plan's measured wall time
+      per iteration, so this call chooses from the start with what that one learned.
     rng: the call's key; input i draws from fold_in(rng, i) alone.
   Returns:
     ManyOutput: sequences [N, max_decode_steps], lengths [N], stats per input (None
@@ -266,6 +273,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   auto = isinstance(gamma, str)
   if auto and gamma != AUTO:
     raise ValueError(f"gamma must be an int >= 1 or 'auto', got {gamma!r}")
+  if prior is not None and (not auto or not isinstance(prior, dict)
+                            or not {"alpha", "tokens", "walls", "batch_size"} <= set(prior)):
+    raise ValueError("prior is gamma='auto''s `out.slots.measured` of an earlier call (a dict "
+                     f"of alpha, tokens, walls, batch_size), got {prior!r}")
   if prior_alpha is not None and (not auto or not 0.0 <= prior_alpha <= 1.0):
     raise ValueError(f"prior_alpha ({prior_alpha!r}) is an acceptance rate in [0, 1] for "
                      "gamma='auto'; with a fixed gamma there is nothing to choose")
@@ -285,18 +296,18 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     settings = settings_for(_own_gamma(draft_obj) if auto else gamma)
     results, usage = run(settings, None if draft_obj is None else draft_obj, range(n))
     phases = [dict(inputs=[0, n], gamma=settings.gamma if draft_obj is not None else 0)]
-    width = max(settings.gamma, 1)
+    width, measured = max(settings.gamma, 1), None
   else:
-    results, usage, phases, width = _auto_phases(model, draft_obj, tokens, row_lengths, slots,
-                                                 steps, settings_for, run, block_width,
-                                                 prior_alpha)
+    results, usage, phases, width, measured = _auto_phases(
+        model, draft_obj, tokens, row_lengths, slots, steps, settings_for, run, block_width,
+        prior_alpha, prior)
   sequences = jnp.asarray(np.stack([results[i]["sequences"][1:] for i in range(n)]))
   counters = _merged_counters([results[i]["counters"] for i in range(n)],
                               width if chooses else 0)
   out = make_output(sequences, counters if draft_obj is not None else None,
                     settings_for(0).eos_id, width)
   stats = SlotStats(batch_size=slots, inputs=n, seconds=time.perf_counter() - wall,
-                    phases=tuple(phases), **usage)
+                    phases=tuple(phases), measured=measured, **usage)
   return ManyOutput(out.sequences, out.lengths, out.stats, slots=stats)
 
 
@@ -492,11 +503,12 @@ def _own_gamma(draft) -> int:
 
 
 def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, run,
-                 block_width, prior_alpha):
+                 block_width, prior_alpha, prior):
   """gamma='auto': phases of inputs, each at the gamma chosen before it (see
   `choose_phase_gamma`). Without `prior_alpha` the first phase (one batch) drafts at
   min(4, the draft's most) to measure alpha, unless the theory says speculation loses
-  even at alpha = 1. Returns (results, usage, phases, the counters' gamma width)."""
+  even at alpha = 1. `prior`: an earlier call's `measured`. Returns (results, usage,
+  phases, the counters' gamma width, measured)."""
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
   most = min(8, draft.max_gamma or 8)
@@ -533,21 +545,33 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   results, phases = {}, []
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
 
-  def tokens_factor(alpha):
-    """Tokens per iteration measured over the inputs drafted so far, over E[tokens] at
-    `alpha` and each one's gamma (at most 1; 1 before any): acceptances that come in runs
-    (not i.i.d.) give fewer tokens per iteration than alpha predicts."""
+  prior = prior or {}
+  earlier_tokens = tuple(prior.get("tokens", (0.0, 0.0)))
+
+  def tokens_sums(alpha):
+    """(tokens, E[tokens] at `alpha`) summed over the iterations of every input drafted
+    so far (and the prior's)."""
     gamma_of = {i: p["gamma"] for p in phases for i in range(*p["inputs"])}
-    got = want = 0.0
+    got, want = earlier_tokens
     for i, r in results.items():
       if gamma_of.get(i) and "accepted" in r["counters"]:
         iterations = float(r["counters"]["iterations"])
         got += float(r["counters"]["accepted"]) + iterations
         want += iterations * theory.expected_tokens_per_iteration(min(alpha, 0.999),
                                                                    gamma_of[i])
+    return got, want
+
+  def tokens_factor(alpha):
+    """Tokens per iteration measured, over E[tokens] at `alpha` and each input's gamma (at
+    most 1; 1 before any): acceptances that come in runs (not i.i.d.) give fewer tokens
+    per iteration than alpha predicts."""
+    got, want = tokens_sums(alpha)
     return min(1.0, got / want) if want else 1.0
 
-  walls: Dict[int, Tuple[float, int]] = {}  # gamma: (seconds, loop iterations) run at it
+  # gamma: (seconds, loop iterations) run at it; a prior's at the same batch size
+  walls: Dict[int, Tuple[float, int]] = {
+      int(g): tuple(v) for g, v in prior.get("walls", {}).items()
+  } if prior.get("batch_size") == slots else {}
 
   def slowness(g):
     """The wall time per loop iteration measured at gamma g (refills, syncs and tails
@@ -583,7 +607,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       return float(sum(b for b, _ in beta) / count)
     return 0.0 if alpha is None else alpha
 
-  start, alpha = 0, prior_alpha
+  start, alpha = 0, prior_alpha if prior_alpha is not None else prior.get("alpha")
   chosen = choose(alpha)
   while start < n:
     gamma, predicted, size = chosen
@@ -626,7 +650,10 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     phase["draft_cost"] = {str(g): v for g, v in costs["draft"].items()}
     phase["iteration_ms"] = {str(g): v for g, v in iteration.items()}
     phase["refill_ms"] = {str(g): refill for g, (_, refill) in timed.items()}
-  return results, usage, phases, max(candidates)
+  alpha = measured_alpha(alpha)
+  measured = dict(batch_size=slots, alpha=alpha, tokens=list(tokens_sums(alpha or 0.0)),
+                  walls={str(g): list(v) for g, v in walls.items()})
+  return results, usage, phases, max(candidates), measured
 
 
 def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):

@@ -174,6 +174,19 @@ def test_auto_gamma_starts_at_the_prior_alpha_and_pads_its_counters():
   assert out.slots.phases[0]["inputs"] == [0, 6]  # one stash (8) first, then re-decided
   assert out.stats.gamma == 8 and out.stats.position_drafted.shape == (6, 8)
   assert not np.asarray(out.stats.drafted).any()
+  # What a call measured is the next call's prior: its alpha and its plans' wall times.
+  first = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, block_width=9,
+                           max_decode_steps=10)
+  learned = first.slots.measured
+  assert learned["batch_size"] == 2 and 0.0 <= learned["alpha"] <= 1.0
+  assert set(learned["walls"]) == {str(p["gamma"]) for p in first.slots.phases}
+  again = sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, block_width=9,
+                           max_decode_steps=10, prior=learned)
+  assert again.slots.phases[0]["alpha"] == learned["alpha"]
+  np.testing.assert_array_equal(np.asarray(again.sequences), np.asarray(first.sequences))
+  with pytest.raises(ValueError, match="prior is gamma='auto''s `out.slots.measured`"):
+    sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, max_decode_steps=4,
+                     prior={"alpha": 0.5})
 
 
 def test_auto_gamma_names_a_draft_it_cannot_time():
