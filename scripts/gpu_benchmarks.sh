@@ -53,7 +53,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 # Issue 33: throughput at any batch size at the XXL shape: target-only, fixed gamma and
 # gamma='auto', fixed batches against slots (sj.generate_many), batch 1-64, bf16.
 THROUGHPUT_FLAGS=(--pairs=scaled --scaled_shape=t5_1_1_xxl --batch_sizes=1,4,16,64
-                  --temperatures=0 --num_inputs=64 --dtype=bfloat16)
+                  --temperatures=0 --num_inputs=64 --inputs_per_slot=2 --dtype=bfloat16)
 if [[ " $* " == *" --dry_run "* ]]; then THROUGHPUT_FLAGS=(--pairs=scaled --dry_run
                                                            --batch_sizes=1,4 --temperatures=0); fi
 "$PY" scripts/throughput.py "${THROUGHPUT_FLAGS[@]}" --output_json="$OUT/throughput.json" \

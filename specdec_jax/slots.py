@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.core import decoding, theory
-from specdec_jax.core.outputs import GenerateOutput, make_output, sequence_lengths
+from specdec_jax.core.outputs import GenerateOutput, make_output
 from specdec_jax.drafts.base import NOTHING, DraftStart, ProposalPlan
 from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.registry import family_of, is_model
@@ -538,8 +538,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     target-only's iteration per row (`choose_phase_gamma`): what speculation does not
     shorten. Tokens per input: the mean so far, at first max_decode_steps."""
     emitted = [r["sequences"][1:] for r in results.values()]
-    per_input = float(np.mean(sequence_lengths(np.stack(emitted), settings_for(0).eos_id))
-                      ) if emitted else float(steps)
+    per_input = float(steps)
+    if emitted:  # numpy: jnp ops would compile for each new count of inputs
+      is_eos = np.stack(emitted) == settings_for(0).eos_id
+      per_input = float(np.mean(np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1,
+                                         is_eos.shape[1])))
     return {g: refill * slots / (iteration[0] * max(per_input, 1.0))
             for g, (_, refill) in timed.items()}
   results, phases = {}, []
@@ -674,11 +677,17 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
     plans = {}
     for g in gammas:
       plan_draft = draft if g else None
-      start_fn, _, blank_fn, iterate_fn = _slot_programs(family, model.config, plan_draft,
-                                                         settings_for(g))
+      start_fn, segment_fn, blank_fn, iterate_fn = _slot_programs(
+          family, model.config, plan_draft, settings_for(g))
       params = (model.params, None if plan_draft is None else draft.params)
       axes = _batch_axes(start_fn, *params, jax.random.PRNGKey(0), tokens, row_lengths)
       stash = start_fn(*params, jax.random.PRNGKey(0), *batch)
+      # Compiles the segment program too (an empty segment: no row live, no stash row),
+      # so that the decode's first wall times, which gamma='auto' learns from, hold no
+      # compile.
+      jax.block_until_ready(segment_fn(
+          *params, blank_fn(stash, axes, slots), stash, jnp.zeros((slots,), bool),
+          jnp.int32(0), jnp.int32(0), jnp.bool_(True), axes))
       plans[g] = (params, blank_fn(stash, axes, slots), start_fn, iterate_fn)
 
     def timed(g):
