@@ -1,8 +1,9 @@
 r"""Throughput at any batch size (issue 33): fixed batches against slots, fixed gamma against
 gamma='auto', over the same inputs.
 
-For each pair and batch size B, over the same `--num_inputs` held-out inputs, greedy or
-sampled, each mode timed after one untimed call of the same shapes (compiles excluded):
+For each pair and batch size B, over the same inputs (`--num_inputs`, or
+`--inputs_per_slot` x B), greedy or sampled, each mode called once untimed (compiles),
+then timed in `--repeats` rounds of every mode, the order rotating (median per mode):
 
     target, batches     `generate` target-only on consecutive chunks of B inputs
     target, slots       `generate_many` target-only, B slots
@@ -109,15 +110,25 @@ def _iteration_ms(target, draft, x, lengths, b, steps, temperature):
   return {g: ms for g, (ms, _) in timed.items()}
 
 
-def _timed(fn, repeats: int):
-  fn()  # compiles
-  seconds, out = [], None
-  for _ in range(repeats):
-    start = time.perf_counter()
+def _interleaved(modes, repeats: int, prior):
+  """{mode: (median seconds, last output)}: every mode called once untimed (compiles; auto's
+  call measures its prior), then `repeats` rounds timing each mode once, the order
+  rotating each round, so that a slow spell of the machine falls on every mode alike."""
+  for mode, fn in modes.items():
     out = fn()
-    jax.block_until_ready(out.sequences)
-    seconds.append(time.perf_counter() - start)
-  return statistics.median(seconds), out
+    if mode == "auto, slots":
+      prior["measured"] = out.slots.measured
+  names = list(modes)
+  seconds = {mode: [] for mode in names}
+  outs = {}
+  for round_index in range(repeats):
+    shift = round_index % len(names)
+    for mode in names[shift:] + names[:shift]:
+      start = time.perf_counter()
+      outs[mode] = modes[mode]()
+      jax.block_until_ready(outs[mode].sequences)
+      seconds[mode].append(time.perf_counter() - start)
+  return {mode: (statistics.median(seconds[mode]), outs[mode]) for mode in names}
 
 
 def _batches(target, inputs, lengths, b, **kw):
@@ -170,10 +181,9 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
                                                 prior=prior.get("measured"), **kw),
     }
     results, prior, sequences = {}, {}, {}
-    for mode, fn in modes.items():
-      if mode == "auto, slots":
-        prior["measured"] = fn().slots.measured  # untimed (and compiles)
-      seconds, out = _timed(fn, REPEATS.value)
+    timings = _interleaved(modes, REPEATS.value, prior)
+    for mode in modes:
+      seconds, out = timings[mode]
       tokens = int(np.sum(np.asarray(out.lengths)))
       results[mode] = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)
       if out.stats is not None:

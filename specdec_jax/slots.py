@@ -580,7 +580,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     """The wall time per loop iteration measured at gamma g (refills, syncs and tails
     included) over its timed iteration alone. Where g has not run: target-only 1 (as
     timed), a speculative gamma the most measured at any plan. Unknowns count against
-    speculation: it runs only where it is predicted to win with what was measured."""
+    speculation, and once speculation has run, target-only runs one stash to be measured
+    too (`choose`)."""
     measured = {h: 1e3 * seconds / (count * iteration[h])
                 for h, (seconds, count) in walls.items() if count}
     if g in measured:
@@ -596,6 +597,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     measured_verify = {g + 1: verify[g + 1] * slowness(g) / base for g in candidates}
     gamma, predicted = speedup.choose_phase_gamma(alpha, proposal, measured_verify,
                                                   per_token(results), tokens_factor(alpha))
+    if gamma and 0 not in walls and walls:
+      # Speculation measured, target-only only timed: one stash of target-only first, so
+      # that the choice compares two measured plans (a timed iteration can miss what the
+      # loop around it costs, either way).
+      return 0, 1.0, stash_size(slots)
     # One stash first, so that the tokens per iteration are measured early; then 4 (whole
     # stashes: a short one starts padding rows).
     return gamma, predicted, (4 if results else 1) * stash_size(slots)
