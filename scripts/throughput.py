@@ -244,7 +244,7 @@ def markdown(document) -> str:
   lines = []
   for result in document["results"]:
     lines += ["", f"**{result['label']}, T = {result['temperature']:g}** "
-              f"({result['num_inputs']} inputs, {result['max_decode_steps']} new tokens at most, "
+              f"(inputs: {result['num_inputs']}; {result['max_decode_steps']} new tokens at most, "
               f"fixed gamma {result['gamma']})", "",
               "| B | target batches tok/s | target slots | spec batches (eff) | spec slots (eff) "
               "| auto slots | auto's gamma (phases) | slot occupancy (spec) |",
