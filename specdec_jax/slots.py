@@ -629,8 +629,16 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       """At a refill point with no input waiting: the next phase's inputs if it keeps this
       run's gamma (the slots stay full), else none (this run drains, the next starts)."""
       nonlocal start, alpha, chosen
+      if start >= n:
+        return []
       if len(so_far) < max(1, slots // 4):
-        return None  # too little measured in this run yet
+        # Too little measured in this run to re-decide: one more stash at this gamma, so
+        # that no finished row waits idle for a decision.
+        after = range(start, min(n, start + stash_size(slots)))
+        phases.append(dict(inputs=[start, after.stop], gamma=gamma, alpha=alpha,
+                           predicted_speedup=chosen[1]))
+        start = after.stop
+        return after
       results.update(so_far)
       walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
       alpha = measured_alpha(alpha)

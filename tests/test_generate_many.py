@@ -104,6 +104,11 @@ def test_bad_generate_many_input_gets_clear_errors():
     sj.generate_many(sj.FeatureDraft(target), tokens, lengths, batch_size=2, max_decode_steps=4)
   with pytest.raises(ValueError, match="max_decode_steps"):
     sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=0)
+  # Mixed families: a T5 draft for a decoder-only target.
+  with pytest.raises((ValueError, TypeError)) as mixed:
+    sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=4,
+                     draft=tiny_model("t5"))
+  assert "t5" in str(mixed.value).lower() or "family" in str(mixed.value).lower()
 
 
 def test_choose_phase_gamma_never_speculates_where_the_theory_says_it_loses():
