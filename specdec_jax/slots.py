@@ -606,6 +606,16 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     # stashes: a short one starts padding rows).
     return gamma, predicted, (4 if results else 1) * stash_size(slots)
 
+  def predicted_at(g, alpha):
+    """The predicted speedup of gamma g alone, as `choose` predicts it (target-only: 1)."""
+    if not g or alpha is None:
+      return 1.0
+    extra = per_token(results)
+    tokens = tokens_factor(alpha) * theory.expected_tokens_per_iteration(
+        min(max(alpha, 0.0), 0.999), g)
+    cost = verify[g + 1] * slowness(g) / slowness(0)
+    return (1.0 + extra.get(0, 0.0)) / (cost / tokens + extra.get(g, 0.0))
+
   def measured_alpha(alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:
     a target-only phase measures none; 0 when nothing was ever measured)."""
@@ -643,6 +653,12 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
       alpha = measured_alpha(alpha)
       chosen = choose(alpha)
+      exploring = chosen[0] == 0 and 0 not in walls
+      if (chosen[0] != gamma and not exploring
+          and chosen[1] < SWITCH_GAIN * predicted_at(gamma, alpha)):
+        # A switch drains the slots (a tail of partly idle iterations): only for a
+        # clear gain.
+        chosen = (gamma, predicted_at(gamma, alpha), chosen[2])
       if start >= n or chosen[0] != gamma:
         return []
       after = range(start, min(n, start + chosen[2]))
@@ -719,6 +735,10 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
 
   return PROGRAMS.get(key, measure)
 
+
+# gamma='auto' switches gamma mid-stream only for a predicted gain of this factor: a switch
+# drains the slots.
+SWITCH_GAIN = 1.05
 
 # Iterations per timed call of `_iteration_ms`: enough that a call's dispatch is noise.
 ITERATIONS_TIMED = 8
