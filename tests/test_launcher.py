@@ -550,7 +550,7 @@ def _counting_generate(monkeypatch, interrupt_at=None):
 @pytest.mark.parametrize("scheduling", ["batches", "slots"])
 def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeypatch,
                                                          scheduling):
-  """Ctrl-C after the first batch (slots: the first chunk of 4 batches' worth): a one-line
+  """Ctrl-C after the first batch (slots: the first chunk of 4 stashes' worth): a one-line
   message, no results, the batch kept; the same command then decodes only the missing
   batches and writes what an uninterrupted run writes (greedy); a finished run read again
   decodes nothing; another configuration in that directory is refused before any model
@@ -558,7 +558,7 @@ def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeyp
   target_dir, draft_dir = pairs["llama"]
   prompts = PROMPTS + ["the dog sat on the log", "hello again"]  # 3 batches of 2.
   if scheduling == "slots":
-    prompts = prompts * 2  # chunks of 8 inputs: 2 chunks
+    prompts = prompts * 8  # 40 inputs in chunks of 4 stashes of max(2, 8): 32 + 8
   files = ["configs/pairs/local.gin", "configs/tasks/local_file.gin"]
   bindings = [f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{draft_dir}'",
               f"INPUT_FILE = '{_input_file(tmp_path, prompts)}'",
@@ -568,7 +568,7 @@ def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeyp
   _counting_generate(monkeypatch, interrupt_at=3)
   with pytest.raises(run_lib.Interrupted) as stopped:
     _run(files, bindings, out)
-  first = 2 if scheduling == "batches" else 8
+  first = 2 if scheduling == "batches" else 32
   assert str(stopped.value) == (f"stopped after {first} of {len(prompts)} inputs; rerun the "
                                 "same command to resume")
   assert not (out / "results.json").exists()
