@@ -610,11 +610,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     """The predicted speedup of gamma g alone, as `choose` predicts it (target-only: 1)."""
     if not g or alpha is None:
       return 1.0
-    extra = per_token(results)
-    tokens = tokens_factor(alpha) * theory.expected_tokens_per_iteration(
-        min(max(alpha, 0.0), 0.999), g)
-    cost = verify[g + 1] * slowness(g) / slowness(0)
-    return (1.0 + extra.get(0, 0.0)) / (cost / tokens + extra.get(g, 0.0))
+    return speedup.phase_speedup(alpha, g, proposal,
+                                 {g + 1: verify[g + 1] * slowness(g) / slowness(0)},
+                                 per_token(results), tokens_factor(alpha))
 
   def measured_alpha(alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:

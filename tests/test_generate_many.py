@@ -118,6 +118,12 @@ def test_choose_phase_gamma_never_speculates_where_the_theory_says_it_loses():
   # alpha 0.9: gamma 4 gives 4.10 tokens / 1.6 = 2.56, gamma 8 gives 6.13 / 2.4 = 2.55.
   gamma, predicted = choose_phase_gamma(0.9, cheap, curve)
   assert gamma == 4 and abs(predicted - 4.0951 / 1.6) < 1e-3
+  # One gamma's prediction alone (what a mid-stream switch is weighed against), below 1
+  # where it loses: gamma 1 at alpha 0.05 gives 1.05 tokens / 1.15.
+  from specdec_jax.tools.speedup import phase_speedup
+  assert phase_speedup(0.9, 4, cheap, curve) == predicted
+  assert abs(phase_speedup(0.05, 1, cheap, curve) - 1.05 / 1.15) < 1e-9
+  assert phase_speedup(0.5, 0, cheap, curve) == 1.0
   assert choose_phase_gamma(0.99, cheap, curve)[0] == 8
   gamma, predicted = choose_phase_gamma(0.05, cheap, curve)
   assert gamma == 0 and predicted == 1.0  # nothing accepted: target-only

@@ -125,19 +125,28 @@ def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[i
   wins, the smaller on ties, and 0 whenever no gamma is predicted to beat target-only:
   speculation never runs where the theory says it loses.
   """
-  extra = per_token or {}
-  target_only = 1.0 + extra.get(0, 0.0)
   best, best_speedup = 0, 1.0
   for gamma in sorted(draft_cost):
     if gamma + 1 not in curve:
       continue
-    tokens = tokens_factor * theory.expected_tokens_per_iteration(
-        min(max(alpha, 0.0), 0.999), gamma)
-    predicted = target_only / ((draft_cost[gamma] + curve[gamma + 1]) / tokens
-                               + extra.get(gamma, 0.0))
+    predicted = phase_speedup(alpha, gamma, draft_cost, curve, per_token, tokens_factor)
     if predicted > best_speedup:
       best, best_speedup = gamma, predicted
   return best, best_speedup
+
+
+def phase_speedup(alpha: float, gamma: int, draft_cost: Dict[int, float],
+                  curve: Dict[int, float], per_token: Optional[Dict[int, float]] = None,
+                  tokens_factor: float = 1.0) -> float:
+  """`choose_phase_gamma`'s predicted speedup of one gamma over target-only (arguments as
+  there; gamma 0: 1), below 1 where it loses."""
+  if not gamma:
+    return 1.0
+  extra = per_token or {}
+  tokens = tokens_factor * theory.expected_tokens_per_iteration(
+      min(max(alpha, 0.0), 0.999), gamma)
+  return (1.0 + extra.get(0, 0.0)) / ((draft_cost[gamma] + curve[gamma + 1]) / tokens
+                                      + extra.get(gamma, 0.0))
 
 
 def identical_outputs(spec_outputs, base_outputs, reference=None) -> bool:
