@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.core import decoding, theory
-from specdec_jax.core.outputs import GenerateOutput, make_output
+from specdec_jax.core.outputs import GenerateOutput, make_output, sequence_lengths
 from specdec_jax.drafts.base import NOTHING, DraftStart, ProposalPlan
 from specdec_jax.families.base import call_block, shift_block_fn
 from specdec_jax.families.registry import family_of, is_model
@@ -539,10 +539,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     shorten. Tokens per input: the mean so far, at first max_decode_steps."""
     emitted = [r["sequences"][1:] for r in results.values()]
     per_input = float(steps)
-    if emitted:  # numpy: jnp ops would compile for each new count of inputs
-      is_eos = np.stack(emitted) == settings_for(0).eos_id
-      per_input = float(np.mean(np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1,
-                                         is_eos.shape[1])))
+    if emitted:  # numpy in: jnp would compile for each new count of inputs
+      per_input = float(np.mean(sequence_lengths(np.stack(emitted), settings_for(0).eos_id)))
     return {g: refill * slots / (iteration[0] * max(per_input, 1.0))
             for g, (_, refill) in timed.items()}
   results, phases = {}, []

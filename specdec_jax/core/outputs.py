@@ -107,10 +107,12 @@ class GenerateOutput:
 
 
 def sequence_lengths(sequences: Array, eos_id: int) -> Array:
-  """Tokens up to and including the first EOS (the full length when none)."""
+  """Tokens up to and including the first EOS (the full length when none). A numpy array
+  in, numpy out: host code counting a varying number of rows compiles nothing."""
+  xp = np if isinstance(sequences, np.ndarray) else jnp
   is_eos = sequences == eos_id
-  return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
-                   sequences.shape[1]).astype(jnp.int32)
+  return xp.where(xp.any(is_eos, axis=1), xp.argmax(is_eos, axis=1) + 1,
+                  sequences.shape[1]).astype(xp.int32)
 
 
 def make_output(sequences: Array, stats: Optional[Dict[str, Array]], eos_id: int,
