@@ -46,6 +46,7 @@ either; verification is the usual exact rule, row by row.
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -75,8 +76,10 @@ class SlotStats:
   (iterations * batch_size), 1.0 when every slot worked every iteration; seconds: the
   call's wall time; phases: the inputs [start, stop) decoded at each gamma (0:
   target-only), with, under gamma='auto', the alpha and predicted speedup it was chosen at;
-  measured: under gamma='auto', what it learned (alpha, tokens per iteration against
-  E[tokens], each plan's wall time and loop iterations), the next call's `prior`.
+  measured: under gamma='auto', what it learned, the next call's `prior`: alpha,
+  batch_size, tokens {gamma: sums over the inputs decoded at it: inputs, tokens,
+  iterations and their squares per input} and walls {gamma: [seconds, loop iterations]
+  run at it}.
   """
   batch_size: int
   inputs: int
@@ -232,22 +235,25 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     batch_size: slots decoded together (>= 1; more than N is cut to N).
     max_decode_steps, draft, temperature / topk / topp, eos_id, verification,
       block_width: as `generate`'s (every draft kind, chains and trees).
-    gamma: a chain's tokens per proposal, or "auto" (the default): chosen for this batch
-      size from each plan's whole loop iteration and refill timed at it (once per shape,
-      cached), the acceptance measured so far and the tokens per iteration it gave
-      (`choose_phase_gamma`), 0 (target-only) where the theory predicts speculation
-      loses; re-decided when the inputs handed out run short (after the first stash of
-      max(batch_size, 8) inputs, then every 4 stashes), the slots kept full while the
-      gamma stays the same (a run drains only when it changes). A tree or another draft
-      of a shape of its own decodes at that shape ("auto" chooses nothing there).
+    gamma: a chain's tokens per proposal, or "auto" (the default): the plan (target-only
+      or gamma 1, 2, 4, 8) of the most tokens per slot per ms at this batch size,
+      measured where the plan ran, predicted from its loop iteration and refill timed
+      here (once per shape, cached) and the acceptance so far where it did not
+      (`_auto_phases`); speculation stays only where it measured faster than
+      target-only. Re-decided when the inputs handed out run short (after the first
+      stash of max(batch_size, 8) inputs, then every stash or 4), the slots kept full
+      while the gamma stays the same (a run drains only when it changes). A tree or
+      another draft of a shape of its own decodes at that shape ("auto" chooses
+      nothing there).
     prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
       inputs of the same stream, as the launcher passes between chunks). The first
       phase is chosen at it; without it, the first stash drafts min(4, the draft's
       most) tokens to measure alpha (unless speculation loses even at alpha = 1).
     prior: gamma="auto" only: `out.slots.measured` of an earlier call of the same stream
       (the launcher passes each chunk the one before): its alpha (unless prior_alpha),
-      tokens per iteration and, at the same batch size, each plan's measured wall time
-      per iteration, so this call chooses from the start with what that one learned.
+      each plan's tokens per row iteration and, at the same batch size, its wall time
+      and loop iterations, so this call chooses from the start with what that one
+      learned.
     rng: the call's key; input i draws from fold_in(rng, i) alone.
   Returns:
     ManyOutput: sequences [N, max_decode_steps], lengths [N], stats per input (None
@@ -274,9 +280,14 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   if auto and gamma != AUTO:
     raise ValueError(f"gamma must be an int >= 1 or 'auto', got {gamma!r}")
   if prior is not None and (not auto or not isinstance(prior, dict)
-                            or not {"alpha", "tokens", "walls", "batch_size"} <= set(prior)):
+                            or not {"alpha", "tokens", "walls", "batch_size"} <= set(prior)
+                            or not isinstance(prior["tokens"], dict)
+                            or not all(isinstance(v, dict) and set(_SUMS) <= set(v)
+                                       for v in prior["tokens"].values())
+                            or not isinstance(prior["walls"], dict)):
     raise ValueError("prior is gamma='auto''s `out.slots.measured` of an earlier call (a dict "
-                     f"of alpha, tokens, walls, batch_size), got {prior!r}")
+                     "of alpha, batch_size, tokens and walls, the last two per gamma), got "
+                     f"{prior!r}")
   if prior_alpha is not None and (not auto or not 0.0 <= prior_alpha <= 1.0):
     raise ValueError(f"prior_alpha ({prior_alpha!r}) is an acceptance rate in [0, 1] for "
                      "gamma='auto'; with a fixed gamma there is nothing to choose")
@@ -504,11 +515,26 @@ def _own_gamma(draft) -> int:
 
 def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, run,
                  block_width, prior_alpha, prior):
-  """gamma='auto': phases of inputs, each at the gamma chosen before it (see
-  `choose_phase_gamma`). Without `prior_alpha` the first phase (one batch) drafts at
-  min(4, the draft's most) to measure alpha, unless the theory says speculation loses
-  even at alpha = 1. `prior`: an earlier call's `measured`. Returns (results, usage,
-  phases, the counters' gamma width, measured)."""
+  """gamma='auto': phases of inputs, each at the gamma chosen before it. Without
+  `prior_alpha` the first phase (one stash) drafts at min(4, the draft's most) to measure
+  alpha, unless the theory says speculation loses even at alpha = 1. `prior`: an earlier
+  call's `measured`. Returns (results, usage, phases, the counters' gamma width,
+  measured).
+
+  What decides is each plan's expected time for the inputs not yet handed out: their
+  loop iterations at it (tokens over the tokens a live row emits per iteration, spread
+  over the slots, plus the tail where the last slot finishes alone) times the ms one
+  iteration takes. A plan that has run (in this call or the prior's, at this batch size)
+  is rated by what it measured: the wall time per iteration (refills, syncs and the
+  loop's own work included), tokens per row iteration (acceptances that come in runs
+  included) and how its inputs' iteration counts spread. A plan that has not is
+  predicted: its iteration timed at this batch size, as slow against that timing as the
+  slowest measured plan, plus its refills per token; E[tokens] at the acceptance so far,
+  scaled by what the speculative plans measured against E[tokens]. Target-only counts at
+  the better of its timing and its measurement. So a prediction can send a plan to be
+  tried for one stash, and measurement alone keeps it: speculation stays only where it
+  measured faster than target-only.
+  """
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
   most = min(8, draft.max_gamma or 8)
@@ -523,94 +549,133 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   widths = {g: settings_for(g).block_width for g in [0] + candidates}
   costs = _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates,
                        sorted(set(widths.values())))
-  # What decides: each plan's whole iteration timed at this batch size (its proposal, its
-  # target call, verification, sampling and bookkeeping), relative to target-only's, so
-  # E[tokens] / cost is what a phase would really run. On a small model the loop's own
-  # work is a large part of an iteration, and the parts' sum alone would overpredict.
+  # Each plan's whole loop iteration timed at this batch size (its proposal, its target
+  # call, verification, sampling and bookkeeping) and its refill per input: what a plan
+  # that has not run is predicted from (on a small model the loop's own work is a large
+  # part of an iteration, and the cost curve's target calls alone would overpredict).
   timed = _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for,
                         [0] + candidates)
   iteration = {g: ms for g, (ms, _) in timed.items()}
-  verify = {g + 1: iteration[g] / iteration[0] for g in candidates}
-  proposal = {g: 0.0 for g in candidates}
-
-  def per_token(results):
-    """Each plan's refill (an input's start) per token an input emits, in units of
-    target-only's iteration per row (`choose_phase_gamma`): what speculation does not
-    shorten. Tokens per input: the mean so far, at first max_decode_steps."""
-    emitted = [r["sequences"][1:] for r in results.values()]
-    per_input = float(steps)
-    if emitted:  # numpy in: jnp would compile for each new count of inputs
-      per_input = float(np.mean(sequence_lengths(np.stack(emitted), settings_for(0).eos_id)))
-    return {g: refill * slots / (iteration[0] * max(per_input, 1.0))
-            for g, (_, refill) in timed.items()}
+  refill = {g: ms for g, (_, ms) in timed.items()}
+  eos_id = settings_for(0).eos_id
   results, phases = {}, []
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
 
   prior = prior or {}
-  earlier_tokens = tuple(prior.get("tokens", (0.0, 0.0)))
-
-  def tokens_sums(alpha):
-    """(tokens, E[tokens] at `alpha`) summed over the iterations of every input drafted
-    so far (and the prior's)."""
-    gamma_of = {i: p["gamma"] for p in phases for i in range(*p["inputs"])}
-    got, want = earlier_tokens
-    for i, r in results.items():
-      if gamma_of.get(i) and "accepted" in r["counters"]:
-        iterations = float(r["counters"]["iterations"])
-        got += float(r["counters"]["accepted"]) + iterations
-        want += iterations * theory.expected_tokens_per_iteration(min(alpha, 0.999),
-                                                                   gamma_of[i])
-    return got, want
-
-  def tokens_factor(alpha):
-    """Tokens per iteration measured, over E[tokens] at `alpha` and each input's gamma (at
-    most 1; 1 before any): acceptances that come in runs (not i.i.d.) give fewer tokens
-    per iteration than alpha predicts."""
-    got, want = tokens_sums(alpha)
-    return min(1.0, got / want) if want else 1.0
-
-  # gamma: (seconds, loop iterations) run at it; a prior's at the same batch size
+  # gamma: sums over the inputs decoded at it (`sums_at`), the prior's at any batch size
+  # (what a live row emits per iteration does not depend on the batch)
+  earlier_sums = {int(g): dict(v) for g, v in prior.get("tokens", {}).items()}
+  # gamma: [seconds, loop iterations] run at it (the prior's at the same batch size)
   walls: Dict[int, Tuple[float, int]] = {
       int(g): tuple(v) for g, v in prior.get("walls", {}).items()
   } if prior.get("batch_size") == slots else {}
 
-  def slowness(g):
-    """The wall time per loop iteration measured at gamma g (refills, syncs and tails
-    included) over its timed iteration alone. Where g has not run: target-only 1 (as
-    timed), a speculative gamma the most measured at any plan. Unknowns count against
-    speculation, and once speculation has run, target-only runs one stash to be measured
-    too (`choose`)."""
-    measured = {h: 1e3 * seconds / (count * iteration[h])
-                for h, (seconds, count) in walls.items() if count}
-    if g in measured:
-      return measured[g]
-    return max(measured.values(), default=1.0) if g else 1.0
+  def sums_at():
+    """{gamma: {inputs, tokens, tokens_sq, iterations, iterations_sq}}: sums over the
+    inputs decoded at each gamma so far and the prior's (their tokens emitted and loop
+    iterations, and the squares of each input's)."""
+    gamma_of = {i: p["gamma"] for p in phases for i in range(*p["inputs"])}
+    done = [i for i in results if i in gamma_of]
+    out = {g: dict(v) for g, v in earlier_sums.items()}
+    if done:  # numpy in: jnp would compile for each new count of inputs
+      emitted = sequence_lengths(np.stack([results[i]["sequences"][1:] for i in done]), eos_id)
+      for i, count in zip(done, emitted):
+        sums = out.setdefault(int(gamma_of[i]), dict.fromkeys(_SUMS, 0.0))
+        iterations = float(results[i]["counters"]["iterations"])
+        for name, value in (("inputs", 1.0), ("tokens", float(count)),
+                            ("iterations", iterations)):
+          sums[name] += value
+          if name != "inputs":
+            sums[name + "_sq"] += value * value
+    return {g: v for g, v in out.items() if v["iterations"]}
+
+  def rates(alpha, remaining):
+    """{gamma: (tokens a live row emits per loop iteration, ms per loop iteration, the
+    expected occupancy of the slots over the `remaining` inputs)} of every plan: measured
+    where it ran, else predicted (see above)."""
+    sums = sums_at()
+    inputs = sum(v["inputs"] for v in sums.values())
+    per_input = spread = 0.0  # tokens per input: mean, standard deviation
+    if inputs:
+      per_input = sum(v["tokens"] for v in sums.values()) / inputs
+      spread = _deviation(sum(v["tokens_sq"] for v in sums.values()) / inputs, per_input)
+    per_input = max(per_input, 1.0) if inputs else float(steps)
+    ms = {g: 1e3 * s / count for g, (s, count) in walls.items() if count}
+    slowest = max((ms[g] / iteration[g] for g in ms), default=1.0)
+    # What the speculative plans emitted against E[tokens] at alpha (acceptances in runs
+    # give fewer than i.i.d. ones would), at most 1, 1 before any; and how their inputs'
+    # iteration counts spread (each count's deviation over its mean).
+    got = want = 0.0
+    relative = [0.0]
+    for g, v in sums.items():
+      if g:
+        got += v["tokens"]
+        want += v["iterations"] * theory.expected_tokens_per_iteration(min(alpha, 0.999), g)
+        mean = v["iterations"] / v["inputs"]
+        relative.append(_deviation(v["iterations_sq"] / v["inputs"], mean) / mean)
+    factor = min(1.0, got / want) if want else 1.0
+    out = {}
+    for g in [0] + candidates:
+      if g in sums:
+        v = sums[g]
+        tokens = v["tokens"] / v["iterations"]
+        each = v["iterations"] / v["inputs"]
+        deviation = _deviation(v["iterations_sq"] / v["inputs"], each)
+      elif not g:  # target-only: an iteration per token
+        tokens, each, deviation = 1.0, per_input, spread
+      else:
+        tokens = factor * theory.expected_tokens_per_iteration(min(alpha, 0.999), g)
+        each = per_input / tokens
+        deviation = each * max(max(relative), spread / per_input)
+      # A plan that has not run at this batch size: target-only as timed, speculation as
+      # slow against its timing as the slowest measured plan; plus its refills (each
+      # input's start) per iteration, which speculation makes more frequent.
+      predicted = (iteration[g] * (slowest if g else 1.0)
+                   + refill[g] * slots * tokens / per_input)
+      # Target-only at the better of its timing and its measurement: on a shared machine
+      # one slow spell must not make speculation look faster than it is (the error is
+      # allowed the other way only: speculation kept where it may have won is lost
+      # speed, speculation run where it loses breaks auto's promise).
+      cost = (min(ms[0], predicted) if 0 in ms else predicted) if not g \
+          else ms.get(g, predicted)
+      out[g] = (tokens, cost, _occupancy(remaining, slots, each, deviation))
+    return out
+
+  def speedups(alpha, remaining):
+    """`choose_phase_gamma`'s arguments from `rates`: each speculative plan's iteration in
+    target-only iterations per occupied slot (the curve; its proposal is inside it) and
+    its tokens per row iteration against E[tokens] at alpha."""
+    rated = rates(alpha, remaining)
+    clamped = min(max(alpha, 0.0), 0.999)
+    _, base, occupied = rated[0]
+    curve = {g + 1: (ms / occupancy) / (base / occupied)
+             for g, (_, ms, occupancy) in rated.items() if g}
+    factors = {g: tokens / theory.expected_tokens_per_iteration(clamped, g)
+               for g, (tokens, _, _) in rated.items() if g}
+    return {g: 0.0 for g in candidates}, curve, None, factors
+
+  def predicted_at(g, alpha):
+    """gamma g's predicted speedup over target-only at `alpha` over the inputs not yet
+    handed out (target-only: 1)."""
+    if not g or alpha is None:
+      return 1.0
+    return speedup.phase_speedup(alpha, g, *speedups(alpha, n - start))
 
   def choose(alpha):
     """(gamma, predicted speedup, inputs) of the next phase at `alpha` (None: unmeasured)."""
     if alpha is None:
-      best, predicted = speedup.choose_phase_gamma(1.0, proposal, verify, per_token(results))
+      # Nothing measured: one stash at min(4, most) measures alpha, unless the timed
+      # iterations say speculation loses even at alpha = 1.
+      best, predicted = speedup.choose_phase_gamma(1.0, *speedups(1.0, n - start))
       return (0 if best == 0 else min(4, most)), predicted, stash_size(slots)
-    base = slowness(0)
-    measured_verify = {g + 1: verify[g + 1] * slowness(g) / base for g in candidates}
-    gamma, predicted = speedup.choose_phase_gamma(alpha, proposal, measured_verify,
-                                                  per_token(results), tokens_factor(alpha))
+    gamma, predicted = speedup.choose_phase_gamma(alpha, *speedups(alpha, n - start))
     if gamma and 0 not in walls and walls:
       # Speculation measured, target-only only timed: one stash of target-only first, so
-      # that the choice compares two measured plans (a timed iteration can miss what the
-      # loop around it costs, either way).
+      # that speculation is kept only against a measured target-only.
       return 0, 1.0, stash_size(slots)
-    # One stash first, so that the tokens per iteration are measured early; then 4 (whole
-    # stashes: a short one starts padding rows).
-    return gamma, predicted, (4 if results else 1) * stash_size(slots)
-
-  def predicted_at(g, alpha):
-    """The predicted speedup of gamma g alone, as `choose` predicts it (target-only: 1)."""
-    if not g or alpha is None:
-      return 1.0
-    return speedup.phase_speedup(alpha, g, proposal,
-                                 {g + 1: verify[g + 1] * slowness(g) / slowness(0)},
-                                 per_token(results), tokens_factor(alpha))
+    # A plan not measured yet runs one stash (a prediction is tried, not trusted), a
+    # measured one 4 (whole stashes: a short one starts padding rows).
+    return gamma, predicted, (4 if gamma in walls else 1) * stash_size(slots)
 
   def measured_alpha(alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:
@@ -649,11 +714,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
       alpha = measured_alpha(alpha)
       chosen = choose(alpha)
-      exploring = chosen[0] == 0 and 0 not in walls
-      if (chosen[0] != gamma and not exploring
+      # A switch drains the slots (a tail of partly idle iterations): only for a clear
+      # gain, except to target-only (to explore it, or because speculation measured
+      # slower: it never stays where it loses).
+      if (chosen[0] != gamma and chosen[0] != 0
           and chosen[1] < SWITCH_GAIN * predicted_at(gamma, alpha)):
-        # A switch drains the slots (a tail of partly idle iterations): only for a
-        # clear gain.
         chosen = (gamma, predicted_at(gamma, alpha), chosen[2])
       if start >= n or chosen[0] != gamma:
         return []
@@ -678,11 +743,48 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     phase["cost_curve"] = {str(k): v for k, v in costs["curve"].items()}
     phase["draft_cost"] = {str(g): v for g, v in costs["draft"].items()}
     phase["iteration_ms"] = {str(g): v for g, v in iteration.items()}
-    phase["refill_ms"] = {str(g): refill for g, (_, refill) in timed.items()}
+    phase["refill_ms"] = {str(g): ms for g, ms in refill.items()}
   alpha = measured_alpha(alpha)
-  measured = dict(batch_size=slots, alpha=alpha, tokens=list(tokens_sums(alpha or 0.0)),
+  measured = dict(batch_size=slots, alpha=alpha,
+                  tokens={str(g): v for g, v in sums_at().items()},
                   walls={str(g): list(v) for g, v in walls.items()})
   return results, usage, phases, max(candidates), measured
+
+
+# gamma='auto''s sums per plan over the inputs decoded at it (`measured["tokens"]`).
+_SUMS = ("inputs", "tokens", "tokens_sq", "iterations", "iterations_sq")
+
+
+def _deviation(mean_square: float, mean: float) -> float:
+  """The standard deviation from the mean of the squares and the mean (0 if rounding
+  leaves it negative)."""
+  return max(mean_square - mean * mean, 0.0) ** 0.5
+
+
+def _occupancy(remaining: int, slots: int, each: float, deviation: float) -> float:
+  """The expected share of slot-iterations that do work while `remaining` inputs of
+  `each` loop iterations (that standard deviation) go through `slots` slots. Each used
+  slot decodes k = remaining / used inputs in a row; the last slot to finish decides:
+  k * each + E[max of `used` standard normals] * deviation * sqrt(k) iterations (its
+  inputs' counts summed: normal enough), against remaining * each / slots of work per
+  slot. Speculation spreads the counts (acceptance is random), so a short call loses
+  more of its slots to the tail than target-only does."""
+  if remaining <= 0 or each <= 0:
+    return 1.0
+  used = min(slots, remaining)
+  k = remaining / used
+  return remaining * each / slots / (k * each + _max_of_normals(used) * deviation * k ** 0.5)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_of_normals(count: int) -> float:
+  """E[max of `count` independent standard normals] (0 for one), by quadrature."""
+  if count <= 1:
+    return 0.0
+  x = np.linspace(-8.0, 8.0, 4001)
+  density = np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi)
+  below = 0.5 * (1.0 + np.vectorize(math.erf)(x / np.sqrt(2.0)))
+  return float(np.trapezoid(x * count * density * below ** (count - 1), x))
 
 
 def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):

@@ -200,6 +200,40 @@ def test_auto_gamma_starts_at_the_prior_alpha_and_pads_its_counters():
                      prior={"alpha": 0.5})
 
 
+def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
+  """What a plan measured decides over what was predicted for it: a prior in which gamma
+  4 measured slower than target-only keeps the whole call target-only, even at alpha = 1
+  where the theory predicts a gain; one in which it measured far faster runs gamma 4
+  from the start. Target-only's tokens per row iteration measure exactly 1."""
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=12)
+  drafter = tiny_model("decoder_only", seed=11)
+  common = dict(batch_size=2, draft=drafter, block_width=9, max_decode_steps=10,
+                prior_alpha=1.0)
+  def sums(inputs, tokens, iterations):  # every input alike
+    return dict(inputs=inputs, tokens=inputs * tokens, tokens_sq=inputs * tokens ** 2,
+                iterations=inputs * iterations, iterations_sq=inputs * iterations ** 2)
+  slow = dict(batch_size=2, alpha=1.0, tokens={"4": sums(50, 10.0, 2.0),
+                                               "0": sums(5, 10.0, 10.0)},
+              walls={"4": [10.0, 100], "0": [0.1, 50]})  # 100 ms / iteration against 2
+  out = sj.generate_many(target, tokens, lengths, prior=slow, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {0}
+  fast = dict(slow, walls={"4": [1e-4, 100], "0": [10.0, 50]})  # 1 us against 200 ms
+  out = sj.generate_many(target, tokens, lengths, prior=fast, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {4}
+  # 5 tokens per row iteration at 1 us: against target-only rated at the better of its
+  # timing here (well under 20 ms an iteration) and the 200 ms it measured.
+  assert 100 < out.slots.phases[0]["predicted_speedup"] < 5 * 20 / 1e-3
+  measured = out.slots.measured
+  assert measured["walls"]["4"][1] > 100 and measured["tokens"]["4"]["inputs"] == 50 + 12
+  alone = sj.generate_many(target, tokens, lengths, prior=slow, **common).slots.measured
+  got = alone["tokens"]["0"]
+  assert got["inputs"] == 5 + 12 and got["tokens"] == got["iterations"] > 50.0
+  assert got["tokens_sq"] == got["iterations_sq"]
+  want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+
+
 def test_auto_gamma_names_a_draft_it_cannot_time():
   """A draft whose proposals cannot be timed alone: a clear error naming the fix."""
   target = tiny_model("decoder_only")

@@ -25,7 +25,7 @@ For a target and its drafts, at batch 1 (the paper's setting):
 """
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
@@ -107,7 +107,8 @@ def choose_gamma(alpha: float, c: float, curve: Dict[int, float], max_gamma: int
 
 def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[int, float],
                        per_token: Optional[Dict[int, float]] = None,
-                       tokens_factor: float = 1.0) -> Tuple[int, float]:
+                       tokens_factor: Union[float, Dict[int, float]] = 1.0
+                       ) -> Tuple[int, float]:
   """The gamma for the next inputs of a batch, 0 meaning target-only: (gamma, its predicted
   speedup over target-only decoding at this batch size).
 
@@ -121,7 +122,7 @@ def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[i
   that speculation does not shorten, so it pulls every prediction toward 1.
   tokens_factor: the tokens per iteration measured so far over those E[tokens] predicts
   at the measured alpha (<= 1 where acceptances come in runs, not i.i.d.), applied to
-  every gamma's E[tokens]. The best
+  every gamma's E[tokens], or {gamma: its own factor} (1 where absent). The best
   wins, the smaller on ties, and 0 whenever no gamma is predicted to beat target-only:
   speculation never runs where the theory says it loses.
   """
@@ -137,12 +138,14 @@ def choose_phase_gamma(alpha: float, draft_cost: Dict[int, float], curve: Dict[i
 
 def phase_speedup(alpha: float, gamma: int, draft_cost: Dict[int, float],
                   curve: Dict[int, float], per_token: Optional[Dict[int, float]] = None,
-                  tokens_factor: float = 1.0) -> float:
+                  tokens_factor: Union[float, Dict[int, float]] = 1.0) -> float:
   """`choose_phase_gamma`'s predicted speedup of one gamma over target-only (arguments as
   there; gamma 0: 1), below 1 where it loses."""
   if not gamma:
     return 1.0
   extra = per_token or {}
+  if isinstance(tokens_factor, dict):
+    tokens_factor = tokens_factor.get(gamma, 1.0)
   tokens = tokens_factor * theory.expected_tokens_per_iteration(
       min(max(alpha, 0.0), 0.999), gamma)
   return (1.0 + extra.get(0, 0.0)) / ((draft_cost[gamma] + curve[gamma + 1]) / tokens
