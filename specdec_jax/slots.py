@@ -661,21 +661,33 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       return 1.0
     return speedup.phase_speedup(alpha, g, *speedups(alpha, n - start))
 
-  def choose(alpha):
-    """(gamma, predicted speedup, inputs) of the next phase at `alpha` (None: unmeasured)."""
+  def choose(alpha, current):
+    """(gamma, predicted speedup, inputs) of the next phase at `alpha` (None: unmeasured),
+    the inputs decoding at gamma `current` (None: none yet). Speculation must be
+    predicted SWITCH_GAIN faster than what runs (target-only at least) to start, and
+    faster than target-only to stay: the prediction's error is of the order of a shared
+    machine's noise, and only speculation can lose against target-only."""
     if alpha is None:
       # Nothing measured: one stash at min(4, most) measures alpha, unless the timed
       # iterations say speculation loses even at alpha = 1.
       best, predicted = speedup.choose_phase_gamma(1.0, *speedups(1.0, n - start))
-      return (0 if best == 0 else min(4, most)), predicted, stash_size(slots)
-    gamma, predicted = speedup.choose_phase_gamma(alpha, *speedups(alpha, n - start))
-    if gamma and 0 not in walls and walls:
+      if predicted < SWITCH_GAIN:
+        return 0, 1.0, stash_size(slots)
+      return min(4, most), predicted, stash_size(slots)
+    best, predicted = speedup.choose_phase_gamma(alpha, *speedups(alpha, n - start))
+    staying = predicted_at(current, alpha) if current else 1.0
+    if best != current and predicted < SWITCH_GAIN * max(staying, 1.0):
+      # Not a clear gain over what runs (a switch drains the slots): keep it, unless it
+      # is speculation that no longer beats target-only.
+      best = current if current and staying >= 1.0 else 0
+      predicted = predicted_at(best, alpha)
+    if best and 0 not in walls and walls:
       # Speculation measured, target-only only timed: one stash of target-only first, so
       # that speculation is kept only against a measured target-only.
       return 0, 1.0, stash_size(slots)
     # A plan not measured yet runs one stash (a prediction is tried, not trusted), a
     # measured one 4 (whole stashes: a short one starts padding rows).
-    return gamma, predicted, (4 if gamma in walls else 1) * stash_size(slots)
+    return best, predicted, (4 if best in walls else 1) * stash_size(slots)
 
   def measured_alpha(alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:
@@ -688,7 +700,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     return 0.0 if alpha is None else alpha
 
   start, alpha = 0, prior_alpha if prior_alpha is not None else prior.get("alpha")
-  chosen = choose(alpha)
+  chosen = choose(alpha, None)
   while start < n:
     gamma, predicted, size = chosen
     rows = range(start, min(n, start + size))
@@ -713,13 +725,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       results.update(so_far)
       walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
       alpha = measured_alpha(alpha)
-      chosen = choose(alpha)
-      # A switch drains the slots (a tail of partly idle iterations): only for a clear
-      # gain, except to target-only (to explore it, or because speculation measured
-      # slower: it never stays where it loses).
-      if (chosen[0] != gamma and chosen[0] != 0
-          and chosen[1] < SWITCH_GAIN * predicted_at(gamma, alpha)):
-        chosen = (gamma, predicted_at(gamma, alpha), chosen[2])
+      chosen = choose(alpha, gamma)
       if start >= n or chosen[0] != gamma:
         return []
       after = range(start, min(n, start + chosen[2]))
@@ -738,7 +744,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       usage[name] += used[name]
     if start < n and chosen[0] == gamma:  # decided before this run's last inputs ended
       alpha = measured_alpha(alpha)
-      chosen = choose(alpha)
+      chosen = choose(alpha, gamma)
   for phase in phases:
     phase["cost_curve"] = {str(k): v for k, v in costs["curve"].items()}
     phase["draft_cost"] = {str(g): v for g, v in costs["draft"].items()}
@@ -834,8 +840,9 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
   return PROGRAMS.get(key, measure)
 
 
-# gamma='auto' switches gamma mid-stream only for a predicted gain of this factor: a switch
-# drains the slots.
+# gamma='auto' starts speculating, or switches gamma, only for a predicted gain of this
+# factor: a switch drains the slots, and the prediction's error on a shared machine is of
+# this order (a switch to target-only needs none: speculation stays only where it wins).
 SWITCH_GAIN = 1.05
 
 # Iterations per timed call of `_iteration_ms`: enough that a call's dispatch is noise.
