@@ -526,9 +526,10 @@ class Experiment:
   tokenizer's chat template (instruction-tuned checkpoints).
   gamma: a chain's tokens per proposal, or 'auto' (default; the GAMMA macro): with
   slots, `sj.generate_many` chooses gamma (0: target-only) for each phase of inputs
-  from each choice's iteration cost measured at this batch size and the acceptance
-  so far, each chunk starting at the acceptance of the chunks before it; gamma is
-  at most W - 1, so greedy outputs still equal target-only decoding at W.
+  from what each choice measured at this batch size (else its iteration timed there)
+  and the acceptance so far, each chunk starting from what the chunks before it
+  measured; gamma is at most W - 1, so greedy outputs still equal target-only decoding
+  at W.
   results.json gains `gamma_phases` (inputs, gamma, the alpha it was chosen at and
   the speedup predicted) and `gamma_auto_costs`; its `gamma` is the speculating gamma
   that decoded the most inputs. Without slots (SCHEDULING='batches', a mesh) and for
@@ -579,7 +580,7 @@ class Experiment:
 
 SCHEDULINGS = ("slots", "batches")
 # GAMMA='auto' (the default) lets `sj.generate_many` choose gamma per phase of inputs from
-# the batch's measured costs and the acceptance so far. Where it does not choose (fixed
+# what each choice measured at the batch size and the acceptance so far. Where it does not choose (fixed
 # batches, a mesh, a tree's shape), and for the timed verification call and the block
 # width, the launcher plans with this gamma.
 AUTO_PLAN_GAMMA = 4

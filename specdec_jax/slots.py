@@ -236,11 +236,12 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     max_decode_steps, draft, temperature / topk / topp, eos_id, verification,
       block_width: as `generate`'s (every draft kind, chains and trees).
     gamma: a chain's tokens per proposal, or "auto" (the default): the plan (target-only
-      or gamma 1, 2, 4, 8) of the most tokens per slot per ms at this batch size,
-      measured where the plan ran, predicted from its loop iteration and refill timed
-      here (once per shape, cached) and the acceptance so far where it did not
-      (`_auto_phases`); speculation stays only where it measured faster than
-      target-only. Re-decided when the inputs handed out run short (after the first
+      or gamma 1, 2, 4, 8) expected to decode the inputs not yet handed out soonest at
+      this batch size, from what each plan measured where it ran (its wall time per
+      loop iteration, tokens per row iteration, the spread of its inputs' iteration
+      counts), else from its loop iteration and refill timed here (once per shape,
+      cached) and the acceptance so far (`_auto_phases`); speculation starts only for a
+      predicted gain of 5% and stays only while it is predicted faster than target-only. Re-decided when the inputs handed out run short (after the first
       stash of max(batch_size, 8) inputs, then every stash or 4), the slots kept full
       while the gamma stays the same (a run drains only when it changes). A tree or
       another draft of a shape of its own decodes at that shape ("auto" chooses

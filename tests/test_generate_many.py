@@ -200,6 +200,17 @@ def test_auto_gamma_starts_at_the_prior_alpha_and_pads_its_counters():
                      prior={"alpha": 0.5})
 
 
+def test_expected_occupancy_counts_the_tail_of_spread_iteration_counts():
+  """gamma='auto''s tail model: E[max of 2 standard normals] = 1 / sqrt(pi); inputs of
+  equal iteration counts fill every slot to the end; spread counts leave the last
+  slot's tail idle elsewhere, less of the call the more inputs each slot decodes."""
+  from specdec_jax.slots import _max_of_normals, _occupancy
+  assert abs(_max_of_normals(2) - 1 / np.sqrt(np.pi)) < 1e-6 and _max_of_normals(1) == 0
+  assert _occupancy(512, 64, 48.0, 0.0) == 1.0 and _occupancy(8, 16, 10.0, 0.0) == 0.5
+  short, long = _occupancy(64, 16, 10.0, 3.0), _occupancy(1024, 16, 10.0, 3.0)
+  assert abs(short - 40 / (40 + _max_of_normals(16) * 6)) < 1e-9 and short < long < 1.0
+
+
 def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
   """What a plan measured decides over what was predicted for it: a prior in which gamma
   4 measured slower than target-only keeps the whole call target-only, even at alpha = 1
