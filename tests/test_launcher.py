@@ -528,6 +528,11 @@ def _counting_generate(monkeypatch, interrupt_at=None):
   import threading
   import time
   calls = []
+  if interrupt_at is not None and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    # The launcher relies on Python's own Ctrl-C (KeyboardInterrupt). A suite started in
+    # the background without job control inherits SIGINT ignored, and an earlier test in
+    # this worker may have left a handler of a library's: the test gets Python's back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
   def counting(real):
     def decode(*args, **kwargs):
