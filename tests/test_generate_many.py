@@ -245,6 +245,32 @@ def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
 
+def test_auto_gamma_in_bfloat16_equals_target_only_alone_and_refuses_an_old_prior():
+  """gamma='auto' in bfloat16 (what GPUs and TPUs run): a call that runs gamma 4 from a
+  prior and one that runs target-only both give, row by row, target-only `generate` on
+  that input alone at the same block width, bit for bit. A prior in an older format
+  (tokens as one [got, want] pair) is a clear error, before any work."""
+  target = tiny_model("decoder_only", dtype="bfloat16")
+  tokens, lengths = _inputs("decoder_only", n=10)
+  drafter = tiny_model("decoder_only", seed=11, dtype="bfloat16")
+  common = dict(batch_size=3, draft=drafter, block_width=9, max_decode_steps=10,
+                prior_alpha=1.0)
+  sums = dict(inputs=5, tokens=50.0, tokens_sq=500.0, iterations=10.0, iterations_sq=20.0)
+  fast = dict(batch_size=3, alpha=1.0, tokens={"4": sums}, walls={"4": [1e-4, 100],
+                                                                 "0": [10.0, 50]})
+  slow = dict(fast, walls={"4": [10.0, 100], "0": [0.1, 50]})
+  for prior, gamma in ((fast, 4), (slow, 0)):
+    out = sj.generate_many(target, tokens, lengths, prior=prior, **common)
+    assert {p["gamma"] for p in out.slots.phases} == {gamma}
+    for i in range(len(tokens)):
+      one = sj.generate(target, tokens[i:i + 1], lengths[i:i + 1], max_decode_steps=10,
+                        block_width=9)
+      np.testing.assert_array_equal(np.asarray(out.sequences[i]), np.asarray(one.sequences[0]),
+                                    err_msg=f"gamma {gamma}, input {i}")
+  with pytest.raises(ValueError, match="the last two per gamma"):
+    sj.generate_many(target, tokens, lengths, prior=dict(fast, tokens=[40.0, 50.0]), **common)
+
+
 def test_auto_gamma_names_a_draft_it_cannot_time():
   """A draft whose proposals cannot be timed alone: a clear error naming the fix."""
   target = tiny_model("decoder_only")
