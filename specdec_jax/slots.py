@@ -24,8 +24,9 @@ whatever its batch, so inputs started one at a time pay that read each (the T5-b
 encoder at batch 1: 57 ms on this CPU, 31 ms per input at batch 16); S at a time they
 share it, as fixed batches do. Why swaps inside the loop: the host then syncs once
 per stash, not once per finished row (each sync leaves the device idle while the
-host reads and dispatches: a large part of a small model's iteration). The decode
-holds batch_size + S rows of state.
+host reads and dispatches: a large part of a small model's iteration). The next
+stash is started before that sync, so its start runs while the host reads. The
+decode holds batch_size + 2 S rows of state.
 
 Compiled programs: one start program (S rows), one segment program and one blank
 program (the first batch_size slots, none held yet), all reused: no recompilation per
@@ -353,6 +354,7 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   owner: List[Optional[int]] = [None] * slots   # the input each slot decodes
   live = np.zeros((slots,), bool)
   state = None
+  ahead = None                        # (inputs, their stash) started before they are due
   results: Dict[int, Any] = {}
   usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
   while True:
@@ -363,7 +365,8 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
         more = more if waiting else None
     if cursor == len(stashed) and waiting:  # the next stash: `size` inputs started together
       group, waiting = waiting[:size], waiting[size:]
-      stash, stashed, cursor = started(group), group, 0
+      stash = ahead[1] if ahead is not None and ahead[0] == group else started(group)
+      stashed, cursor, ahead = group, 0, None
       if state is None:
         state = blank_fn(stash, axes, slots)
     if not live.any() and cursor == len(stashed):
@@ -373,6 +376,12 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
         params, draft_params, state, stash, jnp.asarray(live), jnp.int32(cursor),
         jnp.int32(len(stashed)), jnp.bool_(host_waits), axes)
     usage["segments"] += 1
+    if waiting and ahead is None:
+      # The next stash's start dispatched before the host waits on this segment: it
+      # runs while the host reads and harvests (and, on a CPU, on a core the small
+      # loop leaves idle). A segment with inputs waiting ends only with its stash used
+      # up, so the next one takes exactly these.
+      ahead = (waiting[:size], started(waiting[:size]))
     # The host's one sync per segment (per stash at most, or per finished row once the
     # stash is empty and inputs wait): the swaps it made and every slot's rows.
     live_now, cursor_now, count, packed, (finished, slot_of, harvested) = jax.device_get(
