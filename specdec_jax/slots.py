@@ -543,7 +543,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   scaled by what the speculative plans measured against E[tokens]. Target-only counts at
   the better of its timing and its measurement. So a prediction can send a plan to be
   tried for one stash, and measurement alone keeps it: speculation stays only where it
-  measured faster than target-only.
+  measured faster than target-only. A plan that measured slower than its timing
+  predicts is tried again once the plan chosen has run REEXPLORE times as many
+  iterations (its walls add up: the retries grow rarer).
   """
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
@@ -599,10 +601,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
             sums[name + "_sq"] += value * value
     return {g: v for g, v in out.items() if v["iterations"]}
 
-  def rates(alpha, remaining):
+  def rates(alpha, remaining, unmeasured=None):
     """{gamma: (tokens a live row emits per loop iteration, ms per loop iteration, the
     expected occupancy of the slots over the `remaining` inputs)} of every plan: measured
-    where it ran, else predicted (see above)."""
+    where it ran, else predicted (see above); gamma `unmeasured`'s time predicted as if
+    it had not run (its tokens as measured)."""
     sums = sums_at()
     inputs = sum(v["inputs"] for v in sums.values())
     per_input = spread = 0.0  # tokens per input: mean, standard deviation
@@ -610,7 +613,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       per_input = sum(v["tokens"] for v in sums.values()) / inputs
       spread = _deviation(sum(v["tokens_sq"] for v in sums.values()) / inputs, per_input)
     per_input = max(per_input, 1.0) if inputs else float(steps)
-    ms = {g: 1e3 * s / count for g, (s, count) in walls.items() if count}
+    ms = {g: 1e3 * s / count for g, (s, count) in walls.items() if count and g != unmeasured}
     slowest = max((ms[g] / iteration[g] for g in ms), default=1.0)
     # What the speculative plans emitted against E[tokens] at alpha (acceptances in runs
     # give fewer than i.i.d. ones would), at most 1, 1 before any; and how their inputs'
@@ -651,11 +654,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       out[g] = (tokens, cost, _occupancy(remaining, slots, each, deviation))
     return out
 
-  def speedups(alpha, remaining):
+  def speedups(alpha, remaining, unmeasured=None):
     """`choose_phase_gamma`'s arguments from `rates`: each speculative plan's iteration in
     target-only iterations per occupied slot (the curve; its proposal is inside it) and
     its tokens per row iteration against E[tokens] at alpha."""
-    rated = rates(alpha, remaining)
+    rated = rates(alpha, remaining, unmeasured)
     clamped = min(max(alpha, 0.0), 0.999)
     _, base, occupied = rated[0]
     curve = {g + 1: (ms / occupancy) / (base / occupied)
@@ -691,6 +694,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # is speculation that no longer beats target-only.
       best = current if current and staying >= 1.0 else 0
       predicted = predicted_at(best, alpha)
+    retry = retried(alpha, best)
+    if retry is not None:
+      return retry
     if best and 0 not in walls and walls:
       # Speculation measured, target-only only timed: one stash of target-only first, so
       # that speculation is kept only against a measured target-only.
@@ -698,6 +704,19 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     # A plan not measured yet runs one stash (a prediction is tried, not trusted), a
     # measured one 4 (whole stashes: a short one starts padding rows).
     return best, predicted, (4 if best in walls else 1) * stash_size(slots)
+
+  def retried(alpha, best):
+    """(gamma, predicted speedup, inputs) of a speculative plan to measure again for one
+    stash, or None: one that measured slower than its timing predicts, once the plan
+    chosen has run REEXPLORE times its loop iterations (see there)."""
+    if alpha is None or best not in walls:
+      return None
+    for g in candidates:
+      if g != best and g in walls and walls[best][1] >= REEXPLORE * max(walls[g][1], 1):
+        fresh = speedup.phase_speedup(alpha, g, *speedups(alpha, n - start, unmeasured=g))
+        if fresh >= SWITCH_GAIN * max(predicted_at(best, alpha), 1.0):
+          return g, fresh, stash_size(slots)
+    return None
 
   def measured_alpha(alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:
@@ -854,6 +873,14 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
 # factor: a switch drains the slots, and the prediction's error on a shared machine is of
 # this order (a switch to target-only needs none: speculation stays only where it wins).
 SWITCH_GAIN = 1.05
+
+# A speculative plan that measured slower than its timing predicts is measured again, for
+# one stash, once the plan chosen instead has run this many times its loop iterations:
+# one slow spell of a shared machine must not rule a plan out for a whole stream. Its
+# walls add up, so each retry doubles the iterations the next one waits for: over a
+# stream the retries cost at most about a 1 / REEXPLORE share of the time, less as it
+# grows.
+REEXPLORE = 16
 
 # Iterations per timed call of `_iteration_ms`: enough that a call's dispatch is noise.
 ITERATIONS_TIMED = 8

@@ -261,6 +261,42 @@ def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
 
+def test_auto_gamma_measures_a_slow_plan_again_once_the_chosen_one_ran_long(monkeypatch):
+  """A plan that measured slower than its timing predicts (one slow spell of the machine)
+  is not ruled out for good: once the plan chosen has run REEXPLORE times its iterations
+  it runs one stash again, and its walls add up (the next retry waits twice as long).
+  The plans' timings are fixed here (target-only 1 ms an iteration, gamma 4 2 ms, refills
+  free), so that what decides is the rule, not this machine."""
+  from specdec_jax import slots
+  monkeypatch.setattr(slots, "_iteration_ms", lambda *args: {
+      g: (1.0 + 0.25 * g, 0.0) for g in args[-1]})
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=12)
+  drafter = tiny_model("decoder_only", seed=11)
+  common = dict(batch_size=2, draft=drafter, block_width=9, max_decode_steps=10,
+                prior_alpha=1.0)
+
+  def sums(inputs, tokens, iterations):  # every input alike
+    return dict(inputs=inputs, tokens=inputs * tokens, tokens_sq=inputs * tokens ** 2,
+                iterations=inputs * iterations, iterations_sq=inputs * iterations ** 2)
+  tried = 4  # gamma 4 measured 100 ms an iteration over 4; target-only 1 ms, as timed
+  ran = slots.REEXPLORE * tried
+  slow = dict(batch_size=2, alpha=1.0,
+              tokens={"4": sums(2, 10.0, 2.0), "0": sums(ran // 10, 10.0, 10.0)},
+              walls={"4": [0.1 * tried, tried], "0": [1e-3 * ran, ran]})
+  out = sj.generate_many(target, tokens, lengths, prior=slow, **common)
+  phases = [(p["inputs"], p["gamma"]) for p in out.slots.phases]
+  assert phases[0] == ([0, slots.stash_size(2)], 4), phases
+  assert {g for _, g in phases[1:]} == {0}, phases  # its walls still say slow
+  assert out.slots.measured["walls"]["4"][1] > tried  # the retry's iterations added
+  # Target-only one iteration short of the ratio: the slow measurement stands.
+  short = dict(slow, walls=dict(slow["walls"], **{"0": [1e-3 * (ran - 1), ran - 1]}))
+  out = sj.generate_many(target, tokens, lengths, prior=short, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {0}
+  want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+
+
 def test_auto_gamma_in_bfloat16_equals_target_only_alone_and_refuses_an_old_prior():
   """gamma='auto' in bfloat16 (what GPUs and TPUs run): a call that runs gamma 4 from a
   prior and one that runs target-only both give, row by row, target-only `generate` on
