@@ -242,9 +242,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       loop iteration, tokens per row iteration, the spread of its inputs' iteration
       counts), else from its loop iteration and refill timed here (once per shape,
       cached) and the acceptance so far (`_auto_phases`); speculation starts only for a
-      predicted gain of 5% and stays only while it is predicted faster than target-only. Re-decided when the inputs handed out run short (after the first
-      stash of max(batch_size, 8) inputs, then every stash or 4), the slots kept full
-      while the gamma stays the same (a run drains only when it changes). A tree or
+      predicted gain of 5% and stays only while it is predicted faster than
+      target-only. Re-decided at every stash of max(batch_size, 8) inputs, from what
+      the stream measured up to then, the slots kept full while the gamma stays the
+      same (a run drains only when it changes). A tree or
       another draft of a shape of its own decodes at that shape ("auto" chooses
       nothing there).
     prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
@@ -701,9 +702,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # Speculation measured, target-only only timed: one stash of target-only first, so
       # that speculation is kept only against a measured target-only.
       return 0, 1.0, stash_size(slots)
-    # A plan not measured yet runs one stash (a prediction is tried, not trusted), a
-    # measured one 4 (whole stashes: a short one starts padding rows).
-    return best, predicted, (4 if best in walls else 1) * stash_size(slots)
+    # One stash, then the next decision, from what this run measured by then: a plan not
+    # measured yet is tried, not trusted, and a measured one that runs slower than its
+    # measurements said is left after a stash, not after many (at batch 64 a stash is
+    # 64 inputs). Staying costs nothing: the slots stay full while the gamma does.
+    return best, predicted, stash_size(slots)
 
   def retried(alpha, best):
     """(gamma, predicted speedup, inputs) of a speculative plan to measure again for one
