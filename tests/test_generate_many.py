@@ -227,21 +227,30 @@ def test_expected_occupancy_counts_the_tail_of_spread_iteration_counts():
   assert abs(short - 40 / (40 + _max_of_normals(16) * 6)) < 1e-9 and short < long < 1.0
 
 
+def _sums(inputs, tokens, iterations):
+  """A prior's sums for one plan (`measured["tokens"][gamma]`), every input alike."""
+  return dict(inputs=inputs, tokens=inputs * tokens, tokens_sq=inputs * tokens ** 2,
+              iterations=inputs * iterations, iterations_sq=inputs * iterations ** 2)
+
+
+def _auto_setup():
+  """(target, tokens, lengths, gamma='auto' options): 12 inputs through 2 slots, a chain
+  draft, alpha = 1 given."""
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=12)
+  drafter = tiny_model("decoder_only", seed=11)
+  return target, tokens, lengths, dict(batch_size=2, draft=drafter, block_width=9,
+                                       max_decode_steps=10, prior_alpha=1.0)
+
+
 def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
   """What a plan measured decides over what was predicted for it: a prior in which gamma
   4 measured slower than target-only keeps the whole call target-only, even at alpha = 1
   where the theory predicts a gain; one in which it measured far faster runs gamma 4
   from the start. Target-only's tokens per row iteration measure exactly 1."""
-  target = tiny_model("decoder_only")
-  tokens, lengths = _inputs("decoder_only", n=12)
-  drafter = tiny_model("decoder_only", seed=11)
-  common = dict(batch_size=2, draft=drafter, block_width=9, max_decode_steps=10,
-                prior_alpha=1.0)
-  def sums(inputs, tokens, iterations):  # every input alike
-    return dict(inputs=inputs, tokens=inputs * tokens, tokens_sq=inputs * tokens ** 2,
-                iterations=inputs * iterations, iterations_sq=inputs * iterations ** 2)
-  slow = dict(batch_size=2, alpha=1.0, tokens={"4": sums(50, 10.0, 2.0),
-                                               "0": sums(5, 10.0, 10.0)},
+  target, tokens, lengths, common = _auto_setup()
+  slow = dict(batch_size=2, alpha=1.0, tokens={"4": _sums(50, 10.0, 2.0),
+                                               "0": _sums(5, 10.0, 10.0)},
               walls={"4": [10.0, 100], "0": [0.1, 50]})  # 100 ms / iteration against 2
   out = sj.generate_many(target, tokens, lengths, prior=slow, **common)
   assert {p["gamma"] for p in out.slots.phases} == {0}
@@ -271,19 +280,11 @@ def test_auto_gamma_measures_a_slow_plan_again_once_the_chosen_one_ran_long(monk
   from specdec_jax import slots
   monkeypatch.setattr(slots, "_iteration_ms", lambda *args: {
       g: (1.0 + 0.25 * g, 0.0) for g in args[-1]})
-  target = tiny_model("decoder_only")
-  tokens, lengths = _inputs("decoder_only", n=12)
-  drafter = tiny_model("decoder_only", seed=11)
-  common = dict(batch_size=2, draft=drafter, block_width=9, max_decode_steps=10,
-                prior_alpha=1.0)
-
-  def sums(inputs, tokens, iterations):  # every input alike
-    return dict(inputs=inputs, tokens=inputs * tokens, tokens_sq=inputs * tokens ** 2,
-                iterations=inputs * iterations, iterations_sq=inputs * iterations ** 2)
+  target, tokens, lengths, common = _auto_setup()
   tried = 8  # gamma 4 measured 100 ms an iteration over 8; target-only 1 ms, as timed
   ran = slots.REEXPLORE * tried
   slow = dict(batch_size=2, alpha=1.0,
-              tokens={"4": sums(2, 10.0, 2.0), "0": sums(ran // 10, 10.0, 10.0)},
+              tokens={"4": _sums(2, 10.0, 2.0), "0": _sums(ran // 10, 10.0, 10.0)},
               walls={"4": [0.1 * tried, tried], "0": [1e-3 * ran, ran]})
   out = sj.generate_many(target, tokens, lengths, prior=slow, **common)
   phases = [(p["inputs"], p["gamma"]) for p in out.slots.phases]
