@@ -580,8 +580,8 @@ class Experiment:
 
 SCHEDULINGS = ("slots", "batches")
 # GAMMA='auto' (the default) lets `sj.generate_many` choose gamma per phase of inputs from
-# what each choice measured at the batch size and the acceptance so far. Where it does not choose (fixed
-# batches, a mesh, a tree's shape), and for the timed verification call and the block
+# what each choice measured at the batch size and the acceptance so far. Where it does not
+# choose (fixed batches, a mesh, a tree's shape), and for the timed verification call and the block
 # width, the launcher plans with this gamma.
 AUTO_PLAN_GAMMA = 4
 # Slots stream this many stashes' worth of inputs (max(batch_size, 8) each, started

@@ -24,9 +24,10 @@ whatever its batch, so inputs started one at a time pay that read each (the T5-b
 encoder at batch 1: 57 ms on this CPU, 31 ms per input at batch 16); S at a time they
 share it, as fixed batches do. Why swaps inside the loop: the host then syncs once
 per stash, not once per finished row (each sync leaves the device idle while the
-host reads and dispatches: a large part of a small model's iteration). The next
-stash is started before that sync, so its start runs while the host reads. The
-decode holds batch_size + 2 S rows of state.
+host reads and dispatches: a large part of a small model's iteration). Where the
+next stash's inputs are known (a fixed gamma; not under gamma='auto', whose next
+stash waits for the decision made at that sync), it is started before the sync, so
+its start runs while the host reads. The decode holds batch_size + 2 S rows of state.
 
 Compiled programs: one start program (S rows), one segment program and one blank
 program (the first batch_size slots, none held yet), all reused: no recompilation per

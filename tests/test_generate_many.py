@@ -258,6 +258,8 @@ def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
   fast = dict(slow, walls={"4": [1e-3, 1000], "0": [10.0, 50]})
   out = sj.generate_many(target, tokens, lengths, prior=fast, **common)
   assert {p["gamma"] for p in out.slots.phases} == {4}
+  # A measured plan is re-decided at every stash too (12 inputs: stashes of 8 and 4).
+  assert [p["inputs"] for p in out.slots.phases] == [[0, 8], [8, 12]], out.slots.phases
   # 5 tokens per row iteration at 1 us: against target-only rated at the better of its
   # timing here (well under 20 ms an iteration) and the 200 ms it measured.
   assert 100 < out.slots.phases[0]["predicted_speedup"] < 5 * 20 / 1e-3
