@@ -95,11 +95,12 @@ def test_programs_are_reused_across_refills_and_calls():
   assert 0 < out.slots.occupancy <= 1 and 2 <= out.slots.segments <= 4
 
 
-def test_stashes_started_ahead_decode_as_alone():
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_stashes_started_ahead_decode_as_alone(dtype):
   """Past the first stash each start is dispatched before the host syncs on the segment
   before it: the later stashes' outputs still equal each input decoded alone."""
-  target = tiny_model("decoder_only")
-  drafter = tiny_model("decoder_only", seed=11)
+  target = tiny_model("decoder_only", dtype=dtype)
+  drafter = tiny_model("decoder_only", seed=11, dtype=dtype)
   tokens, lengths = _inputs("decoder_only", n=18)  # 3 stashes of 8 at batch_size 2
   for draft, extra in ((None, {}), (drafter, dict(gamma=3))):
     kw = dict(max_decode_steps=9, block_width=4, **extra)
