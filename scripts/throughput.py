@@ -9,10 +9,10 @@ then timed in `--repeats` rounds of every mode, the order rotating (median per m
     target, slots       `generate_many` target-only, B slots
     spec, batches       `generate` with the pair's draft at --gamma, chunks of B
     spec, slots         `generate_many` with the draft at --gamma, B slots
-    auto, slots         `generate_many(gamma='auto')`, B slots, given what its own
-                        untimed first run measured (`prior=out.slots.measured`: a long
-                        stream's steady state, as the launcher gives each chunk what
-                        the chunks before it measured)
+    auto, slots         `generate_many(gamma='auto')`, B slots, each call given what
+                        the one before it measured (`prior=out.slots.measured`, the
+                        first from its untimed call): chunks of one long stream, as the
+                        launcher gives each chunk what the chunks before it measured
 
 Target-only decodes one token per call (block width 1, the fastest exact baseline on
 CPU); the fixed-gamma modes verify at width gamma + 1; auto at each phase's own.
@@ -110,14 +110,12 @@ def _iteration_ms(target, draft, x, lengths, b, steps, temperature):
   return {g: ms for g, (ms, _) in timed.items()}
 
 
-def _interleaved(modes, repeats: int, prior):
+def _interleaved(modes, repeats: int):
   """{mode: (median seconds, last output)}: every mode called once untimed (compiles; auto's
-  call measures its prior), then `repeats` rounds timing each mode once, the order
+  call measures its first prior), then `repeats` rounds timing each mode once, the order
   rotating each round, so that a slow spell of the machine falls on every mode alike."""
-  for mode, fn in modes.items():
-    out = fn()
-    if mode == "auto, slots":
-      prior["measured"] = out.slots.measured
+  for fn in modes.values():
+    fn()
   names = list(modes)
   seconds = {mode: [] for mode in names}
   outs = {}
@@ -129,6 +127,14 @@ def _interleaved(modes, repeats: int, prior):
       jax.block_until_ready(outs[mode].sequences)
       seconds[mode].append(time.perf_counter() - start)
   return {mode: (statistics.median(seconds[mode]), outs[mode]) for mode in names}
+
+
+def _chained(prior, *args, **kw):
+  """`generate_many(*args, prior=prior["measured"], **kw)`, what it measured kept as the
+  next call's prior."""
+  out = sj.generate_many(*args, prior=prior.get("measured"), **kw)
+  prior["measured"] = out.slots.measured
+  return out
 
 
 def _batches(target, inputs, lengths, b, **kw):
@@ -174,14 +180,13 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
         "spec, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
                                                 draft=draft, gamma=GAMMA.value,
                                                 block_width=width, **kw),
-        # Given what its untimed first run measured, as the launcher gives each chunk
-        # what the chunks before it measured: a long stream's steady state, no probe.
-        "auto, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
-                                                draft=draft, gamma="auto",
-                                                prior=prior.get("measured"), **kw),
+        # Given what the call before it measured, as the launcher gives each chunk what
+        # the chunks before it measured: one long stream, probed once (untimed).
+        "auto, slots": lambda: _chained(prior, target, inputs, lengths, batch_size=b,
+                                        draft=draft, gamma="auto", **kw),
     }
     results, prior, sequences = {}, {}, {}
-    timings = _interleaved(modes, REPEATS.value, prior)
+    timings = _interleaved(modes, REPEATS.value)
     for mode in modes:
       seconds, out = timings[mode]
       tokens = int(np.sum(np.asarray(out.lengths)))

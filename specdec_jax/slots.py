@@ -24,10 +24,11 @@ whatever its batch, so inputs started one at a time pay that read each (the T5-b
 encoder at batch 1: 57 ms on this CPU, 31 ms per input at batch 16); S at a time they
 share it, as fixed batches do. Why swaps inside the loop: the host then syncs once
 per stash, not once per finished row (each sync leaves the device idle while the
-host reads and dispatches: a large part of a small model's iteration). Where the
-next stash's inputs are known (a fixed gamma; not under gamma='auto', whose next
-stash waits for the decision made at that sync), it is started before the sync, so
-its start runs while the host reads. The decode holds batch_size + 2 S rows of state.
+host reads and dispatches: a large part of a small model's iteration). The next
+stash is started before the sync, so its start runs while the host reads: its inputs
+are known one stash ahead (under gamma='auto' each decision is made a stash ahead,
+except after a plan's first stash, measured before anything follows it). The decode
+holds batch_size + 2 S rows of state.
 
 Compiled programs: one start program (S rows), one segment program and one blank
 program (the first batch_size slots, none held yet), all reused: no recompilation per
@@ -81,7 +82,8 @@ class SlotStats:
   measured: under gamma='auto', what it learned, the next call's `prior`: alpha,
   batch_size, tokens {gamma: sums over the inputs decoded at it: inputs, tokens,
   iterations and their squares per input} and walls {gamma: [seconds, loop iterations]
-  run at it}.
+  run at it}; started_ahead: stashes started before the host synced on the segment
+  before them (their start overlapping it).
   """
   batch_size: int
   inputs: int
@@ -92,6 +94,7 @@ class SlotStats:
   seconds: float
   phases: Tuple[Dict[str, Any], ...] = ()
   measured: Optional[Dict[str, Any]] = None
+  started_ahead: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -245,10 +248,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       cached) and the acceptance so far (`_auto_phases`); speculation starts only for a
       predicted gain of 5% and stays only while it is predicted faster than
       target-only. Re-decided at every stash of max(batch_size, 8) inputs, from what
-      the stream measured up to then, the slots kept full while the gamma stays the
-      same (a run drains only when it changes). A tree or
-      another draft of a shape of its own decodes at that shape ("auto" chooses
-      nothing there).
+      the stream measured up to then, a stash ahead (so that it starts while the one
+      before it decodes), the slots kept full while the gamma stays the same (a run
+      drains only when it changes). A tree or another draft of a shape of its own
+      decodes at that shape ("auto" chooses nothing there).
     prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
       inputs of the same stream, as the launcher passes between chunks). The first
       phase is chosen at it; without it, the first stash drafts min(4, the draft's
@@ -329,9 +332,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
 def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draft, rows,
                   more=None):
   """Decodes the inputs `rows` (indices into tokens) through `slots` slots at `settings`,
-  and then those `more(results so far, usage so far, seconds so far)` returns each time
-  no input waits (until it returns none; None: ask again at the next sync):
-  ({input index: dict(sequences, counters)}, usage counts)."""
+  and then those `more(results so far, usage so far, seconds so far, ahead)` returns each
+  time at most one stash of inputs waits (until it returns none; None: ask again at the
+  next sync). `ahead`: a stash still waits, so what it returns is started while that
+  one decodes. Returns ({input index: dict(sequences, counters)}, usage counts)."""
   began = time.perf_counter()
   rows = list(rows)
   config = model.config
@@ -358,13 +362,16 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
   state = None
   ahead = None                        # (inputs, their stash) started before they are due
   results: Dict[int, Any] = {}
-  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
+  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0, started_ahead=0)
   while True:
-    if not waiting and cursor == len(stashed) and more is not None:
-      got = more(results, usage, time.perf_counter() - began)
-      if got is not None:
-        waiting = list(got)
-        more = more if waiting else None
+    while more is not None and cursor == len(stashed) and len(waiting) <= size:
+      # Asked until a stash waits beyond the one taken next: that one is started ahead,
+      # while the one taken decodes.
+      got = more(results, usage, time.perf_counter() - began, bool(waiting))
+      if got is None:
+        break
+      waiting = waiting + list(got)
+      more = more if len(got) else None
     if cursor == len(stashed) and waiting:  # the next stash: `size` inputs started together
       group, waiting = waiting[:size], waiting[size:]
       stash = ahead[1] if ahead is not None and ahead[0] == group else started(group)
@@ -384,6 +391,7 @@ def _decode_slots(model, family, tokens, row_lengths, slots, rng, settings, draf
       # loop leaves idle). A segment with inputs waiting ends only with its stash used
       # up, so the next one takes exactly these.
       ahead = (waiting[:size], started(waiting[:size]))
+      usage["started_ahead"] += 1
     # The host's one sync per segment (per stash at most, or per finished row once the
     # stash is empty and inputs wait): the swaps it made and every slot's rows.
     live_now, cursor_now, count, packed, (finished, slot_of, harvested) = jax.device_get(
@@ -546,8 +554,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   the better of its timing and its measurement. So a prediction can send a plan to be
   tried for one stash, and measurement alone keeps it: speculation stays only where it
   measured faster than target-only. A plan that measured slower than its timing
-  predicts is tried again once the plan chosen has run REEXPLORE times as many
-  iterations (its walls add up: the retries grow rarer).
+  predicts, at the top of what its inputs' tokens per iteration allow, is tried again
+  once the plan chosen has run REEXPLORE times as many iterations (its walls add up: the
+  retries grow rarer). Each decision holds one stash and is made a stash ahead (that
+  stash starts while the one before it decodes), except after a plan's first stash or
+  a retry's, which are measured before anything follows them.
   """
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
@@ -573,7 +584,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   refill = {g: ms for g, (_, ms) in timed.items()}
   eos_id = settings_for(0).eos_id
   results, phases = {}, []
-  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0)
+  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0, started_ahead=0)
 
   prior = prior or {}
   # gamma: sums over the inputs decoded at it (`sums_at`), the prior's at any batch size
@@ -607,7 +618,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     """{gamma: (tokens a live row emits per loop iteration, ms per loop iteration, the
     expected occupancy of the slots over the `remaining` inputs)} of every plan: measured
     where it ran, else predicted (see above); gamma `unmeasured`'s time predicted as if
-    it had not run (its tokens as measured)."""
+    it had not run and its tokens at the top of what its inputs measured
+    (`_optimistic_tokens`): a retry's case."""
     sums = sums_at()
     inputs = sum(v["inputs"] for v in sums.values())
     per_input = spread = 0.0  # tokens per input: mean, standard deviation
@@ -633,7 +645,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     for g in [0] + candidates:
       if g in sums:
         v = sums[g]
-        tokens = v["tokens"] / v["iterations"]
+        tokens = _optimistic_tokens(v, g) if g == unmeasured else v["tokens"] / v["iterations"]
         each = v["iterations"] / v["inputs"]
         deviation = _deviation(v["iterations_sq"] / v["inputs"], each)
       elif not g:  # target-only: an iteration per token
@@ -677,7 +689,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     return speedup.phase_speedup(alpha, g, *speedups(alpha, n - start))
 
   def choose(alpha, current):
-    """(gamma, predicted speedup, inputs) of the next phase at `alpha` (None: unmeasured),
+    """(gamma, predicted speedup, a retry) of the next stash at `alpha` (None: unmeasured),
     the inputs decoding at gamma `current` (None: none yet). Speculation must be
     predicted SWITCH_GAIN faster than what runs (target-only at least) to start, and
     faster than target-only to stay: the prediction's error is of the order of a shared
@@ -687,8 +699,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # iterations say speculation loses even at alpha = 1.
       best, predicted = speedup.choose_phase_gamma(1.0, *speedups(1.0, n - start))
       if predicted < SWITCH_GAIN:
-        return 0, 1.0, stash_size(slots)
-      return min(4, most), predicted, stash_size(slots)
+        return 0, 1.0, False
+      return min(4, most), predicted, False
     best, predicted = speedup.choose_phase_gamma(alpha, *speedups(alpha, n - start))
     staying = predicted_at(current, alpha) if current else 1.0
     if best != current and predicted < SWITCH_GAIN * max(staying, 1.0):
@@ -702,15 +714,15 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     if best and 0 not in walls and walls:
       # Speculation measured, target-only only timed: one stash of target-only first, so
       # that speculation is kept only against a measured target-only.
-      return 0, 1.0, stash_size(slots)
+      return 0, 1.0, False
     # One stash, then the next decision, from what this run measured by then: a plan not
     # measured yet is tried, not trusted, and a measured one that runs slower than its
     # measurements said is left after a stash, not after many (at batch 64 a stash is
     # 64 inputs). Staying costs nothing: the slots stay full while the gamma does.
-    return best, predicted, stash_size(slots)
+    return best, predicted, False
 
   def retried(alpha, best):
-    """(gamma, predicted speedup, inputs) of a speculative plan to measure again for one
+    """(gamma, predicted speedup, True) of a speculative plan to measure again for one
     stash, or None: one that measured slower than its timing predicts, once the plan
     chosen has run REEXPLORE times its loop iterations (see there)."""
     if alpha is None or best not in walls:
@@ -719,7 +731,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       if g != best and g in walls and walls[best][1] >= REEXPLORE * max(walls[g][1], 1):
         fresh = speedup.phase_speedup(alpha, g, *speedups(alpha, n - start, unmeasured=g))
         if fresh >= SWITCH_GAIN * max(predicted_at(best, alpha), 1.0):
-          return g, fresh, stash_size(slots)
+          return g, fresh, True
     return None
 
   def measured_alpha(alpha):
@@ -735,19 +747,25 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   start, alpha = 0, prior_alpha if prior_alpha is not None else prior.get("alpha")
   chosen = choose(alpha, None)
   while start < n:
-    gamma, predicted, size = chosen
-    rows = range(start, min(n, start + size))
+    gamma, predicted, retry = chosen
+    rows = range(start, min(n, start + stash_size(slots)))
     phases.append(dict(inputs=[start, rows.stop], gamma=gamma, alpha=alpha,
                        predicted_speedup=predicted))
     start = rows.stop
+    # A plan's first stash (or a retry's) is measured before anything follows it: the
+    # next stash is not started ahead of that decision.
+    probe = retry or gamma not in walls
 
-    def more(so_far, used, seconds):
-      """At a refill point with no input waiting: the next phase's inputs if it keeps this
-      run's gamma (the slots stay full), else none (this run drains, the next starts)."""
-      nonlocal start, alpha, chosen
+    def more(so_far, used, seconds, ahead):
+      """At a refill point with at most one stash waiting (`ahead`: one does): the next
+      stash's inputs if it keeps this run's gamma (the slots stay full), else none (this
+      run drains, the next starts), or None (not yet: ask at the next sync)."""
+      nonlocal start, alpha, chosen, probe
       if start >= n:
         return []
       if len(so_far) < max(1, slots // 4):
+        if ahead and probe:
+          return None
         # Too little measured in this run to re-decide: one more stash at this gamma, so
         # that no finished row waits idle for a decision.
         after = range(start, min(n, start + stash_size(slots)))
@@ -758,10 +776,10 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       results.update(so_far)
       walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
       alpha = measured_alpha(alpha)
-      chosen = choose(alpha, gamma)
+      chosen, probe = choose(alpha, gamma), False
       if start >= n or chosen[0] != gamma:
         return []
-      after = range(start, min(n, start + chosen[2]))
+      after = range(start, min(n, start + stash_size(slots)))
       phases.append(dict(inputs=[start, after.stop], gamma=gamma, alpha=alpha,
                          predicted_speedup=chosen[1]))
       start = after.stop
@@ -792,6 +810,21 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
 
 # gamma='auto''s sums per plan over the inputs decoded at it (`measured["tokens"]`).
 _SUMS = ("inputs", "tokens", "tokens_sq", "iterations", "iterations_sq")
+
+
+def _optimistic_tokens(sums, gamma: int) -> float:
+  """Tokens per row iteration of a plan from its `sums`, RETRY_ERRORS standard errors
+  up (at most gamma + 1): what a retry is weighed at. A few inputs measure it roughly
+  (on the decoder-only demo pair, gamma 4 emits 1.2-4.8 tokens an iteration on one input
+  or another, 2.9 on average over the first 8, 3.7 over the rest), so a plan ruled out
+  on a stash of hard inputs is measured again where it may be faster. The ratio's error
+  by the delta method, its inputs' tokens and iterations taken as fully anticorrelated
+  (their covariance is not summed): an upper bound."""
+  count, rate = sums["inputs"], sums["tokens"] / sums["iterations"]
+  each = sums["iterations"] / count
+  spread = (_deviation(sums["tokens_sq"] / count, sums["tokens"] / count)
+            + rate * _deviation(sums["iterations_sq"] / count, each))
+  return min(rate + RETRY_ERRORS * spread / (each * count ** 0.5), gamma + 1.0)
 
 
 def _deviation(mean_square: float, mean: float) -> float:
@@ -850,10 +883,10 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
       axes = _batch_axes(start_fn, *params, jax.random.PRNGKey(0), tokens, row_lengths)
       stash = start_fn(*params, jax.random.PRNGKey(0), *batch)
       # Compiles the segment program too (an empty segment: no row live, no stash row),
-      # so that the decode's first wall times, which gamma='auto' learns from, hold no
-      # compile.
+      # and the transfer of the host's `live` flags as the decode makes it, so that the
+      # decode's first wall times, which gamma='auto' learns from, hold no compile.
       jax.block_until_ready(segment_fn(
-          *params, blank_fn(stash, axes, slots), stash, jnp.zeros((slots,), bool),
+          *params, blank_fn(stash, axes, slots), stash, jnp.asarray(np.zeros((slots,), bool)),
           jnp.int32(0), jnp.int32(0), jnp.bool_(True), axes))
       plans[g] = (params, blank_fn(stash, axes, slots), start_fn, iterate_fn)
 
@@ -885,6 +918,11 @@ SWITCH_GAIN = 1.05
 # stream the retries cost at most about a 1 / REEXPLORE share of the time, less as it
 # grows.
 REEXPLORE = 16
+
+# A retry weighs the plan's tokens per iteration this many standard errors above what its
+# inputs measured (about the 98th percentile): exploration is optimistic, exploitation
+# is not (a measured plan is chosen at what it measured).
+RETRY_ERRORS = 2.0
 
 # Iterations per timed call of `_iteration_ms`: enough that a call's dispatch is noise.
 ITERATIONS_TIMED = 8

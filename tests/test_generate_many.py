@@ -106,6 +106,7 @@ def test_stashes_started_ahead_decode_as_alone(dtype):
     kw = dict(max_decode_steps=9, block_width=4, **extra)
     many = sj.generate_many(target, tokens, lengths, batch_size=2, draft=draft, **kw)
     assert many.slots.segments >= 3 and many.slots.refills == 16
+    assert many.slots.started_ahead == 2  # the second and third stashes
     for i in range(8, 18):
       one = sj.generate(target, tokens[i:i + 1], lengths[i:i + 1], draft=draft, **kw)
       np.testing.assert_array_equal(np.asarray(many.sequences[i]), np.asarray(one.sequences[0]),
@@ -259,8 +260,10 @@ def test_auto_gamma_keeps_speculation_only_where_it_measured_faster():
   fast = dict(slow, walls={"4": [1e-3, 1000], "0": [10.0, 50]})
   out = sj.generate_many(target, tokens, lengths, prior=fast, **common)
   assert {p["gamma"] for p in out.slots.phases} == {4}
-  # A measured plan is re-decided at every stash too (12 inputs: stashes of 8 and 4).
+  # A measured plan is re-decided at every stash too (12 inputs: stashes of 8 and 4),
+  # a stash ahead: the second is started while the first decodes.
   assert [p["inputs"] for p in out.slots.phases] == [[0, 8], [8, 12]], out.slots.phases
+  assert out.slots.started_ahead == 1
   # 5 tokens per row iteration at 1 us: against target-only rated at the better of its
   # timing here (well under 20 ms an iteration) and the 200 ms it measured.
   assert 100 < out.slots.phases[0]["predicted_speedup"] < 5 * 20 / 1e-3
@@ -293,12 +296,25 @@ def test_auto_gamma_measures_a_slow_plan_again_once_the_chosen_one_ran_long(monk
   phases = [(p["inputs"], p["gamma"]) for p in out.slots.phases]
   assert phases[0] == ([0, slots.stash_size(2)], 4), phases
   assert {g for _, g in phases[1:]} == {0}, phases  # its walls still say slow
+  assert out.slots.started_ahead == 0  # a retry is measured before anything follows it
   assert out.slots.measured["walls"]["4"][1] > tried  # the retry's iterations added
   # Target-only at half the ratio (this call's iterations, at most 60, do not reach it):
   # the slow measurement stands.
   short = dict(slow, walls=dict(slow["walls"], **{"0": [1e-3 * ran / 2, ran // 2]}))
   out = sj.generate_many(target, tokens, lengths, prior=short, **common)
   assert {p["gamma"] for p in out.slots.phases} == {0}
+  # A retry weighs the plan's tokens at the top of what its inputs measured: 1.6 tokens
+  # an iteration (0.8X at 2 ms against 1 ms) is retried where its two inputs took 4 and
+  # 16 iterations for 16 tokens each (2.96 two standard errors up), not where both took
+  # 10.
+  alike = dict(slow, tokens=dict(slow["tokens"], **{"4": _sums(2, 16.0, 10.0)}))
+  out = sj.generate_many(target, tokens, lengths, prior=alike, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {0}
+  spread = dict(inputs=2, tokens=32.0, tokens_sq=512.0, iterations=20.0, iterations_sq=272.0)
+  assert abs(slots._optimistic_tokens(spread, 4) - (1.6 + 2 * 9.6 / (10 * 2 ** 0.5))) < 1e-9
+  out = sj.generate_many(target, tokens, lengths,
+                         prior=dict(slow, tokens=dict(slow["tokens"], **{"4": spread})), **common)
+  assert [p["gamma"] for p in out.slots.phases][0] == 4, out.slots.phases
   want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
