@@ -27,8 +27,8 @@ per stash, not once per finished row (each sync leaves the device idle while the
 host reads and dispatches: a large part of a small model's iteration). The next
 stash is started before the sync, so its start runs while the host reads: its inputs
 are known one stash ahead (under gamma='auto' each decision is made a stash ahead,
-except after a plan's first stash, measured before anything follows it). The decode
-holds batch_size + 2 S rows of state.
+except after a plan's first stash or a retry's, measured before anything follows
+them). The decode holds batch_size + 2 S rows of state.
 
 Compiled programs: one start program (S rows), one segment program and one blank
 program (the first batch_size slots, none held yet), all reused: no recompilation per
