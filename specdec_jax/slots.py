@@ -295,6 +295,14 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     raise ValueError("prior is gamma='auto''s `out.slots.measured` of an earlier call (a dict "
                      "of alpha, batch_size, tokens and walls, the last two per gamma), got "
                      f"{prior!r}")
+  if prior is not None:
+    for g, v in prior["tokens"].items():
+      # Per-input rates divide by these: a plan with iterations but no inputs (or negative
+      # sums) is not something a call measured.
+      if min(v[k] for k in _SUMS) < 0 or (v["iterations"] > 0 and v["inputs"] <= 0):
+        raise ValueError(f"prior['tokens'][{g!r}] holds sums no call measures ({v!r}): "
+                         "inputs, tokens, iterations and their squares are >= 0, and "
+                         "iterations come with inputs; pass out.slots.measured unchanged")
   if prior_alpha is not None and (not auto or not 0.0 <= prior_alpha <= 1.0):
     raise ValueError(f"prior_alpha ({prior_alpha!r}) is an acceptance rate in [0, 1] for "
                      "gamma='auto'; with a fixed gamma there is nothing to choose")

@@ -336,11 +336,17 @@ def test_auto_gamma_in_bfloat16_equals_target_only_alone_and_refuses_an_old_prio
   for prior, gamma in ((fast, 4), (slow, 0)):
     out = sj.generate_many(target, tokens, lengths, prior=prior, **common)
     assert out.slots.phases[0]["gamma"] == gamma  # then re-decided at each stash
+    if gamma:  # a measured plan's second stash (inputs 8-9) started ahead, in bfloat16
+      assert out.slots.started_ahead == 1
     for i in range(len(tokens)):
       one = sj.generate(target, tokens[i:i + 1], lengths[i:i + 1], max_decode_steps=10,
                         block_width=9)
       np.testing.assert_array_equal(np.asarray(out.sequences[i]), np.asarray(one.sequences[0]),
                                     err_msg=f"gamma {gamma}, input {i}")
+  # Sums no call measures (iterations without inputs: every per-input rate divides by 0).
+  broken = dict(sums, inputs=0)
+  with pytest.raises(ValueError, match=r"prior\['tokens'\]\['4'\] holds sums no call measures"):
+    sj.generate_many(target, tokens, lengths, prior=dict(fast, tokens={"4": broken}), **common)
   with pytest.raises(ValueError, match="the last two per gamma"):
     sj.generate_many(target, tokens, lengths, prior=dict(fast, tokens=[40.0, 50.0]), **common)
 
