@@ -962,9 +962,13 @@ def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates, wi
           f"gamma='auto' times the draft's proposals alone (tools.profiling.time_proposals) "
           f"and could not time this {type(draft).__name__}'s ({type(e).__name__}: {e}); "
           "pass an int gamma instead") from e
-    per_call = proposal / draft.calls_per_proposal(probe) / ms[1]
+    calls = draft.calls_per_proposal(probe)
+    if calls:
+      each = {g: proposal / calls * draft.calls_per_proposal(g) for g in candidates}
+    else:  # lookups (n-gram, prompt lookup), no network call: about one cost at any gamma
+      each = dict.fromkeys(candidates, proposal)
     return dict(curve={k: ms[k] / ms[1] for k in ks},
-                draft={g: per_call * draft.calls_per_proposal(g) for g in candidates})
+                draft={g: each[g] / ms[1] for g in candidates})
 
   return PROGRAMS.get(key, measure)
 

@@ -367,3 +367,17 @@ def test_auto_gamma_names_a_draft_it_cannot_time():
   with pytest.raises(ValueError, match="could not time this NeedsTheCache.*pass an int gamma"):
     sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=8,
                      draft=NeedsTheCache(tiny_model("decoder_only", seed=11)))
+
+
+def test_auto_gamma_times_a_lookup_draft_without_a_network():
+  """A prompt-lookup draft makes no network call (calls_per_proposal 0): gamma='auto'
+  times its proposal as one cost at any gamma (it divided by its zero calls), and the
+  outputs equal target-only `generate` alone, greedy."""
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=5)
+  out = sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=6,
+                         draft=sj.PromptLookupDraft(16))
+  costs = out.slots.phases[0]["draft_cost"]
+  assert len(set(costs.values())) == 1 and min(costs.values()) > 0, costs
+  want = sj.generate(target, tokens, lengths, max_decode_steps=6)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))

@@ -254,6 +254,14 @@ def test_bad_trees_get_clear_errors():
   for bad in (dict(topk=0), dict(depth=1.5), dict(node_budget=1)):
     with pytest.raises(ValueError):
       sj.DynamicTreeDraft(draft, **bad)
+  # A budget above what topk and depth grow (2 + 2 * 4 = 10 candidates) holds them all
+  # (it crashed inside the program); it decodes as target-only does, greedy.
+  small = sj.DynamicTreeDraft(draft, topk=2, depth=3)
+  assert small.num_nodes == 11 and sj.DynamicTreeDraft(draft, topk=4, depth=4).num_nodes == 16
+  np.testing.assert_array_equal(
+      np.asarray(sj.generate(target, enc, max_decode_steps=6, draft=small,
+                             block_width=11).sequences),
+      np.asarray(sj.generate(target, enc, max_decode_steps=6, block_width=11).sequences))
   with pytest.raises(ValueError, match="pass block_width=11"):
     sj.generate(target, enc, max_decode_steps=4, draft=sj.TreeDraft(draft, (2, 2, 1)),
                 block_width=8)

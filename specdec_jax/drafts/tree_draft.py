@@ -359,7 +359,9 @@ class DynamicTreeDraft(TreeDraft):
   (the product of the draft's probabilities along their path, at
   temperature 1) are expanded, each by its `topk` most likely tokens; after
   the last depth the `node_budget - 1` best nodes of all those generated form
-  the tree (with the root: node_budget slots). A child never scores above
+  the tree (with the root: node_budget slots; where topk and depth grow fewer
+  candidates, topk + (depth - 1) topk^2, the tree holds all of them and
+  `node_budget` is cut to that count + 1). A child never scores above
   its parent, so that choice keeps every chosen node's ancestors; nodes are
   then laid out depth-first, most likely child first, so the first path is
   the draft's greedy chain.
@@ -377,7 +379,10 @@ class DynamicTreeDraft(TreeDraft):
       raise ValueError(f"node_budget={node_budget} leaves no node beside the root: use >= 2")
     self._set_inner(draft)
     self.children = "topk"
-    self.topk, self._depth, self.node_budget = int(topk), int(depth), int(node_budget)
+    self.topk, self._depth = int(topk), int(depth)
+    # A budget above what the tree can grow would leave slots no candidate fills.
+    grown = self.topk + (self._depth - 1) * self.topk * self.topk
+    self.node_budget = min(int(node_budget), 1 + grown)
     _check_depth(self.inner, self._depth)
 
   @property

@@ -57,7 +57,7 @@ def dynamic_tree(draft, topk: int, depth: int, node_budget: int,
   """A `DynamicTreeDraft` around `draft`: node_budget slots, one draft call a depth."""
   grown = DynamicTreeDraft(draft, topk=topk, depth=depth, node_budget=node_budget)
   return Method(name or f"dyn k={topk} d={depth} n={node_budget}", "dynamic_tree",
-                dict(draft=grown), depth, node_budget, (topk, depth, node_budget))
+                dict(draft=grown), depth, grown.num_nodes, (topk, depth, grown.num_nodes))
 
 
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Dict[str, float]:
