@@ -78,7 +78,8 @@ class SlotStats:
   live_iterations: row-iterations of live rows; occupancy: live_iterations /
   (iterations * batch_size), 1.0 when every slot worked every iteration; seconds: the
   call's wall time; phases: the inputs [start, stop) decoded at each gamma (0:
-  target-only), with, under gamma='auto', the alpha and predicted speedup it was chosen at;
+  target-only), with, under gamma='auto', the alpha and predicted speedup it was chosen at
+  and every plan as rated then (`rated`);
   measured: under gamma='auto', what it learned, the next call's `prior`: alpha,
   batch_size, tokens {gamma: sums over the inputs decoded at it: inputs, tokens,
   iterations and their squares per input} and walls {gamma: [seconds, loop iterations]
@@ -557,11 +558,11 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   loop's own work included), tokens per row iteration (acceptances that come in runs
   included) and how its inputs' iteration counts spread. A plan that has not is
   predicted: its iteration timed at this batch size, as slow against that timing as the
-  slowest measured plan, plus its refills per token; E[tokens] at the acceptance so far,
-  scaled by what the speculative plans measured against E[tokens]. Target-only counts at
-  the better of its timing and its measurement. So a prediction can send a plan to be
-  tried for one stash, and measurement alone keeps it: speculation stays only where it
-  measured faster than target-only. A plan that measured slower than its timing
+  slowest measured plan (refills taken out of its wall), plus its refills per token;
+  E[tokens] at the acceptance so far, scaled by what the speculative plans measured
+  against E[tokens]. Target-only counts at the better of its timing and its measurement.
+  So a prediction can send a plan to be tried for one stash, and measurement alone keeps
+  it: speculation stays only where it measured faster than target-only. A plan that measured slower than its timing
   predicts, at the top of what its inputs' tokens per iteration allow, is tried again
   once the plan chosen has run REEXPLORE times as many iterations (its walls add up: the
   retries grow rarer). Each decision holds one stash and is made a stash ahead (that
@@ -636,7 +637,20 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       spread = _deviation(sum(v["tokens_sq"] for v in sums.values()) / inputs, per_input)
     per_input = max(per_input, 1.0) if inputs else float(steps)
     ms = {g: 1e3 * s / count for g, (s, count) in walls.items() if count and g != unmeasured}
-    slowest = max((ms[g] / iteration[g] for g in ms), default=1.0)
+
+    def refills_ms(g, tokens):
+      """Plan g's refills per loop iteration: an input starts for every per_input / tokens
+      row iterations."""
+      return refill[g] * slots * tokens / per_input
+
+    # How slow each measured plan ran against its timing, its refills taken out (at most
+    # half its wall): the timing holds none, and a prediction adds its own plan's. Left
+    # in, they were counted twice: on the scaled pair at B = 16 target-only's wall is 45
+    # ms an iteration against 36 timed and 13 of refills, gamma 4's 99 against 74 and 33
+    # (both 0.9 of their timing without refills, 1.25 and 1.35 with them).
+    slowest = max(((ms[g] - min(refills_ms(g, sums[g]["tokens"] / sums[g]["iterations"]
+                                           if g in sums else 1.0), ms[g] / 2)) / iteration[g]
+                   for g in ms), default=1.0)
     # What the speculative plans emitted against E[tokens] at alpha (acceptances in runs
     # give fewer than i.i.d. ones would), at most 1, 1 before any; and how their inputs'
     # iteration counts spread (each count's deviation over its mean).
@@ -665,8 +679,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # A plan that has not run at this batch size: target-only as timed, speculation as
       # slow against its timing as the slowest measured plan; plus its refills (each
       # input's start) per iteration, which speculation makes more frequent.
-      predicted = (iteration[g] * (slowest if g else 1.0)
-                   + refill[g] * slots * tokens / per_input)
+      predicted = iteration[g] * (slowest if g else 1.0) + refills_ms(g, tokens)
       # Target-only at the better of its timing and its measurement: on a shared machine
       # one slow spell must not make speculation look faster than it is (the error is
       # allowed the other way only: speculation kept where it may have won is lost
@@ -752,13 +765,22 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       return float(sum(b for b, _ in beta) / count)
     return 0.0 if alpha is None else alpha
 
+  def record(rows, gamma, predicted):
+    """A phase: its inputs, gamma, the alpha and predicted speedup it was chosen at, and
+    every plan as rated then (`rates`: tokens a live row emits per loop iteration, ms per
+    loop iteration, the occupancy expected over the inputs left)."""
+    rated = rates(1.0 if alpha is None else alpha, n - rows.start)
+    phases.append(dict(inputs=[rows.start, rows.stop], gamma=gamma, alpha=alpha,
+                       predicted_speedup=predicted, rated={
+                           str(g): dict(tokens=t, ms=ms, occupancy=o)
+                           for g, (t, ms, o) in rated.items()}))
+
   start, alpha = 0, prior_alpha if prior_alpha is not None else prior.get("alpha")
   chosen = choose(alpha, None)
   while start < n:
     gamma, predicted, retry = chosen
     rows = range(start, min(n, start + stash_size(slots)))
-    phases.append(dict(inputs=[start, rows.stop], gamma=gamma, alpha=alpha,
-                       predicted_speedup=predicted))
+    record(rows, gamma, predicted)
     start = rows.stop
     # A plan's first stash (or a retry's) is measured before anything follows it: the
     # next stash is not started ahead of that decision.
@@ -777,8 +799,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
         # Too little measured in this run to re-decide: one more stash at this gamma, so
         # that no finished row waits idle for a decision.
         after = range(start, min(n, start + stash_size(slots)))
-        phases.append(dict(inputs=[start, after.stop], gamma=gamma, alpha=alpha,
-                           predicted_speedup=chosen[1]))
+        record(after, gamma, chosen[1])
         start = after.stop
         return after
       results.update(so_far)
@@ -788,8 +809,7 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       if start >= n or chosen[0] != gamma:
         return []
       after = range(start, min(n, start + stash_size(slots)))
-      phases.append(dict(inputs=[start, after.stop], gamma=gamma, alpha=alpha,
-                         predicted_speedup=chosen[1]))
+      record(after, gamma, chosen[1])
       start = after.stop
       return after
 

@@ -319,6 +319,30 @@ def test_auto_gamma_measures_a_slow_plan_again_once_the_chosen_one_ran_long(monk
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
 
+def test_auto_gamma_predicts_a_plan_from_measured_walls_without_their_refills(monkeypatch):
+  """A plan that has not run is predicted from its timing, as slow against it as the
+  measured plans ran, plus its own refills. A measured wall holds that plan's refills
+  and a timing none, so they are taken out before the comparison (they were counted
+  twice). Timings fixed here: target-only 1 ms an iteration, gamma 4 2 ms, every input's
+  start 2 ms; target-only measured exactly its timing plus its refills."""
+  from specdec_jax import slots
+  monkeypatch.setattr(slots, "_iteration_ms", lambda *args: {
+      g: (1.0 + 0.25 * g, 2.0) for g in args[-1]})
+  target, tokens, lengths, common = _auto_setup()
+  per_input, ran = 10.0, 400  # tokens (= iterations) per target-only input; iterations
+  wall = 1.0 + 2.0 * 2 / per_input  # ms an iteration: 2 slots start an input every 10
+  prior = dict(batch_size=2, alpha=1.0, tokens={"0": _sums(40, per_input, per_input)},
+               walls={"0": [1e-3 * wall * ran, ran]})
+  out = sj.generate_many(target, tokens, lengths, prior=prior, **common)
+  rated = out.slots.phases[0]["rated"]
+  assert abs(rated["0"]["ms"] - wall) < 1e-9 and rated["0"]["tokens"] == 1.0
+  drafted = rated["4"]["tokens"]  # E[tokens] at alpha = 1 (0.999): its refills per token
+  assert 4.9 < drafted <= 5.0
+  assert abs(rated["4"]["ms"] - (2.0 + 2.0 * 2 * drafted / per_input)) < 1e-9, rated
+  want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+
+
 def test_auto_gamma_in_bfloat16_equals_target_only_alone_and_refuses_an_old_prior():
   """gamma='auto' in bfloat16 (what GPUs and TPUs run): a call that runs gamma 4 from a
   prior and one that runs target-only both give, row by row, target-only `generate` on
