@@ -23,6 +23,7 @@ steps = args.max_decode_steps
 tree = sj.TreeDraft(draft, (2, 2, 1))       # 2 first tokens, 2 continuations each, then 1
 # children="without_replacement" (default) | "iid" | "topk"; the draft may be an NgramDraft.
 dynamic = sj.DynamicTreeDraft(draft, topk=4, depth=4, node_budget=16)   # EAGLE-2 style
+# (a budget above the topk + (depth - 1) topk^2 candidates it grows is cut to hold them all)
 W = max(tree.num_nodes, dynamic.num_nodes)   # 11 = 1 + 2 + 4 + 4, and 16: one block holds either
 ref = sj.generate(target, prompts, lengths, max_decode_steps=steps, block_width=W)
 spec = sj.generate(target, prompts, lengths, max_decode_steps=steps, draft=tree, block_width=W)
