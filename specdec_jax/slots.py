@@ -562,18 +562,22 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   E[tokens] at the acceptance so far, scaled by what the speculative plans measured
   against E[tokens]. Target-only counts at the better of its timing and its measurement.
   So a prediction can send a plan to be tried for one stash, and measurement alone keeps
-  it: speculation stays only where it measured faster than target-only. A plan that measured slower than its timing
-  predicts, at the top of what its inputs' tokens per iteration allow, is tried again
-  once the plan chosen has run REEXPLORE times as many iterations (its walls add up: the
-  retries grow rarer). Each decision holds one stash and is made a stash ahead (that
+  it: speculation stays only where it measured faster than target-only. A plan that
+  measured slower than its timing predicts, at the top of what its inputs' tokens per
+  iteration allow, is tried again once the plan chosen has run REEXPLORE times as many
+  iterations (its walls add up: the retries grow rarer). Each decision holds one stash and is made a stash ahead (that
   stash starts while the one before it decodes), except after a plan's first stash or
   a retry's, which are measured before anything follows them.
   """
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
   most = min(8, draft.max_gamma or 8)
-  if block_width is not None:
-    most = min(most, block_width - 1)
+  # Every plan's block fits the target-only width: the one given, or the default where
+  # defaults are not the narrowest (bfloat16, accelerators: 8, so gamma <= 7 there;
+  # float32 on CPU runs each plan at its own gamma + 1).
+  fixed = settings_for(0).block_width
+  if block_width is not None or fixed > 1:
+    most = min(most, fixed - 1)
   # Powers of two: each candidate costs a compile and a timing, once per shape.
   candidates = [g for g in (1, 2, 4, 8) if g <= most]
   # Each gamma's iteration costs its proposal and one target call at the block width it

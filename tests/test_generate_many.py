@@ -393,15 +393,19 @@ def test_auto_gamma_names_a_draft_it_cannot_time():
                      draft=NeedsTheCache(tiny_model("decoder_only", seed=11)))
 
 
-def test_auto_gamma_times_a_lookup_draft_without_a_network():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_gamma_times_a_lookup_draft_without_a_network(dtype):
   """A prompt-lookup draft makes no network call (calls_per_proposal 0): gamma='auto'
   times its proposal as one cost at any gamma (it divided by its zero calls), and the
-  outputs equal target-only `generate` alone, greedy."""
-  target = tiny_model("decoder_only")
+  outputs equal target-only `generate` alone, greedy. In bfloat16 the default block
+  width is 8 (GPUs, TPUs): its candidates stop at gamma 4 (gamma 8 needs 9 slots and
+  raised before any work, with no block_width given)."""
+  target = tiny_model("decoder_only", dtype=dtype)
   tokens, lengths = _inputs("decoder_only", n=5)
   out = sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=6,
                          draft=sj.PromptLookupDraft(16))
   costs = out.slots.phases[0]["draft_cost"]
   assert len(set(costs.values())) == 1 and min(costs.values()) > 0, costs
+  assert sorted(costs, key=int)[-1] == ("8" if dtype == "float32" else "4"), costs
   want = sj.generate(target, tokens, lengths, max_decode_steps=6)
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
