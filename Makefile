@@ -59,8 +59,10 @@ test: $(VENV)/.test
 
 # The long statistical and method suites (token trees, tree and block
 # verification, feature drafts, the 8-device subprocesses, the Table 2 sweep,
-# the GPU benchmark dry run): marked `slow`, run by CI beside `make test` so
-# that `make test` stays near 15 minutes on 2 cores.
+# the GPU benchmark dry run, the notebooks, the second family or dtype of the
+# heaviest equality tests): marked `slow`, run by CI beside `make test`, which
+# they would take past its budget (12 minutes on 2 cores; a fresh machine
+# compiles every program, a rerun reads most from the cache).
 test-slow: $(VENV)/.test
 	$(JAX_CACHE_ENV) $(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m slow \
 	  --ignore=tests/test_multihost.py tests

@@ -116,7 +116,7 @@ def target_features(fam, target, tokens, taps):
   return features
 
 
-@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_greedy_dflash_chain_and_tree_equal_target_only(family, dtype):
   vocab = 16
@@ -312,7 +312,7 @@ def test_bad_dflash_directories_get_clear_errors(tmp_path):
     sj.load_dflash_draft(tmp_path / "nowhere", target)
 
 
-@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 def test_grown_drafter_drives_the_embedded_target_to_the_same_laws(family):
   """`sj.scale_pair`'s rule for DFlash: a drafter grown with its target (stream r times
   wider, r times the heads and MLP units, zeros where new) gives the same laws over the

@@ -343,6 +343,7 @@ def test_auto_gamma_predicts_a_plan_from_measured_walls_without_their_refills(mo
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
 
+@pytest.mark.slow
 def test_auto_gamma_in_bfloat16_equals_target_only_alone_and_refuses_an_old_prior():
   """gamma='auto' in bfloat16 (what GPUs and TPUs run): a call that runs gamma 4 from a
   prior and one that runs target-only both give, row by row, target-only `generate` on
@@ -393,7 +394,7 @@ def test_auto_gamma_names_a_draft_it_cannot_time():
                      draft=NeedsTheCache(tiny_model("decoder_only", seed=11)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_auto_gamma_times_a_lookup_draft_without_a_network(dtype):
   """A prompt-lookup draft makes no network call (calls_per_proposal 0): gamma='auto'
   times its proposal as one cost at any gamma (it divided by its zero calls), and the

@@ -93,10 +93,10 @@ def kernel_env(tmp_path_factory):
 # raced for ports on this machine class.
 @pytest.mark.xdist_group("notebooks")
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT + 60)
-# make test runs the quickstart; make test-slow the rest (the make test budget).
-@pytest.mark.parametrize("path", [
-    p if os.path.basename(p).startswith("01_") else pytest.param(p, marks=pytest.mark.slow)
-    for p in NOTEBOOKS], ids=os.path.basename)
+# make test-slow runs every notebook (each runs tens of seconds: the make test budget);
+# make test checks that they exist, are stripped and install first (above).
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, kernel_env):
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(

@@ -65,7 +65,7 @@ def test_pard_laws_equal_a_full_forward_after_any_accepted_history():
                                    rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["decoder_only", "t5"])
+@pytest.mark.parametrize("family", ["decoder_only", pytest.param("t5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_greedy_pard_chain_and_tree_equal_target_only(family, dtype):
   vocab = 16
