@@ -59,6 +59,37 @@ def test_greedy_medusa_chain_and_tree_equal_target_only(family, dtype):
     got = sj.generate(target, tokens, lengths, draft=draft, block_width=width, **kwargs, **extra)
     _equal(got, want)
     assert got.stats.iterations.sum() > 0 and got.stats.drafted.sum() > 0
+  if dtype == "bfloat16":
+    # gamma='auto' (generate_many's default) times the heads alone first: in bfloat16 on
+    # CPU that program raised before the heads ran batched over their leading axis.
+    many = sj.generate_many(target, tokens, lengths, batch_size=2, draft=medusa,
+                            block_width=8, **kwargs)
+    _equal(many, sj.generate(target, tokens, lengths, block_width=8, **kwargs))
+    assert "alpha" in many.slots.phases[-1]
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True], ids=["own_head", "shared_head"])
+def test_bfloat16_heads_are_timed_at_any_batch(share_lm_head):
+  """`tools.profiling.time_proposals` (what gamma='auto' times a draft by) runs the heads
+  in bfloat16 at batch > 1 on CPU: XLA's CPU runtime has no kernel for a bfloat16 dot
+  accumulated in float32 with its batch axis inside an operand, which the heads' matmul
+  was ([batch, heads, h] against [heads, h, g]) and raised there. The logits are the
+  float32 heads' to bfloat16 rounding."""
+  from specdec_jax.tools import profiling
+  target = tiny_model("decoder_only", dtype="bfloat16")
+  tokens, lengths = _inputs("decoder_only", target, batch=3)
+  medusa = sj.MedusaDraft(target, num_heads=3, num_layers=2, seed=1,
+                          share_lm_head=share_lm_head)
+  ms = profiling.time_proposals(target, {"medusa": medusa}, tokens, 8, 3, repeats=1, calls=2,
+                                lengths=lengths)
+  assert ms["medusa"] > 0
+  hidden = jax.random.normal(jax.random.PRNGKey(3), (3, medusa.hidden_dim))
+  wide = sj.MedusaDraft(tiny_model("decoder_only"), num_heads=3, num_layers=2, seed=1,
+                        share_lm_head=share_lm_head)
+  got = medusa.head_logits(medusa.params, hidden, 3)
+  want = wide.head_logits(wide.params, hidden, 3)
+  assert got.shape == want.shape == (3, 3, target.config.vocab_size) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.1, rtol=0.05)
 
 
 @pytest.mark.slow

@@ -149,18 +149,28 @@ class MedusaDraft(ParallelDrafter):
   # -- the heads --------------------------------------------------------------
 
   def head_logits(self, params, hidden: Array, heads: int) -> Array:
-    """hidden [batch, h] -> logits [batch, heads, vocab] float32 of heads 1..heads (one call)."""
+    """hidden [batch, h] -> logits [batch, heads, vocab] float32 of heads 1..heads (one call).
+
+    The heads run as [heads, batch, h]: each head's matmul is a dot batched over its
+    leading axis in both operands. XLA's CPU runtime has no kernel for a bfloat16 dot
+    accumulated in float32 whose batch axis lies inside an operand ([batch, heads, h]
+    against [heads, h, g]), where a program does not fuse it away (it did in the decode,
+    not in `tools.profiling.time_proposals`, which gamma='auto' times drafts with).
+    """
     own = params["heads"]
-    x = jnp.broadcast_to(hidden.astype(self.dtype)[:, None, :],
-                         (hidden.shape[0], heads, hidden.shape[-1]))
+    x = jnp.broadcast_to(hidden.astype(self.dtype)[None],
+                         (heads, hidden.shape[0], hidden.shape[-1]))
     for j in range(self.num_layers):
-      y = jnp.einsum("bkh,khg->bkg", x, own["kernel"][j, :heads].astype(self.dtype),
+      y = jnp.einsum("kbh,khg->kbg", x, own["kernel"][j, :heads].astype(self.dtype),
                      preferred_element_type=jnp.float32)
-      x = x + jax.nn.silu(y + own["bias"][j, :heads].astype(jnp.float32)).astype(self.dtype)
+      bias = own["bias"][j, :heads].astype(jnp.float32)[:, None, :]
+      x = x + jax.nn.silu(y + bias).astype(self.dtype)
     if self.share_lm_head:
-      return self.target_logits(params["target"], x)
-    return jnp.einsum("bkh,khv->bkv", x, own["lm_head"][:heads].astype(self.dtype),
-                      preferred_element_type=jnp.float32)
+      logits = self.target_logits(params["target"], x)
+    else:
+      logits = jnp.einsum("kbh,khv->kbv", x, own["lm_head"][:heads].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.swapaxes(logits, 0, 1)
 
   def target_logits(self, refs, hidden: Array) -> Array:
     """The target's own output projection: hidden [..., h] -> logits [..., vocab] float32
