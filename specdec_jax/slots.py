@@ -251,8 +251,9 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       target-only. Re-decided at every stash of max(batch_size, 8) inputs, from what
       the stream measured up to then, a stash ahead (so that it starts while the one
       before it decodes), the slots kept full while the gamma stays the same (a run
-      drains only when it changes). A tree or another draft of a shape of its own
-      decodes at that shape ("auto" chooses nothing there).
+      drains only when it changes). A tree or another draft of a shape of its own is
+      one plan at that shape, against target-only: tried unless it loses even with
+      every node accepted, kept while it measures faster.
     prior_alpha: gamma="auto" only: the acceptance measured before this call (earlier
       inputs of the same stream, as the launcher passes between chunks). The first
       phase is chosen at it; without it, the first stash drafts min(4, the draft's
@@ -307,7 +308,7 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   if prior_alpha is not None and (not auto or not 0.0 <= prior_alpha <= 1.0):
     raise ValueError(f"prior_alpha ({prior_alpha!r}) is an acceptance rate in [0, 1] for "
                      "gamma='auto'; with a fixed gamma there is nothing to choose")
-  chooses = auto and draft_obj is not None and draft_obj.block_slots(1) == 2
+  chooses = auto and draft_obj is not None
 
   def settings_for(g):
     return plan_settings(config, None if g == 0 else draft_obj, max_decode_steps=steps,
@@ -536,9 +537,15 @@ def _swapped(leaf, new, axis, slot, k, slots: int):
   return jax.lax.dynamic_update_slice_in_dim(leaf, row, slot, axis)
 
 
+def _own_shape(draft) -> bool:
+  """Whether a draft decodes at a shape of its own (a tree: its slots do not grow with
+  gamma as a chain's gamma + 1 do)."""
+  return draft.block_slots(1) != 2 or draft.block_slots(2) != 3
+
+
 def _own_gamma(draft) -> int:
-  """The gamma a draft decodes at under gamma='auto' when auto does not choose (a tree's
-  shape ignores it): 4, or the draft's most if fewer."""
+  """The gamma a draft decodes at under gamma='auto' where auto does not choose gamma (a
+  tree's shape ignores it: its plan's key): 4, or the draft's most if fewer."""
   return 4 if draft is None else min(4, draft.max_gamma or 4)
 
 
@@ -548,7 +555,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   `prior_alpha` the first phase (one stash) drafts at min(4, the draft's most) to measure
   alpha, unless the theory says speculation loses even at alpha = 1. `prior`: an earlier
   call's `measured`. Returns (results, usage, phases, the counters' gamma width,
-  measured).
+  measured). A chain's plans are target-only and gamma 1, 2, 4, 8; a tree's (a draft of
+  its own shape), target-only and that shape.
 
   What decides is each plan's expected time for the inputs not yet handed out: their
   loop iterations at it (tokens over the tokens a live row emits per iteration, spread
@@ -571,22 +579,36 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   """
   from specdec_jax.tools import speedup  # tools time programs; they import no entry point
   n = tokens.shape[0]
-  most = min(8, draft.max_gamma or 8)
-  # Every plan's block fits the target-only width: the one given, or the default where
-  # defaults are not the narrowest (bfloat16, accelerators: 8, so gamma <= 7 there;
-  # float32 on CPU runs each plan at its own gamma + 1).
-  fixed = settings_for(0).block_width
-  if block_width is not None or fixed > 1:
-    most = min(most, fixed - 1)
-  # Powers of two: each candidate costs a compile and a timing, once per shape.
-  candidates = [g for g in (1, 2, 4, 8) if g <= most]
+  if _own_shape(draft):
+    # A tree (or another draft of its own shape): one speculative plan, at that shape,
+    # against target-only (keyed by the gamma it decodes at when nothing chooses).
+    most = _own_gamma(draft)
+    candidates = [most]
+  else:
+    most = min(8, draft.max_gamma or 8)
+    # Every plan's block fits the target-only width: the one given, or the default where
+    # defaults are not the narrowest (bfloat16, accelerators: 8, so gamma <= 7 there;
+    # float32 on CPU runs each plan at its own gamma + 1).
+    fixed = settings_for(0).block_width
+    if block_width is not None or fixed > 1:
+      most = min(most, fixed - 1)
+    # Powers of two: each candidate costs a compile and a timing, once per shape.
+    candidates = [g for g in (1, 2, 4, 8) if g <= most]
+  # The most drafts a plan's row can keep per iteration: a chain's gamma, a tree's deepest
+  # path (greedy pending tokens included). Before a plan has run, its tokens per iteration
+  # are the i.i.d. law's along that path (for a tree, the law of its one chain: at alpha
+  # = 1 its most, which decides whether it is tried at all).
+  path = {g: draft.proposal_depth(settings_for(g).sampling, g, settings_for(g).block_width)
+          for g in candidates}
   # Each gamma's iteration costs its proposal and one target call at the block width it
   # runs at (gamma + 1 on CPU float32, else `block_width` or the default), and target-only
   # decoding one call at its own width: both relative to that, so the theory compares what
   # each phase would really run.
   widths = {g: settings_for(g).block_width for g in [0] + candidates}
-  costs = _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates,
-                       sorted(set(widths.values())))
+  # C(k) and the draft's cost, recorded in the phases (a chain's; a tree's proposal is no
+  # chain's, and its whole iteration is timed below, which is what decides).
+  costs = dict(curve={}, draft={}) if _own_shape(draft) else _phase_costs(
+      model, draft, tokens, row_lengths, slots, steps, candidates, sorted(set(widths.values())))
   # Each plan's whole loop iteration timed at this batch size (its proposal, its target
   # call, verification, sampling and bookkeeping) and its refill per input: what a plan
   # that has not run is predicted from (on a small model the loop's own work is a large
@@ -671,13 +693,14 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     for g in [0] + candidates:
       if g in sums:
         v = sums[g]
-        tokens = _optimistic_tokens(v, g) if g == unmeasured else v["tokens"] / v["iterations"]
+        tokens = (_optimistic_tokens(v, path.get(g, g)) if g == unmeasured
+                  else v["tokens"] / v["iterations"])
         each = v["iterations"] / v["inputs"]
         deviation = _deviation(v["iterations_sq"] / v["inputs"], each)
       elif not g:  # target-only: an iteration per token
         tokens, each, deviation = 1.0, per_input, spread
       else:
-        tokens = factor * theory.expected_tokens_per_iteration(min(alpha, 0.999), g)
+        tokens = factor * theory.expected_tokens_per_iteration(min(alpha, 0.999), path[g])
         each = per_input / tokens
         deviation = each * max(max(relative), spread / per_input)
       # A plan that has not run at this batch size: target-only as timed, speculation as
@@ -844,9 +867,10 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
 _SUMS = ("inputs", "tokens", "tokens_sq", "iterations", "iterations_sq")
 
 
-def _optimistic_tokens(sums, gamma: int) -> float:
+def _optimistic_tokens(sums, most: int) -> float:
   """Tokens per row iteration of a plan from its `sums`, RETRY_ERRORS standard errors
-  up (at most gamma + 1): what a retry is weighed at. A few inputs measure it roughly
+  up (at most `most` + 1: a chain's gamma, a tree's deepest path): what a retry is
+  weighed at. A few inputs measure it roughly
   (on the decoder-only demo pair, gamma 4 emits 1.2-4.8 tokens an iteration on one input
   or another, 2.9 on average over the first 8, 3.7 over the rest), so a plan ruled out
   on a stash of hard inputs is measured again where it may be faster. The ratio's error
@@ -856,7 +880,7 @@ def _optimistic_tokens(sums, gamma: int) -> float:
   each = sums["iterations"] / count
   spread = (_deviation(sums["tokens_sq"] / count, sums["tokens"] / count)
             + rate * _deviation(sums["iterations_sq"] / count, each))
-  return min(rate + RETRY_ERRORS * spread / (each * count ** 0.5), gamma + 1.0)
+  return min(rate + RETRY_ERRORS * spread / (each * count ** 0.5), most + 1.0)
 
 
 def _deviation(mean_square: float, mean: float) -> float:

@@ -182,10 +182,10 @@ def test_auto_gamma_runs_in_phases_and_stays_exact():
   with pytest.raises(ValueError, match=r"prior_alpha \(1.5\) is an acceptance rate"):
     sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, prior_alpha=1.5,
                      max_decode_steps=4)
-  # A tree decodes at its own shape: gamma='auto' (the default) chooses nothing there.
+  # A tree decodes at its own shape: with an int gamma, throughout.
   tree = sj.TreeDraft(drafter, (2, 1))
   out = sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=10,
-                         draft=tree, block_width=9)
+                         draft=tree, block_width=9, gamma=4)
   assert len(out.slots.phases) == 1 and "alpha" not in out.slots.phases[0]
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
@@ -409,4 +409,47 @@ def test_auto_gamma_times_a_lookup_draft_without_a_network(dtype):
   assert len(set(costs.values())) == 1 and min(costs.values()) > 0, costs
   assert sorted(costs, key=int)[-1] == ("8" if dtype == "float32" else "4"), costs
   want = sj.generate(target, tokens, lengths, max_decode_steps=6)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+
+
+def test_auto_gamma_runs_a_tree_only_where_it_measured_faster(monkeypatch):
+  """gamma='auto' with a tree (a draft of its own shape): one speculative plan, the tree,
+  against target-only. Tried on the first stash (at alpha = 1 its deepest path, 2 x 2
+  greedy nodes, would emit 5 tokens an iteration), kept only while it measures faster;
+  never tried where it loses even at alpha = 1. Timings fixed here (target-only 1 ms an
+  iteration, the tree 2 ms or 10 ms, refills free), so that what decides is the rule.
+  Greedy outputs equal target-only's whatever ran."""
+  from specdec_jax import slots
+  target = tiny_model("decoder_only")
+  tokens, lengths = _inputs("decoder_only", n=12)
+  drafter = tiny_model("decoder_only", seed=11)  # random: accepts almost nothing
+  tree = sj.TreeDraft(drafter, (2, 1))
+  common = dict(batch_size=2, max_decode_steps=10, block_width=9, draft=tree)
+  want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
+
+  def timed(tree_ms):
+    monkeypatch.setattr(slots, "_iteration_ms", lambda *args: {
+        g: (tree_ms if g else 1.0, 0.0) for g in args[-1]})
+
+  timed(2.0)
+  out = sj.generate_many(target, tokens, lengths, **common)
+  phases = [(p["inputs"], p["gamma"]) for p in out.slots.phases]
+  assert phases[0] == ([0, 8], 4), phases  # the tree's own shape, probed
+  assert 4.9 < out.slots.phases[0]["rated"]["4"]["tokens"] <= 5.0
+  # It measured about a token an iteration at twice target-only's cost: target-only after.
+  assert phases[1:] and {g for _, g in phases[1:]} == {0}, phases
+  assert out.slots.phases[1]["rated"]["4"]["tokens"] < 1.5
+  assert out.slots.measured["tokens"]["4"]["inputs"] == 8
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+  # The same tree measured fast (a prior: 5 tokens an iteration at 1 us) runs throughout.
+  fast = dict(out.slots.measured, tokens={"4": _sums(20, 10.0, 2.0)},
+              walls={"4": [1e-3, 1000], "0": [10.0, 50]})
+  out = sj.generate_many(target, tokens, lengths, prior=fast, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {4}, out.slots.phases
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+  # 10 ms an iteration against 1: 5 tokens an iteration lose, so it is never tried.
+  timed(10.0)
+  out = sj.generate_many(target, tokens, lengths, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {0}, out.slots.phases
+  assert out.stats.drafted.sum() == 0
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
