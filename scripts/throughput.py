@@ -61,6 +61,10 @@ INPUTS_PER_SLOT = flags.DEFINE_integer(
     "repeated if there are fewer): a stream long enough that its tail is a small part.")
 GAMMA = flags.DEFINE_integer("gamma", 4, "The fixed gamma.")
 DRAFT = flags.DEFINE_string("draft", "", "The pair's draft (default: its first).")
+TREE = flags.DEFINE_list("tree", [], "Branching per level (e.g. 2,2,1): the speculative "
+                         "modes draft this static tree of the pair's draft (its own block "
+                         "width; gamma='auto' chooses between it and target-only); the "
+                         "theory's columns are a chain's and are left out.")
 REPEATS = flags.DEFINE_integer("repeats", 1, "Timed runs per mode (the least counts).")
 SCALED_SHAPE = flags.DEFINE_string("scaled_shape", "t5_1_1_base", "The 'scaled' pair's shape.")
 MAX_DECODE_STEPS = flags.DEFINE_integer("max_decode_steps", 0, "0: the pair's own.")
@@ -86,7 +90,11 @@ def _pair(name: str):
   draft_name = DRAFT.value or next(iter(drafts))  # the pair's first: its model draft
   inputs, lengths = pair.inputs()
   steps = 8 if DRY_RUN.value else (MAX_DECODE_STEPS.value or pair.max_decode_steps)
-  return target, drafts[draft_name], inputs, lengths, steps, f"{label}, draft {draft_name!r}"
+  draft, label = drafts[draft_name], f"{label}, draft {draft_name!r}"
+  if TREE.value:
+    draft = sj.TreeDraft(draft, tuple(int(v) for v in TREE.value))
+    label += f" as a tree {tuple(int(v) for v in TREE.value)} ({draft.num_nodes} nodes)"
+  return target, draft, inputs, lengths, steps, label
 
 
 def _stream(inputs, lengths, b: int):
@@ -172,15 +180,16 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     b = min(b, len(inputs))
     kw = dict(max_decode_steps=steps, **sample)
     width = GAMMA.value + 1
+    # A chain drafts GAMMA at width GAMMA + 1; a tree at its own shape and width.
+    spec = (dict(draft=draft, block_width=draft.num_nodes) if TREE.value else
+            dict(draft=draft, gamma=GAMMA.value, block_width=width))
     modes = {
         "target, batches": lambda: _batches(target, inputs, lengths, b, block_width=1, **kw),
         "target, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
                                                   block_width=1, **kw),
-        "spec, batches": lambda: _batches(target, inputs, lengths, b, draft=draft,
-                                          gamma=GAMMA.value, block_width=width, **kw),
+        "spec, batches": lambda: _batches(target, inputs, lengths, b, **spec, **kw),
         "spec, slots": lambda: sj.generate_many(target, inputs, lengths, batch_size=b,
-                                                draft=draft, gamma=GAMMA.value,
-                                                block_width=width, **kw),
+                                                **spec, **kw),
         # Given what the call before it measured, as the launcher gives each chunk what
         # the chunks before it measured: one long stream, probed once (untimed).
         "auto, slots": lambda: _chained(prior, target, inputs, lengths, batch_size=b,
@@ -207,6 +216,10 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     base = min(results["target, batches"]["seconds"], results["target, slots"]["seconds"])
     for r in results.values():
       r["speedup"] = base / r["seconds"]
+    if TREE.value:  # the theory below is a chain's
+      rows.append(dict(batch_size=b, inputs=len(inputs), modes=results))
+      _print_row(label, temperature, b, len(inputs), results)
+      continue
     # The theory at this batch size: C(gamma + 1) and c measured at batch b.
     x = inputs[:b]
     l = None if lengths is None else lengths[:b]
@@ -235,14 +248,18 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
       r["efficiency_loop"] = (same / r["seconds"]) / r["predicted_speedup_loop"]
     rows.append(dict(batch_size=b, inputs=len(inputs), c=c, verify_cost=verify,
                      iteration_ms={str(g): v for g, v in loop.items()}, modes=results))
-    print(f"{label}, T={temperature}, B={b}, {len(inputs)} inputs: " + ", ".join(
-        f"{m} {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}X"
-        + (f", eff {r['efficiency']:.2f} / loop {r['efficiency_loop']:.2f}"
-           if "efficiency" in r else "") + ")"
-        for m, r in results.items()), flush=True)
+    _print_row(label, temperature, b, len(inputs), results)
   return dict(pair=name, label=label, temperature=temperature,
               num_inputs=", ".join(f"{r['inputs']} at B = {r['batch_size']}" for r in rows),
-              max_decode_steps=steps, gamma=GAMMA.value, rows=rows)
+              max_decode_steps=steps, gamma=None if TREE.value else GAMMA.value, rows=rows)
+
+
+def _print_row(label, temperature, b, count, results):
+  print(f"{label}, T={temperature}, B={b}, {count} inputs: " + ", ".join(
+      f"{m} {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}X"
+      + (f", eff {r['efficiency']:.2f} / loop {r['efficiency_loop']:.2f}"
+         if "efficiency" in r else "") + ")"
+      for m, r in results.items()), flush=True)
 
 
 def markdown(document) -> str:
@@ -252,8 +269,8 @@ def markdown(document) -> str:
   lines = []
   for result in document["results"]:
     lines += ["", f"**{result['label']}, T = {result['temperature']:g}** "
-              f"(inputs: {result['num_inputs']}; {result['max_decode_steps']} new tokens at most, "
-              f"fixed gamma {result['gamma']})", "",
+              f"(inputs: {result['num_inputs']}; {result['max_decode_steps']} new tokens at most"
+              + (f", fixed gamma {result['gamma']})" if result["gamma"] else ")"), "",
               "| B | target batches tok/s | target slots | spec batches (eff) | spec slots (eff) "
               "| auto slots | auto's gamma (phases) | slot occupancy (spec) |",
               "|---|---|---|---|---|---|---|---|"]
