@@ -36,7 +36,8 @@ def _drafts(family, target, dtype):
   drafter = tiny_model(family, seed=11, dtype=dtype)
   return {"target-only": (None, {}),
           "chain": (drafter, dict(gamma=3)),
-          "tree": (sj.TreeDraft(drafter, (2, 2, 1)), {}),
+          # At its shape throughout (gamma='auto' would weigh it against target-only).
+          "tree": (sj.TreeDraft(drafter, (2, 2, 1)), dict(gamma=4)),
           "feature": (sj.FeatureDraft(target, seed=2), dict(gamma=2))}
 
 
@@ -70,7 +71,7 @@ def test_sampled_outputs_do_not_depend_on_the_batch():
   tokens, lengths = _inputs("decoder_only", n=6)
   drafter = tiny_model("decoder_only", seed=11)
   for draft, extra in ((None, {}), (drafter, dict(gamma=3)),
-                       (sj.TreeDraft(drafter, (2, 1)), dict(block_width=5))):
+                       (sj.TreeDraft(drafter, (2, 1)), dict(gamma=4, block_width=5))):
     outs = [sj.generate_many(target, tokens, lengths, batch_size=b, draft=draft,
                              max_decode_steps=10, temperature=1.0, rng=jax.random.PRNGKey(7),
                              **extra) for b in (1, 2, 6)]
