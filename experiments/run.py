@@ -444,17 +444,27 @@ class TreeSpec(DraftSpec):
              temperature: float, c: Optional[float], verify_cost: float) -> Dict[str, Any]:
     """The tree, its measured statistics, and the theory's predictions from the measured
     per-rank acceptance (`theory.tree_expected_tokens`)."""
-    per_rank = stats.per_rank_acceptance.tolist()
     description = dict(kind=self.kind, inner=self.inner.name, num_nodes=draft.num_nodes,
                        block_width=block_width, depth=draft.depth, max_depth=stats.gamma,
                        law=draft.law(temperature < sampling.MIN_TEMPERATURE),
                        verification="recursive rejection sampling over the tree")
     if self.kind == "tree":
       description.update(branching=list(self.branching), children=self.children)
+    else:
+      description.update(topk=self.topk, node_budget=self.node_budget)
+    if stats.rank_tried is None:
+      # No input drafted the tree: GAMMA='auto' ran target-only throughout (the tree
+      # predicted or measured slower; said in the warnings). Nothing of it was measured.
+      return dict(tree=description, depth_histogram=None, per_rank_acceptance=None,
+                  rank_tried=None, expected_tokens_per_iteration=None, best_tree_shape=None,
+                  predicted_speedup=None, predicted_speedup_measured_verify_cost=None,
+                  predicted_speedup_note="the tree did not run (GAMMA='auto' ran "
+                                         "target-only throughout)")
+    per_rank = stats.per_rank_acceptance.tolist()
+    if self.kind == "tree":
       expected = theory.tree_expected_tokens(self.branching, per_rank)
       note = None
     else:
-      description.update(topk=self.topk, node_budget=self.node_budget)
       # No static shape to score: the predictions use the measured tokens per iteration.
       expected = None
       note = "dynamic tree: predicted speedups use the measured tokens per iteration"
@@ -475,6 +485,10 @@ class TreeSpec(DraftSpec):
     shape = (f"branching {tuple(tree['branching'])}, children {tree['children']}"
              if tree["kind"] == "tree" else
              f"topk {tree['topk']}, depth {tree['depth']}, node_budget {tree['node_budget']}")
+    if result["per_rank_acceptance"] is None:
+      return (f"\nTree: {tree['kind']} ({shape}) around {tree['inner']}; "
+              f"{tree['num_nodes']} nodes: it did not run (GAMMA='auto' ran target-only "
+              "throughout; --gin.GAMMA=4 runs it at its shape).\n")
     return (f"\nTree: {tree['kind']} ({shape}) around {tree['inner']}; {tree['num_nodes']} "
             f"nodes, block width {tree['block_width']}, verified by {tree['verification']} "
             f"(law {tree['law']}).\n\n"
@@ -1268,7 +1282,7 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       predicted_speedup_measured_verify_cost=theory.predicted_speedup_with_verify_cost(
           alpha, gamma, c or 0.0, measured.verify_cost),
       operative_gin_config=gin.operative_config_str(),
-      warnings=list(planned.warnings) + _auto_gamma_warnings(exp, planned, setup))
+      warnings=list(planned.warnings) + _auto_gamma_warnings(exp, planned, setup, measured))
   result.update(planned.spec.report(setup.draft, stats, width, exp.temperature, c,
                                     measured.verify_cost))
   result.update(_exactness(exp, setup, measured))
@@ -1286,9 +1300,17 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
 _PHASE_COSTS = ("cost_curve", "draft_cost", "iteration_ms")
 
 
-def _auto_gamma_warnings(exp: Experiment, planned: Plan, setup: Setup) -> List[str]:
-  """GAMMA='auto' where nothing chooses: said, with the gamma that ran."""
-  if exp.gamma != "auto" or isinstance(setup.draft, (TreeDraft, DynamicTreeDraft)):
+def _auto_gamma_warnings(exp: Experiment, planned: Plan, setup: Setup,
+                         measured: Measured) -> List[str]:
+  """GAMMA='auto' where nothing chooses, or where it never ran the draft: said, with what
+  ran."""
+  if exp.gamma != "auto":
+    return []
+  if measured.phases and not any(p["gamma"] for p in measured.phases):
+    return ["GAMMA='auto' ran target-only throughout (speculation was predicted or measured "
+            "slower at this batch size), so the draft's statistics are empty: set "
+            "--gin.GAMMA to an int to measure the draft"]
+  if isinstance(setup.draft, (TreeDraft, DynamicTreeDraft)):
     return []
   if not _slots(exp, planned):
     return [f"GAMMA='auto' chooses gamma between phases of slot decoding; fixed batches "

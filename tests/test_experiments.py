@@ -212,10 +212,20 @@ def _run_files(files, bindings, out):
 
 def test_tree_draft_kind_end_to_end(tmp_path, input_file):
   """configs/drafts/tree.gin around the pair's (T5) model draft: greedy outputs equal
-  target-only decoding at the tree's width; the tree's stats reach results.json/md."""
+  target-only decoding at the tree's width; the tree's stats reach results.json/md (with
+  GAMMA = 4 the tree runs at its shape throughout). Under GAMMA='auto' (the default) it
+  is weighed against target-only: the run says which ran, and a tree that never ran
+  (its timed iteration losing even with every node accepted) leaves its stats empty."""
+  files = TINY_FILES + ["configs/drafts/tree.gin"]
+  bindings = [f"INPUT_FILE = '{input_file}'", "Experiment.timing_repeats = 1"]
+  auto = _run_files(files, bindings, tmp_path / "auto")
+  assert auto["identical_outputs"] is True and auto["gamma_setting"] == "auto"
+  ran = any(p["gamma"] for p in auto["gamma_phases"])
+  assert (auto["per_rank_acceptance"] is not None) == ran, auto["gamma_phases"]
+  assert ran or any("ran target-only throughout" in w for w in auto["warnings"])
+  assert ran or "it did not run" in (tmp_path / "auto" / "results.md").read_text()
   out = tmp_path / "out"
-  result = _run_files(TINY_FILES + ["configs/drafts/tree.gin"],
-                      [f"INPUT_FILE = '{input_file}'", "Experiment.timing_repeats = 1"], out)
+  result = _run_files(files, bindings + ["GAMMA = 4"], out)
   assert result == json.loads((out / "results.json").read_text())
   assert result["identical_outputs"] is True and result["identical_fraction"] == 1.0
   assert result["draft"] == "tree2x2x1(tiny_noisy)" and result["block_width"] == 11
