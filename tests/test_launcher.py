@@ -649,7 +649,10 @@ def test_gamma_auto_streams_in_phases_and_says_where_it_cannot_choose(pairs, tmp
   assert all(p["gamma"] in (0, 1, 2, 4) for p in phases)  # W = 5: gamma <= 4
   assert result["gamma"] in (1, 2, 4)
   assert set(result["gamma_auto_costs"]["iteration_ms"]) == {"0", "1", "2", "4"}
-  assert not any("GAMMA='auto'" in w for w in result["warnings"])
+  # Said only where auto never speculated (this machine's timings may rule it out).
+  spoke = any("GAMMA='auto' ran target-only throughout" in w for w in result["warnings"])
+  assert spoke == (not any(p["gamma"] for p in phases))
+  assert not any("chooses gamma between phases" in w for w in result["warnings"])
   fixed = _run(files, bindings + ["SCHEDULING = 'batches'"], tmp_path / "batches")
   assert fixed["gamma"] == 4 and fixed["gamma_phases"] is None
   assert any("GAMMA='auto' chooses gamma between phases" in w for w in fixed["warnings"])
