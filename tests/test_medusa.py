@@ -83,13 +83,29 @@ def test_bfloat16_heads_are_timed_at_any_batch(share_lm_head):
   ms = profiling.time_proposals(target, {"medusa": medusa}, tokens, 8, 3, repeats=1, calls=2,
                                 lengths=lengths)
   assert ms["medusa"] > 0
-  hidden = jax.random.normal(jax.random.PRNGKey(3), (3, medusa.hidden_dim))
+  # Against the heads written out one at a time (float32; batch 2 against 3 heads, biases
+  # not zero, so a swapped axis or a head reading another's weights shows).
   wide = sj.MedusaDraft(tiny_model("decoder_only"), num_heads=3, num_layers=2, seed=1,
                         share_lm_head=share_lm_head)
-  got = medusa.head_logits(medusa.params, hidden, 3)
-  want = wide.head_logits(wide.params, hidden, 3)
-  assert got.shape == want.shape == (3, 3, target.config.vocab_size) and got.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.1, rtol=0.05)
+  own = dict(wide.params["heads"])
+  own["bias"] = 0.5 * jax.random.normal(jax.random.PRNGKey(4), own["bias"].shape)
+  params = dict(wide.params, heads=own)
+  hidden = jax.random.normal(jax.random.PRNGKey(3), (2, wide.hidden_dim))
+  want = []
+  for k in range(3):
+    x = hidden
+    for j in range(2):
+      x = x + jax.nn.silu(x @ own["kernel"][j, k] + own["bias"][j, k])
+    want.append(wide.target_logits(params["target"], x) if share_lm_head
+                else x @ own["lm_head"][k])
+  want = np.stack([np.asarray(w) for w in want], axis=1)  # [batch, heads, vocab]
+  got = wide.head_logits(params, hidden, 3)
+  assert got.shape == (2, 3, target.config.vocab_size) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  # The bfloat16 heads (the same weights, rounded): their float32 logits to rounding.
+  narrow = medusa.head_logits(dict(medusa.params, heads=jax.tree_util.tree_map(
+      lambda a: a.astype(jnp.bfloat16), own)), hidden, 3)
+  np.testing.assert_allclose(np.asarray(narrow), want, atol=0.1, rtol=0.05)
 
 
 @pytest.mark.slow
