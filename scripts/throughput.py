@@ -106,8 +106,9 @@ def _stream(inputs, lengths, b: int):
 
 
 def _iteration_ms(target, draft, x, lengths, b, steps, temperature):
-  """{0: ms of one target-only slot-loop iteration at width 1, gamma: at width gamma + 1},
-  at batch b (`sj.slots`' timing of whole iterations, which gamma='auto' decides by)."""
+  """({0: ms of one target-only slot-loop iteration at width 1, gamma: at width gamma + 1},
+  {the same plans: ms of one input's start (refill)}) at batch b (`sj.slots`' timing of
+  whole iterations, which gamma='auto' decides by)."""
   from specdec_jax import slots, settings
   draft = settings.check_draft(target.config, draft, x, lengths, steps)
 
@@ -116,7 +117,50 @@ def _iteration_ms(target, draft, x, lengths, b, steps, temperature):
                                   temperature=temperature, gamma=max(g, 1),
                                   block_width=g + 1)
   timed = slots._iteration_ms(target, draft, x, lengths, b, settings_for, [0, GAMMA.value])
-  return {g: ms for g, (ms, _) in timed.items()}
+  return {g: ms for g, (ms, _) in timed.items()}, {g: ms for g, (_, ms) in timed.items()}
+
+
+def _paired(r, results):
+  """r's speedup round by round: each round's time against the faster target-only mode of
+  the same round (the modes of a round run back to back, so a slow spell of the machine
+  that lasts a round falls on both sides), and their median: `speedup_paired`."""
+  rounds = [min(a, b) / t for a, b, t in zip(results["target, batches"]["seconds_rounds"],
+                                            results["target, slots"]["seconds_rounds"],
+                                            r["seconds_rounds"])]
+  r["speedup_rounds"] = rounds
+  r["speedup_paired"] = statistics.median(rounds)
+
+
+def _loop_factors(spec, target, loop, refill, inputs, gamma):
+  """The loop theory's efficiency of speculation through slots, taken apart into three
+  factors whose product it is (exactly: wall = loop iterations x wall per iteration, and
+  loop iterations = live row iterations / (slots x occupancy)):
+
+    acceptance  the row iterations target-only needed per row iteration speculation
+                needed (with the same outputs, greedy: tokens per live row iteration),
+                against E[tokens] at the decode's alpha (the theory's i.i.d. law:
+                acceptances that come in runs, and the last iteration of each output cut
+                by its step limit or EOS, give fewer)
+    occupancy   the share of slot-iterations that did work, against target-only's (the
+                tail of a stream, where the last rows finish while nothing waits)
+    starts      each input's start (the encoder or the prompt's prefill, and the draft's),
+                timed per input (`refill`), spread over the loop iterations: the timed
+                iteration plus it, against the timed iteration, target-only's ratio over
+                speculation's (a start costs about the same in both, but speculation runs
+                fewer iterations per input: Amdahl's law over the part it does not speed up)
+    iteration   the rest: wall time per loop iteration in the stream against the timed
+                iteration with its starts (syncs, a start's overlap with the loop, the
+                machine's spell), target-only's ratio over speculation's
+
+  `inputs` inputs each started once. Returns {acceptance, occupancy, starts, iteration}."""
+  tokens = theory.expected_tokens_per_iteration(min(spec["alpha"], 0.999), gamma)
+  wall = {g: 1e3 * m["seconds"] / m["iterations"] for g, m in ((0, target), (gamma, spec))}
+  with_starts = {g: loop[g] + inputs * refill[g] / m["iterations"]
+                 for g, m in ((0, target), (gamma, spec))}
+  return dict(acceptance=target["live_iterations"] / spec["live_iterations"] / tokens,
+              occupancy=spec["occupancy"] / target["occupancy"],
+              starts=(with_starts[0] / loop[0]) / (with_starts[gamma] / loop[gamma]),
+              iteration=(wall[0] / with_starts[0]) / (wall[gamma] / with_starts[gamma]))
 
 
 def _interleaved(modes, repeats: int):
@@ -212,10 +256,13 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
       slots = getattr(out, "slots", None)
       if slots is not None:
         results[mode]["occupancy"] = slots.occupancy
+        results[mode]["iterations"] = slots.iterations
+        results[mode]["live_iterations"] = slots.live_iterations
         results[mode]["phases"] = [dict(p, cost_curve=None) for p in slots.phases]
     base = min(results["target, batches"]["seconds"], results["target, slots"]["seconds"])
     for r in results.values():
       r["speedup"] = base / r["seconds"]
+      _paired(r, results)
     if TREE.value:  # the theory below is a chain's
       rows.append(dict(batch_size=b, inputs=len(inputs), modes=results))
       _print_row(label, temperature, b, len(inputs), results)
@@ -233,7 +280,7 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     # verification, sampling, bookkeeping) timed at batch b, as gamma='auto' times them:
     # what the slots would run at full occupancy with i.i.d. acceptance. Against it,
     # efficiency is what scheduling (stragglers, refills, syncs) leaves.
-    loop = _iteration_ms(target, draft, x, l, b, steps, temperature)
+    loop, refill = _iteration_ms(target, draft, x, l, b, steps, temperature)
     for mode in ("spec, batches", "spec, slots"):
       r = results[mode]
       alpha = min(r["alpha"], 0.999)
@@ -246,8 +293,11 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
       r["predicted_speedup_loop"] = theory.expected_tokens_per_iteration(alpha, GAMMA.value) * loop[0] / loop[
           GAMMA.value]
       r["efficiency_loop"] = (same / r["seconds"]) / r["predicted_speedup_loop"]
+    results["spec, slots"]["efficiency_loop_factors"] = _loop_factors(
+        results["spec, slots"], results["target, slots"], loop, refill, len(inputs), GAMMA.value)
     rows.append(dict(batch_size=b, inputs=len(inputs), c=c, verify_cost=verify,
-                     iteration_ms={str(g): v for g, v in loop.items()}, modes=results))
+                     iteration_ms={str(g): v for g, v in loop.items()},
+                     refill_ms={str(g): v for g, v in refill.items()}, modes=results))
     _print_row(label, temperature, b, len(inputs), results)
   return dict(pair=name, label=label, temperature=temperature,
               num_inputs=", ".join(f"{r['inputs']} at B = {r['batch_size']}" for r in rows),
@@ -274,8 +324,19 @@ def markdown(document) -> str:
               "| B | target batches tok/s | target slots | spec batches (eff) | spec slots (eff) "
               "| auto slots | auto's gamma (phases) | slot occupancy (spec) |",
               "|---|---|---|---|---|---|---|---|"]
+    paired, factors = [], []
     for row in result["rows"]:
       m = row["modes"]
+      if "speedup_paired" in m["auto, slots"]:
+        paired.append(f"| {row['batch_size']} | " + " | ".join(
+            f"{m[mode]['speedup_paired']:.2f}X ({min(m[mode]['speedup_rounds']):.2f}-"
+            f"{max(m[mode]['speedup_rounds']):.2f})"
+            for mode in ("spec, batches", "spec, slots", "auto, slots")) + " |")
+      f = m["spec, slots"].get("efficiency_loop_factors")
+      if f:
+        factors.append(f"| {row['batch_size']} | {m['spec, slots']['efficiency_loop']:.2f} | "
+                       f"{f['acceptance']:.2f} | {f['occupancy']:.2f} | {f['starts']:.2f} | "
+                       f"{f['iteration']:.2f} |")
 
       def cell(mode):
         r = m[mode]
@@ -290,6 +351,14 @@ def markdown(document) -> str:
           f"| {row['batch_size']} | {cell('target, batches')} | {cell('target, slots')} | "
           f"{cell('spec, batches')} | {cell('spec, slots')} | {cell('auto, slots')} | "
           f"{gammas} | {m['spec, slots'].get('occupancy', float('nan')):.2f} |")
+    if paired:
+      lines += ["", "Round by round (each round's time against the faster target-only mode of "
+                "that round): median (least-most)", "",
+                "| B | spec batches | spec slots | auto slots |", "|---|---|---|---|"] + paired
+    if factors:
+      lines += ["", "Spec slots' loop efficiency, taken apart (`_loop_factors`): their "
+                "product", "", "| B | eff (loop) | acceptance | occupancy | starts | iteration |",
+                "|---|---|---|---|---|---|"] + factors
   return "\n".join(lines) + "\n"
 
 
