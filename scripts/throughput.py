@@ -192,7 +192,10 @@ def _chained(prior, *args, **kw):
 
 def _batches(target, inputs, lengths, b, **kw):
   """`generate` over consecutive chunks of b inputs, one output of every row (the last
-  chunk padded with copies of its first row, dropped afterwards: one program)."""
+  chunk padded with copies of its first row, dropped afterwards: one program), with the
+  chunks' loop iterations (each runs until its slowest row ends) and the row iterations
+  of live rows (a row's iterations: its stats', else one per token) as `iterations` and
+  `live_iterations`."""
   outs = []
   for start in range(0, len(inputs), b):
     x = inputs[start:start + b]
@@ -203,6 +206,10 @@ def _batches(target, inputs, lengths, b, **kw):
       l = None if l is None else np.concatenate([l, np.repeat(l[:1], short, 0)])
     outs.append(sj.generate(target, x, l, **kw))
   n = len(inputs)
+  rows = [np.asarray(o.lengths if o.stats is None else o.stats.iterations) for o in outs]
+  rows[-1] = rows[-1][:b - short]  # the padding's copies are not the stream's work
+  iterations = int(sum(np.max(r) for r in rows))
+  live = int(sum(np.sum(r) for r in rows))
   seqs = np.concatenate([np.asarray(o.sequences) for o in outs])[:n]
   lens = np.concatenate([np.asarray(o.lengths) for o in outs])[:n]
   stats = None
@@ -211,7 +218,8 @@ def _batches(target, inputs, lengths, b, **kw):
         f.name: np.concatenate([getattr(o.stats, f.name) for o in outs])[:n]
         for f in dataclasses.fields(outs[0].stats)
         if f.name != "gamma" and getattr(outs[0].stats, f.name) is not None})
-  return SimpleNamespace(sequences=seqs, lengths=lens, stats=stats)
+  return SimpleNamespace(sequences=seqs, lengths=lens, stats=stats, iterations=iterations,
+                         live_iterations=live)
 
 
 def run_pair(name: str, temperature: float) -> Dict[str, Any]:
@@ -259,6 +267,10 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
         results[mode]["iterations"] = slots.iterations
         results[mode]["live_iterations"] = slots.live_iterations
         results[mode]["phases"] = [dict(p, cost_curve=None) for p in slots.phases]
+      else:  # fixed batches: a chunk runs until its slowest row ends (stragglers)
+        results[mode]["iterations"] = out.iterations
+        results[mode]["live_iterations"] = out.live_iterations
+        results[mode]["occupancy"] = out.live_iterations / (out.iterations * b)
     base = min(results["target, batches"]["seconds"], results["target, slots"]["seconds"])
     for r in results.values():
       r["speedup"] = base / r["seconds"]
@@ -293,8 +305,10 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
       r["predicted_speedup_loop"] = theory.expected_tokens_per_iteration(alpha, GAMMA.value) * loop[0] / loop[
           GAMMA.value]
       r["efficiency_loop"] = (same / r["seconds"]) / r["predicted_speedup_loop"]
-    results["spec, slots"]["efficiency_loop_factors"] = _loop_factors(
-        results["spec, slots"], results["target, slots"], loop, refill, len(inputs), GAMMA.value)
+    for how in ("batches", "slots"):
+      results["spec, " + how]["efficiency_loop_factors"] = _loop_factors(
+          results["spec, " + how], results["target, " + how], loop, refill, len(inputs),
+          GAMMA.value)
     rows.append(dict(batch_size=b, inputs=len(inputs), c=c, verify_cost=verify,
                      iteration_ms={str(g): v for g, v in loop.items()},
                      refill_ms={str(g): v for g, v in refill.items()}, modes=results))
@@ -332,11 +346,12 @@ def markdown(document) -> str:
             f"{m[mode]['speedup_paired']:.2f}X ({min(m[mode]['speedup_rounds']):.2f}-"
             f"{max(m[mode]['speedup_rounds']):.2f})"
             for mode in ("spec, batches", "spec, slots", "auto, slots")) + " |")
-      f = m["spec, slots"].get("efficiency_loop_factors")
-      if f:
-        factors.append(f"| {row['batch_size']} | {m['spec, slots']['efficiency_loop']:.2f} | "
-                       f"{f['acceptance']:.2f} | {f['occupancy']:.2f} | {f['starts']:.2f} | "
-                       f"{f['iteration']:.2f} |")
+      for mode in ("spec, batches", "spec, slots"):
+        f = m[mode].get("efficiency_loop_factors")
+        if f:
+          factors.append(f"| {row['batch_size']} | {mode.split(', ')[1]} | "
+                         f"{m[mode]['efficiency_loop']:.2f} | {f['acceptance']:.2f} | "
+                         f"{f['occupancy']:.2f} | {f['starts']:.2f} | {f['iteration']:.2f} |")
 
       def cell(mode):
         r = m[mode]
@@ -356,9 +371,11 @@ def markdown(document) -> str:
                 "that round): median (least-most)", "",
                 "| B | spec batches | spec slots | auto slots |", "|---|---|---|---|"] + paired
     if factors:
-      lines += ["", "Spec slots' loop efficiency, taken apart (`_loop_factors`): their "
-                "product", "", "| B | eff (loop) | acceptance | occupancy | starts | iteration |",
-                "|---|---|---|---|---|---|"] + factors
+      lines += ["", "The speculative modes' loop efficiency taken apart (`_loop_factors`: "
+                "the product of the four, each speculation's against target-only's of the "
+                "same scheduling)", "",
+                "| B | spec | eff (loop) | acceptance | occupancy | starts | iteration |",
+                "|---|---|---|---|---|---|---|"] + factors
   return "\n".join(lines) + "\n"
 
 
