@@ -24,7 +24,12 @@ speedup against target-only of the same scheduling / the theory's prediction E[t
 (gamma c + C(gamma + 1)), with alpha pooled from that mode's own decode and c, C(k)
 measured at batch B (`tools.profiling`; C(1) is the one-token step target-only runs). A
 fixed batch waits for its slowest row (stragglers); slots refill, so their efficiency
-should approach 1. Greedy rows also count the outputs equal to target-only's.
+should approach 1. Greedy rows also count the outputs equal to target-only's. The loop's
+own theory (each plan's whole loop iteration timed at B) is taken apart into four factors
+whose product is that efficiency (`_loop_factors`: acceptance, occupancy, starts, the
+rest), and each mode's speedup is also given round by round against the faster
+target-only mode of the same round (`_paired`: on a machine whose speed drifts, the
+rounds' spread says how far a least time can be trusted).
 
 Pairs: 't5' and 'decoder_only' (the shipped demo pairs) and 'scaled' (the T5 demo target
 embedded at t5_1_1_base, `sj.scale_pair`: the same function at a cost whose steps are
