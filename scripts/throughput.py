@@ -137,7 +137,8 @@ def _paired(r, results):
 
 
 def _loop_factors(spec, target, loop, refill, inputs, gamma):
-  """The loop theory's efficiency of speculation through slots, taken apart into three
+  """The loop theory's efficiency of speculation (`spec`, against `target`, the
+  target-only mode of the same scheduling: slots or fixed batches), taken apart into four
   factors whose product it is (exactly: wall = loop iterations x wall per iteration, and
   loop iterations = live row iterations / (slots x occupancy)):
 

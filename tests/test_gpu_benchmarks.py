@@ -60,3 +60,21 @@ def test_gpu_benchmarks_dry_run(tmp_path):
   # Issues 33 and 34: the throughput rows and the MoE cost curves, each in its own file.
   throughput = json.loads((tmp_path / "throughput.json").read_text())
   assert throughput and (tmp_path / "moe_cost_curve.json").exists()
+  # The speculative modes' loop efficiency is the product of its four factors (an
+  # identity of counts and walls: a factor mis-measured or mis-divided breaks it), and
+  # the round-by-round speedup is the median of its rounds.
+  (result,) = throughput["results"]
+  for row in result["rows"]:
+    modes = row["modes"]
+    for mode in ("spec, batches", "spec, slots"):
+      factors = modes[mode]["efficiency_loop_factors"]
+      assert set(factors) == {"acceptance", "occupancy", "starts", "iteration"}
+      product = 1.0
+      for value in factors.values():
+        product *= value
+      assert abs(product / modes[mode]["efficiency_loop"] - 1) < 1e-9, (mode, factors)
+    for mode, r in modes.items():
+      rounds = sorted(r["speedup_rounds"])
+      assert r["speedup_paired"] == rounds[len(rounds) // 2], mode  # one round or three
+      assert 0 < r["occupancy"] <= 1 and r["live_iterations"] <= r["iterations"] * row[
+          "batch_size"], mode
