@@ -919,10 +919,11 @@ def _max_of_normals(count: int) -> float:
 def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas):
   """{gamma: (ms of one iteration of the slot loop at batch `slots`, ms of one refill)}
   (gamma 0: target-only): each plan's real loop body on the first `slots` inputs, what
-  `ITERATIONS_TIMED` more iterations add to a call (a call's own cost is a segment's, not
-  an iteration's), and its refill per input (a stash's start shared by
+  n more iterations add to a call (a call's own cost is a segment's, not an
+  iteration's; n from `ITERATIONS_TIMED` up to `MAX_ITERATIONS_TIMED`, enough for
+  `TIMED_CALL_MS` of iterations), and its refill per input (a stash's start shared by
   `stash_size(slots)` inputs; the swap itself is a row copy), the plans timed in turn,
-  the least of 3 rounds (cached per shape)."""
+  the least of `TIMING_ROUNDS` rounds (cached per shape)."""
   family = family_of(model)
   key = ("slot_iteration_ms", model.config, draft.compile_key(), slots, tokens.shape[1],
          tuple(gammas), tuple(settings_for(g) for g in gammas))
@@ -953,28 +954,37 @@ def _iteration_ms(model, draft, tokens, row_lengths, slots, settings_for, gammas
       jax.block_until_ready(fn(*args))
       return time.perf_counter() - begin
 
-    def timed(g):
-      """(seconds of one call of 1 iteration, of 1 + ITERATIONS_TIMED, of a start)."""
+    def timed(g, n):
+      """(seconds of one call of 1 iteration, of 1 + n, of a start)."""
       params, state, start_fn, iterate_fn = plans[g]
       return (seconds(iterate_fn, *params, *state, 1),
-              seconds(iterate_fn, *params, *state, 1 + ITERATIONS_TIMED),
+              seconds(iterate_fn, *params, *state, 1 + n),
               seconds(start_fn, *params, jax.random.PRNGKey(0), *batch))
 
-    for g in gammas:  # compiles
-      timed(g)
-    rounds = [{g: timed(g) for g in gammas} for _ in range(3)]
+    def per_iteration(one, more, n):
+      # An iteration is what n more cost: a call's own cost (its dispatch, the arguments'
+      # transfer and return, some ms at batch 1 on this CPU) is paid once per segment in
+      # a decode, not per iteration. Counted per iteration it made target-only's 0.26 ms
+      # iteration 0.51 on the decoder-only demo pair at batch 1 (gamma 4's 1.6 ms 2.2),
+      # so speculation was predicted ~1.4X faster than it runs. Were rounding to make
+      # the difference vanish, the whole call counts.
+      each = (more - one) / n
+      return each if each > 0 else more / (1 + n)
+
+    counts = {}
+    for g in gammas:  # compiles, and sizes the timed calls
+      one, more, _ = timed(g, ITERATIONS_TIMED)
+      # Calls of a few ms read a slow spell of a shared machine as the plan's cost: 9
+      # iterations of target-only at batch 16 on the decoder-only demo pair (~20 ms) read
+      # 4.6 ms an iteration in one process, 2.0-2.3 in others and in the stream's
+      # segments, and gamma='auto' and the benchmarks' loop theory divide by it.
+      want = TIMED_CALL_MS / 1e3 / per_iteration(one, more, ITERATIONS_TIMED)
+      counts[g] = int(min(max(ITERATIONS_TIMED, math.ceil(want)), MAX_ITERATIONS_TIMED))
+    rounds = [{g: timed(g, counts[g]) for g in gammas} for _ in range(TIMING_ROUNDS)]
     out = {}
     for g in gammas:
       one, more, start = (min(r[g][i] for r in rounds) for i in range(3))
-      # An iteration is what ITERATIONS_TIMED more cost: a call's own cost (its dispatch,
-      # the arguments' transfer and return, some ms at batch 1 on this CPU) is paid once
-      # per segment in a decode, not per iteration. Counted per iteration it made
-      # target-only's 0.26 ms iteration 0.51 on the decoder-only demo pair at batch 1
-      # (gamma 4's 1.6 ms 2.2), so speculation was predicted ~1.4X faster than it runs.
-      # Were rounding to make the difference vanish, the whole call counts.
-      each = (more - one) / ITERATIONS_TIMED
-      out[g] = (1e3 * (each if each > 0 else more / (1 + ITERATIONS_TIMED)),
-                1e3 * start / size)
+      out[g] = (1e3 * per_iteration(one, more, counts[g]), 1e3 * start / size)
     return out
 
   return PROGRAMS.get(key, measure)
@@ -998,8 +1008,13 @@ REEXPLORE = 16
 # is not (a measured plan is chosen at what it measured).
 RETRY_ERRORS = 2.0
 
-# Iterations `_iteration_ms` times beyond a call of one (their difference is what they cost).
+# Iterations `_iteration_ms` times beyond a call of one (their difference is what they
+# cost): at least ITERATIONS_TIMED, more where they last under TIMED_CALL_MS (a small
+# model's), up to MAX_ITERATIONS_TIMED; the least of TIMING_ROUNDS rounds counts.
 ITERATIONS_TIMED = 8
+MAX_ITERATIONS_TIMED = 64
+TIMED_CALL_MS = 50.0
+TIMING_ROUNDS = 4
 
 
 def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates, widths):
