@@ -892,17 +892,47 @@ def _deviation(mean_square: float, mean: float) -> float:
 
 def _occupancy(remaining: int, slots: int, each: float, deviation: float) -> float:
   """The expected share of slot-iterations that do work while `remaining` inputs of
-  `each` loop iterations (that standard deviation) go through `slots` slots. Each used
-  slot decodes k = remaining / used inputs in a row; the last slot to finish decides:
-  k * each + E[max of `used` standard normals] * deviation * sqrt(k) iterations (its
-  inputs' counts summed: normal enough), against remaining * each / slots of work per
-  slot. Speculation spreads the counts (acceptance is random), so a short call loses
-  more of its slots to the tail than target-only does."""
+  `each` loop iterations (that standard deviation) go through `slots` slots, each freed
+  slot taking the next input. The better of two models counts, each near exact where
+  the other is pessimistic (within 0.01 of a simulation of the slots over normal
+  counts, in the tests):
+
+    in step       every used slot decodes k = remaining / used inputs in a row, the slots
+                  as in step as they started (counts that hardly spread keep them so):
+                  the last slot to finish decides, k * each + E[max of `used` standard
+                  normals] * deviation * sqrt(k) iterations (its inputs' counts summed:
+                  normal enough), against remaining * each / slots of work per slot
+    out of step   when the last input is handed out, every slot is inside an input, the
+                  iterations it has left distributed as a renewal process's residual
+                  (density P(count > r) / each), independent: each slot then idles
+                  E[max of `slots` residuals] - E[residual] on average (more inputs than
+                  slots only)
+
+  Speculation spreads the counts (acceptance is random), so a short call loses more of
+  its slots to the tail than target-only does. The in-step model alone, taken for a
+  stream of many inputs, read gamma 4's occupancy on the decoder-only demo pair at batch
+  16 (128 inputs) as 0.74 where it ran 0.93, and ruled out speculation that ran 1.14X."""
   if remaining <= 0 or each <= 0:
     return 1.0
   used = min(slots, remaining)
   k = remaining / used
-  return remaining * each / slots / (k * each + _max_of_normals(used) * deviation * k ** 0.5)
+  in_step = remaining * each / slots / (k * each + _max_of_normals(used) * deviation * k ** 0.5)
+  if remaining <= slots or deviation <= 0:
+    return in_step
+  idle = each * _residual_tail(slots, round(deviation / each, 3))
+  return max(in_step, remaining * each / (remaining * each + slots * idle))
+
+
+@functools.lru_cache(maxsize=None)
+def _residual_tail(slots: int, spread: float) -> float:
+  """E[max of `slots` residuals] - E[residual], in units of the mean count, for counts
+  normal with deviation `spread` x mean (their positive part): a residual's density is
+  P(count > r) / E[count]. By quadrature."""
+  r = np.linspace(0.0, 1.0 + 8.0 * spread, 2001)
+  survival = 0.5 * (1.0 - np.vectorize(math.erf)((r - 1.0) / (spread * math.sqrt(2.0))))
+  cdf = np.concatenate([[0.0], np.cumsum((survival[1:] + survival[:-1]) / 2 * np.diff(r))])
+  cdf = cdf / cdf[-1]
+  return float(np.trapezoid(cdf - cdf ** slots, r))
 
 
 @functools.lru_cache(maxsize=None)
