@@ -51,7 +51,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -651,8 +651,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     return {g: v for g, v in out.items() if v["iterations"]}
 
   def rates(alpha, remaining, unmeasured=None):
-    """{gamma: (tokens a live row emits per loop iteration, ms per loop iteration, the
-    expected occupancy of the slots over the `remaining` inputs)} of every plan: measured
+    """{gamma: `_Rate`} of every plan (tokens a live row emits per loop iteration, ms per
+    loop iteration, the slots' expected occupancy over the `remaining` inputs, the ms a
+    run of it loses when it drains, loop iterations per input): measured
     where it ran, else predicted (see above); gamma `unmeasured`'s time predicted as if
     it had not run and its tokens at the top of what its inputs measured
     (`_optimistic_tokens`): a retry's case."""
@@ -714,7 +715,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # speed, speculation run where it loses breaks auto's promise).
       cost = (min(ms[0], predicted) if 0 in ms else predicted) if not g \
           else ms.get(g, predicted)
-      out[g] = (tokens, cost, _occupancy(remaining, slots, each, deviation))
+      out[g] = _Rate(tokens, cost, _occupancy(remaining, slots, each, deviation),
+                     cost * _drain_iterations(slots, each, deviation), each)
     return out
 
   def speedups(alpha, remaining, unmeasured=None):
@@ -723,11 +725,10 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     its tokens per row iteration against E[tokens] at alpha."""
     rated = rates(alpha, remaining, unmeasured)
     clamped = min(max(alpha, 0.0), 0.999)
-    _, base, occupied = rated[0]
-    curve = {g + 1: (ms / occupancy) / (base / occupied)
-             for g, (_, ms, occupancy) in rated.items() if g}
-    factors = {g: tokens / theory.expected_tokens_per_iteration(clamped, g)
-               for g, (tokens, _, _) in rated.items() if g}
+    base = rated[0].ms / rated[0].occupancy
+    curve = {g + 1: (r.ms / r.occupancy) / base for g, r in rated.items() if g}
+    factors = {g: r.tokens / theory.expected_tokens_per_iteration(clamped, g)
+               for g, r in rated.items() if g}
     return {g: 0.0 for g in candidates}, curve, None, factors
 
   def predicted_at(g, alpha):
@@ -754,8 +755,13 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     staying = predicted_at(current, alpha) if current else 1.0
     if best != current and predicted < SWITCH_GAIN * max(staying, 1.0):
       # Not a clear gain over what runs (a switch drains the slots): keep it, unless it
-      # is speculation that no longer beats target-only.
-      best = current if current and staying >= 1.0 else 0
+      # is speculation that no longer beats target-only, the drain counted: leaving
+      # drains this run's rows (target-only then pays its own tail too), so speculation
+      # stays while it decodes the inputs left no later than that drain and
+      # target-only would. Uncounted, the tail of the last inputs alone made gamma 4
+      # look slower near a stream's end: on the scaled pair at B = 16 auto left it
+      # after 6 of 8 stashes and ran 0.92X where gamma 4 throughout ran 1.01X.
+      best = current if current and staying >= leaving_below(current, alpha) else 0
       predicted = predicted_at(best, alpha)
     retry = retried(alpha, best)
     if retry is not None:
@@ -769,6 +775,13 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     # measurements said is left after a stash, not after many (at batch 64 a stash is
     # 64 inputs). Staying costs nothing: the slots stay full while the gamma does.
     return best, predicted, False
+
+  def leaving_below(current, alpha):
+    """The speedup below which running speculation `current` is left for target-only:
+    target-only's time for the inputs left against that time plus `current`'s drain."""
+    rated = rates(alpha, n - start)
+    alone = (n - start) * rated[0].iterations / (slots * rated[0].occupancy) * rated[0].ms
+    return alone / (alone + rated[current].drain_ms) if alone > 0 else 1.0
 
   def retried(alpha, best):
     """(gamma, predicted speedup, True) of a speculative plan to measure again for one
@@ -800,8 +813,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     rated = rates(1.0 if alpha is None else alpha, n - rows.start)
     phases.append(dict(inputs=[rows.start, rows.stop], gamma=gamma, alpha=alpha,
                        predicted_speedup=predicted, rated={
-                           str(g): dict(tokens=t, ms=ms, occupancy=o)
-                           for g, (t, ms, o) in rated.items()}))
+                           str(g): dict(tokens=r.tokens, ms=r.ms, occupancy=r.occupancy,
+                                        drain_ms=r.drain_ms)
+                           for g, r in rated.items()}))
 
   start, alpha = 0, prior_alpha if prior_alpha is not None else prior.get("alpha")
   chosen = choose(alpha, None)
@@ -866,6 +880,30 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
 
 # gamma='auto''s sums per plan over the inputs decoded at it (`measured["tokens"]`).
 _SUMS = ("inputs", "tokens", "tokens_sq", "iterations", "iterations_sq")
+
+
+class _Rate(NamedTuple):
+  """A plan as gamma='auto' rates it (`_auto_phases`' `rates`): tokens a live row emits
+  per loop iteration, ms per loop iteration, the slots' expected occupancy over the
+  inputs left, the ms a run of it loses when it drains (its rows finishing while no
+  input follows them), and its loop iterations per input."""
+  tokens: float
+  ms: float
+  occupancy: float
+  drain_ms: float
+  iterations: float
+
+
+def _drain_iterations(slots: int, each: float, deviation: float) -> float:
+  """The loop iterations a run loses when it drains: `slots` rows in flight, each with
+  what its input of `each` iterations (that deviation) has left, and no input to follow
+  them; the slots idle E[max] - E[mean] of those on average (the tails of `_occupancy`:
+  out of step, a renewal residual; in step, E[max of normals] x deviation; the
+  smaller). 0 for counts that do not spread."""
+  if slots <= 1 or each <= 0 or deviation <= 0:
+    return 0.0
+  return min(each * _residual_tail(slots, round(deviation / each, 3)),
+             _max_of_normals(slots) * deviation)
 
 
 def _optimistic_tokens(sums, most: int) -> float:

@@ -340,6 +340,36 @@ def test_auto_gamma_measures_a_slow_plan_again_once_the_chosen_one_ran_long(monk
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
 
+def test_auto_gamma_weighs_the_drain_of_leaving_speculation(monkeypatch):
+  """Leaving a speculative run for target-only drains its rows (target-only then pays its
+  own tail too), so speculation is left only when it is predicted slower than
+  target-only by more than that drain. The retry of the test above, measured slow again,
+  is left after its stash; were draining it to cost more than every input left takes
+  target-only, it would be kept. A run's drain: nothing without spread, more with it,
+  never above the in-step model's E[max of normals] x deviation."""
+  from specdec_jax import slots
+  assert slots._drain_iterations(16, 13.5, 0.0) == 0.0 == slots._drain_iterations(1, 13.5, 7)
+  low, high = slots._drain_iterations(16, 13.5, 3.0), slots._drain_iterations(16, 13.5, 7.0)
+  assert 0 < low < high <= slots._max_of_normals(16) * 7.0
+  monkeypatch.setattr(slots, "_iteration_ms", lambda *args: {
+      g: (1.0 + 0.25 * g, 0.0) for g in args[-1]})
+  target, tokens, lengths, common = _auto_setup()
+  tried, ran = 8, slots.REEXPLORE * 8
+  slow = dict(batch_size=2, alpha=1.0,
+              tokens={"4": _sums(2, 10.0, 2.0), "0": _sums(ran // 10, 10.0, 10.0)},
+              walls={"4": [0.1 * tried, tried], "0": [1e-3 * ran, ran]})
+  gammas = [p["gamma"] for p in sj.generate_many(target, tokens, lengths, prior=slow,
+                                                 **common).slots.phases]
+  assert gammas[0] == 4 and set(gammas[1:]) == {0}, gammas
+  assert all("drain_ms" in r for r in sj.generate_many(
+      target, tokens, lengths, prior=slow, **common).slots.phases[0]["rated"].values())
+  monkeypatch.setattr(slots, "_drain_iterations", lambda *args: 1e12)
+  out = sj.generate_many(target, tokens, lengths, prior=slow, **common)
+  assert {p["gamma"] for p in out.slots.phases} == {4}, out.slots.phases
+  want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
+
+
 def test_auto_gamma_predicts_a_plan_from_measured_walls_without_their_refills(monkeypatch):
   """A plan that has not run is predicted from its timing, as slow against it as the
   measured plans ran, plus its own refills. A measured wall holds that plan's refills
