@@ -249,7 +249,7 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       counts), else from its loop iteration and refill timed here (once per shape,
       cached) and the acceptance so far (`_auto_phases`); speculation starts only for a
       predicted gain of 5% and stays only while it is predicted faster than
-      target-only. Re-decided at every stash of max(batch_size, 8) inputs, from what
+      target-only after the drain leaving it would cost. Re-decided at every stash of max(batch_size, 8) inputs, from what
       the stream measured up to then, a stash ahead (so that it starts while the one
       before it decodes), the slots kept full while the gamma stays the same (a run
       drains only when it changes). A tree or another draft of a shape of its own is
@@ -571,7 +571,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   E[tokens] at the acceptance so far, scaled by what the speculative plans measured
   against E[tokens]. Target-only counts at the better of its timing and its measurement.
   So a prediction can send a plan to be tried for one stash, and measurement alone keeps
-  it: speculation stays only where it measured faster than target-only. A plan that
+  it: speculation stays only where it measured faster than target-only, the drain that
+  leaving it costs counted (`_drain_iterations`). A plan that
   measured slower than its timing predicts, at the top of what its inputs' tokens per
   iteration allow, is tried again once the plan chosen has run REEXPLORE times as many
   iterations (its walls add up: the retries grow rarer). Each decision holds one stash and is made a stash ahead (that
@@ -757,8 +758,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # Not a clear gain over what runs (a switch drains the slots): keep it, unless it
       # is speculation that no longer beats target-only, the drain counted: leaving
       # drains this run's rows (target-only then pays its own tail too), so speculation
-      # stays while it decodes the inputs left no later than that drain and
-      # target-only would. Uncounted, the tail of the last inputs alone made gamma 4
+      # is left only if target-only, that drain paid first, is still predicted to
+      # decode the inputs left sooner. Uncounted, the tail of the last inputs made gamma 4
       # look slower near a stream's end: on the scaled pair at B = 16 auto left it
       # after 6 of 8 stashes and ran 0.92X where gamma 4 throughout ran 1.01X.
       best = current if current and staying >= leaving_below(current, alpha) else 0
