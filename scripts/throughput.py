@@ -290,11 +290,11 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     l = None if lengths is None else lengths[:b]
     # Medians of 5 samples of 16 calls: samples of 4 calls (a few ms each on the demo
     # pairs) read a slow spell of this shared VM as the cost, the theory moving with it.
+    calls = 4 if DRY_RUN.value else 16
     ms = profiling.time_block_calls({"target": target}, x, steps + 1, [1, width], 5,
-                                    calls=4 if DRY_RUN.value else 16, lengths=l)["target"]
+                                    calls=calls, lengths=l)["target"]
     proposal = profiling.time_proposals(target, {"draft": draft}, x, max(steps, 4) + 1,
-                                        GAMMA.value, 5, calls=4 if DRY_RUN.value else 16,
-                                        lengths=l)["draft"]
+                                        GAMMA.value, 5, calls=calls, lengths=l)["draft"]
     c = proposal / GAMMA.value / ms[1]
     verify = ms[width] / ms[1]
     # The loop's own theory: each plan's whole iteration (proposal, target call,
