@@ -568,8 +568,9 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   included) and how its inputs' iteration counts spread. A plan that has not is
   predicted: its iteration timed at this batch size, as slow against that timing as the
   slowest measured plan (refills taken out of its wall), plus its refills per token;
-  E[tokens] at the acceptance so far, scaled by what the speculative plans measured
-  against E[tokens]. Target-only counts at the better of its timing and its measurement.
+  E[tokens] at the acceptance so far for outputs of the inputs' mean length (each
+  output's last iteration cut), scaled by what the speculative plans measured against
+  that. Target-only counts at the better of its timing and its measurement.
   So a prediction can send a plan to be tried for one stash, and measurement alone keeps
   it: speculation stays only where it measured faster than target-only, the drain that
   leaving it costs counted (`_drain_iterations`). A plan that
@@ -680,15 +681,20 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     slowest = max(((ms[g] - min(refills_ms(g, sums[g]["tokens"] / sums[g]["iterations"]
                                            if g in sums else 1.0), ms[g] / 2)) / iteration[g]
                    for g in ms), default=1.0)
-    # What the speculative plans emitted against E[tokens] at alpha (acceptances in runs
-    # give fewer than i.i.d. ones would), at most 1, 1 before any; and how their inputs'
-    # iteration counts spread (each count's deviation over its mean).
+    # What the speculative plans emitted against E[tokens] at alpha for outputs of their
+    # inputs' mean length (acceptances in runs give fewer than i.i.d. ones would), at
+    # most 1, 1 before any; and how their inputs' iteration counts spread (each count's
+    # deviation over its mean). The lengths count: each output's last iteration is cut,
+    # which costs a deep plan more (gamma 8 emits 0.94 of eq. 1 at alpha 0.86 over 48
+    # tokens, gamma 2 0.98), so a factor measured at one gamma carries over to another
+    # only with them taken out.
     got = want = 0.0
     relative = [0.0]
     for g, v in sums.items():
-      if g:
+      if g and v["inputs"]:
         got += v["tokens"]
-        want += v["iterations"] * theory.expected_tokens_per_iteration(min(alpha, 0.999), g)
+        want += v["iterations"] * theory.expected_tokens_per_iteration(
+            min(alpha, 0.999), g, max(v["tokens"] / v["inputs"], 1.0))
         mean = v["iterations"] / v["inputs"]
         relative.append(_deviation(v["iterations_sq"] / v["inputs"], mean) / mean)
     factor = min(1.0, got / want) if want else 1.0
@@ -703,7 +709,8 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       elif not g:  # target-only: an iteration per token
         tokens, each, deviation = 1.0, per_input, spread
       else:
-        tokens = factor * theory.expected_tokens_per_iteration(min(alpha, 0.999), path[g])
+        tokens = factor * theory.expected_tokens_per_iteration(min(alpha, 0.999), path[g],
+                                                               per_input)
         each = per_input / tokens
         deviation = each * max(max(relative), spread / per_input)
       # A plan that has not run at this batch size: target-only as timed, speculation as

@@ -374,8 +374,9 @@ def test_auto_gamma_predicts_a_plan_from_measured_walls_without_their_refills(mo
   """A plan that has not run is predicted from its timing, as slow against it as the
   measured plans ran, plus its own refills. A measured wall holds that plan's refills
   and a timing none, so they are taken out before the comparison (they were counted
-  twice). Timings fixed here: target-only 1 ms an iteration, gamma 4 2 ms, every input's
-  start 2 ms; target-only measured exactly its timing plus its refills."""
+  twice). Its tokens per iteration: E[tokens] for outputs of the inputs' length. Timings
+  fixed here: target-only 1 ms an iteration, gamma 4 2 ms, every input's start 2 ms;
+  target-only measured exactly its timing plus its refills."""
   from specdec_jax import slots
   monkeypatch.setattr(slots, "_iteration_ms", lambda *args: {
       g: (1.0 + 0.25 * g, 2.0) for g in args[-1]})
@@ -390,6 +391,13 @@ def test_auto_gamma_predicts_a_plan_from_measured_walls_without_their_refills(mo
   drafted = rated["4"]["tokens"]  # E[tokens] at alpha = 1 (0.999): its refills per token
   assert 4.9 < drafted <= 5.0
   assert abs(rated["4"]["ms"] - (2.0 + 2.0 * 2 * drafted / per_input)) < 1e-9, rated
+  # Its tokens are those of outputs of the inputs' length, each one's last iteration cut:
+  # gamma 8 emits 10 tokens in 2 iterations at alpha = 1 (eq. 1, unbounded: 8.96).
+  from specdec_jax.core import theory
+  for g in (1, 2, 4, 8):
+    assert abs(rated[str(g)]["tokens"]
+               - theory.expected_tokens_per_iteration(0.999, g, per_input)) < 1e-9, rated
+  assert rated["8"]["tokens"] < 5.01
   want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
