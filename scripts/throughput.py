@@ -21,7 +21,9 @@ CPU); the fixed-gamma modes verify at width gamma + 1; auto at each phase's own.
 It reports tokens/s (tokens emitted, EOS included, over wall seconds), each mode's speedup
 against the faster target-only mode, and the efficiency of the speculative modes: measured
 speedup against target-only of the same scheduling / the theory's prediction E[tokens] /
-(gamma c + C(gamma + 1)), with alpha pooled from that mode's own decode and c, C(k)
+(gamma c + C(gamma + 1)), with alpha pooled from that mode's own decode, E[tokens] that of
+outputs of the mode's lengths (`theory.expected_tokens_per_iteration(..., length=)`: each
+output's last iteration cut; eq. 1's unbounded E[tokens] is kept in the JSON) and c, C(k)
 measured at batch B (`tools.profiling`; C(1) is the one-token step target-only runs). A
 fixed batch waits for its slowest row (stragglers); slots refill, so their efficiency
 should approach 1. Greedy rows also count the outputs equal to target-only's. The loop's
@@ -40,6 +42,7 @@ memory-bound on this CPU; its drafts as shipped).
 """
 
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -54,6 +57,7 @@ import numpy as np
 
 import specdec_jax as sj
 from specdec_jax.core import theory
+from specdec_jax.programs import PROGRAMS
 from specdec_jax.results import write_json_atomic
 from specdec_jax.tools import profiling
 
@@ -144,9 +148,9 @@ def _loop_factors(spec, target, loop, refill, inputs, gamma):
 
     acceptance  the row iterations target-only needed per row iteration speculation
                 needed (with the same outputs, greedy: tokens per live row iteration),
-                against E[tokens] at the decode's alpha (the theory's i.i.d. law:
-                acceptances that come in runs, and the last iteration of each output cut
-                by its step limit or EOS, give fewer)
+                against E[tokens] at the decode's alpha for outputs of their lengths
+                (the theory's i.i.d. law, each output's last iteration cut by its step
+                limit or EOS: acceptances that come in runs give fewer)
     occupancy   the share of slot-iterations that did work, against target-only's (the
                 tail of a stream, where the last rows finish while nothing waits)
     starts      each input's start (the encoder or the prompt's prefill, and the draft's),
@@ -159,7 +163,7 @@ def _loop_factors(spec, target, loop, refill, inputs, gamma):
                 machine's spell), target-only's ratio over speculation's
 
   `inputs` inputs each started once. Returns {acceptance, occupancy, starts, iteration}."""
-  tokens = theory.expected_tokens_per_iteration(min(spec["alpha"], 0.999), gamma)
+  tokens = spec["predicted_tokens_per_iteration"]
   wall = {g: 1e3 * m["seconds"] / m["iterations"] for g, m in ((0, target), (gamma, spec))}
   with_starts = {g: loop[g] + inputs * refill[g] / m["iterations"]
                  for g, m in ((0, target), (gamma, spec))}
@@ -253,10 +257,11 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
         "auto, slots": lambda: _chained(prior, target, inputs, lengths, batch_size=b,
                                         draft=draft, gamma="auto", **kw),
     }
-    results, prior, sequences = {}, {}, {}
+    results, prior, sequences, output_lengths = {}, {}, {}, {}
     timings = _interleaved(modes, REPEATS.value)
     for mode in modes:
       rounds, out = timings[mode]
+      output_lengths[mode] = np.asarray(out.lengths)
       seconds = min(rounds)
       tokens = int(np.sum(np.asarray(out.lengths)))
       results[mode] = dict(seconds=seconds, seconds_median=statistics.median(rounds),
@@ -305,14 +310,22 @@ def run_pair(name: str, temperature: float) -> Dict[str, Any]:
     for mode in ("spec, batches", "spec, slots"):
       r = results[mode]
       alpha = min(r["alpha"], 0.999)
-      predicted = theory.predicted_speedup_with_verify_cost(alpha, GAMMA.value, c, verify)
+      # E[tokens] of outputs cut at their lengths (each one's last iteration), as the
+      # theory predicts for these outputs; eq. 1's unbounded decode kept beside it.
+      cut = output_lengths[mode]
+      r["predicted_tokens_per_iteration"] = theory.expected_tokens_per_iteration(
+          alpha, GAMMA.value, cut)
+      r["predicted_tokens_per_iteration_unbounded"] = theory.expected_tokens_per_iteration(
+          alpha, GAMMA.value)
+      predicted = theory.predicted_speedup_with_verify_cost(alpha, GAMMA.value, c, verify,
+                                                            length=cut)
       # Against the target-only mode of the same scheduling (the theory has no stragglers
       # in its baseline either).
       same = results["target, " + mode.split(", ")[1]]["seconds"]
       r["predicted_speedup"] = predicted
       r["efficiency"] = (same / r["seconds"]) / predicted
-      r["predicted_speedup_loop"] = theory.expected_tokens_per_iteration(alpha, GAMMA.value) * loop[0] / loop[
-          GAMMA.value]
+      r["predicted_speedup_loop"] = (r["predicted_tokens_per_iteration"] * loop[0]
+                                     / loop[GAMMA.value])
       r["efficiency_loop"] = (same / r["seconds"]) / r["predicted_speedup_loop"]
     for how in ("batches", "slots"):
       results["spec, " + how]["efficiency_loop_factors"] = _loop_factors(
@@ -405,6 +418,15 @@ def main(argv):
       if OUTPUT_JSON.value:
         os.makedirs(os.path.dirname(OUTPUT_JSON.value) or ".", exist_ok=True)
         write_json_atomic(OUTPUT_JSON.value, document)
+      # Each pair and temperature compiles its own programs (every mode, gamma and batch
+      # size, and the timings'), and XLA's CPU backend maps each executable's code
+      # separately: one pair at one temperature holds ~24,000 memory maps, and the
+      # default run (three pairs, two temperatures) crashed past Linux's 65,530 ("LLVM
+      # compilation error: Cannot allocate memory", then a segfault). The next pair
+      # shares none of them.
+      PROGRAMS.clear()
+      jax.clear_caches()
+      gc.collect()
   print(json.dumps({"done": len(document["results"])}))
 
 

@@ -73,6 +73,9 @@ def test_gpu_benchmarks_dry_run(tmp_path):
       for value in factors.values():
         product *= value
       assert abs(product / modes[mode]["efficiency_loop"] - 1) < 1e-9, (mode, factors)
+      # The theory's E[tokens] is that of outputs cut at their lengths: below eq. 1's.
+      assert 1 <= modes[mode]["predicted_tokens_per_iteration"] < modes[mode][
+          "predicted_tokens_per_iteration_unbounded"], mode
     for mode, r in modes.items():
       rounds = sorted(r["speedup_rounds"])
       assert r["speedup_paired"] == rounds[len(rounds) // 2], mode  # one round or three
