@@ -250,6 +250,34 @@ def test_expected_occupancy_counts_the_tail_of_spread_iteration_counts():
     assert abs(_occupancy(*case) - _simulated_occupancy(*case)) < 0.015, case
 
 
+def _simulated_drain(slots, each, deviation, per_slot, trials=400):
+  """Iterations each slot idles, on average, when a run that handed `per_slot` inputs of
+  normal iteration counts (rounded, at least 1) to each of `slots` slots, all starting
+  together, each freed slot taking the next, gets no more: the mean of max - mean of
+  the slots' ends over `trials` runs."""
+  counts = np.maximum(1.0, np.round(np.random.default_rng(1).normal(
+      each, deviation, (trials, slots * per_slot))))
+  finish = np.zeros((trials, slots))
+  for j in range(slots * per_slot):
+    finish[np.arange(trials), np.argmin(finish, axis=1)] += counts[:, j]
+  return float(np.mean(finish.max(1) - finish.mean(1)))
+
+
+def test_the_drain_of_a_run_matches_simulated_runs():
+  """gamma='auto''s drain model (what leaving a speculative run costs) against simulated
+  runs: within 12% for 4 slots and more, whether the slots are still in step (the first
+  inputs), have drifted apart (counts that hardly spread, summed over many inputs) or
+  are out of step. Without the drift (the in-step term at one input a slot) the case of
+  48 +- 3 iterations after 12 inputs a slot reads 5.3 of its 18.3."""
+  from specdec_jax.slots import _drain_iterations
+  for case in [(16, 13.5, 3.0, 1), (16, 13.5, 3.0, 12), (16, 13.5, 7.0, 4),
+               (64, 13.5, 7.0, 2), (4, 13.5, 7.0, 12), (16, 48.0, 3.0, 12),
+               (8, 20.0, 6.0, 12), (64, 48.0, 3.0, 4)]:
+    model, simulated = _drain_iterations(*case), _simulated_drain(*case)
+    assert abs(model / simulated - 1) < 0.12, (case, model, simulated)
+  assert _drain_iterations(16, 48.0, 3.0, 1) / _simulated_drain(16, 48.0, 3.0, 12) < 0.3
+
+
 def _sums(inputs, tokens, iterations):
   """A prior's sums for one plan (`measured["tokens"][gamma]`), every input alike."""
   return dict(inputs=inputs, tokens=inputs * tokens, tokens_sq=inputs * tokens ** 2,
