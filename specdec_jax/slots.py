@@ -250,8 +250,8 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       cached) and the acceptance so far (`_auto_phases`); speculation starts only for a
       predicted gain of 5% and stays only while it is predicted faster than
       target-only after the drain leaving it would cost. Re-decided at every stash of
-      max(batch_size, 8) inputs, from what the stream measured up to then, a stash ahead (so that it starts while the one
-      before it decodes), the slots kept full while the gamma stays the same (a run
+      max(batch_size, 8) inputs, from what the stream measured up to then, a stash
+      ahead (so that it starts while the one before it decodes), the slots kept full while the gamma stays the same (a run
       drains only when it changes). A tree or another draft of a shape of its own is
       one plan at that shape, against target-only: tried unless it loses even with
       every node accepted, kept while it measures faster.

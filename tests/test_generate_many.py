@@ -225,10 +225,16 @@ def _simulated_occupancy(remaining, slots, each, deviation, trials=400):
   `trials` streams."""
   counts = np.maximum(1.0, np.round(np.random.default_rng(0).normal(
       each, deviation, (trials, remaining))))
-  finish = np.zeros((trials, slots))
-  for j in range(remaining):
-    finish[np.arange(trials), np.argmin(finish, axis=1)] += counts[:, j]
-  return float(np.mean(counts.sum(1) / (slots * finish.max(1))))
+  return float(np.mean(counts.sum(1) / (slots * _slot_ends(counts, slots).max(1))))
+
+
+def _slot_ends(counts, slots):
+  """Where each of `slots` slots ends, all starting together, each freed slot taking the
+  next of `counts` [trials, inputs] (iterations per input): [trials, slots]."""
+  ends = np.zeros((counts.shape[0], slots))
+  for j in range(counts.shape[1]):
+    ends[np.arange(counts.shape[0]), np.argmin(ends, axis=1)] += counts[:, j]
+  return ends
 
 
 def test_expected_occupancy_counts_the_tail_of_spread_iteration_counts():
@@ -257,10 +263,8 @@ def _simulated_drain(slots, each, deviation, per_slot, trials=400):
   the slots' ends over `trials` runs."""
   counts = np.maximum(1.0, np.round(np.random.default_rng(1).normal(
       each, deviation, (trials, slots * per_slot))))
-  finish = np.zeros((trials, slots))
-  for j in range(slots * per_slot):
-    finish[np.arange(trials), np.argmin(finish, axis=1)] += counts[:, j]
-  return float(np.mean(finish.max(1) - finish.mean(1)))
+  ends = _slot_ends(counts, slots)
+  return float(np.mean(ends.max(1) - ends.mean(1)))
 
 
 def test_the_drain_of_a_run_matches_simulated_runs():

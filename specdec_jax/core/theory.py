@@ -81,7 +81,9 @@ def _check_lengths(length) -> np.ndarray:
 def _iterations_to_emit(alpha: float, gamma: int, lengths: np.ndarray) -> np.ndarray:
   """`expected_iterations` at each of `lengths` [n] (floats > 0): [n]."""
   most = int(np.ceil(np.max(lengths)))
-  table = _iterations_table(alpha, gamma, most)
+  # Tables built to the next power of two: gamma='auto' asks at each decision for the
+  # mean lengths of its plans, which differ; one table serves them all.
+  table = _iterations_table(alpha, gamma, 1 << max(most - 1, 0).bit_length())
   low = np.floor(lengths).astype(np.int64)
   high = np.minimum(low + 1, most)
   frac = lengths - low
@@ -93,9 +95,9 @@ def _iterations_table(alpha: float, gamma: int, most: int) -> np.ndarray:
   """E[N(l)] for l = 0 .. most ([most + 1]), by the recursion of `expected_iterations`."""
   law = np.array([alpha**(k - 1) * (1 - alpha) for k in range(1, gamma + 1)] + [alpha**gamma])
   table = np.zeros(most + 1 + gamma + 1)  # E[N(l)] at index l + gamma + 1; below: N = 0
+  back = gamma + 1 - np.arange(1, gamma + 2)  # index l + back[k - 1]: E[N(max(l - k, 0))]
   for l in range(1, most + 1):
-    # table[l + gamma + 1 - k] for k = 1 .. gamma + 1 is E[N(max(l - k, 0))].
-    table[l + gamma + 1] = 1.0 + law @ table[l + gamma + 1 - np.arange(1, gamma + 2)]
+    table[l + gamma + 1] = 1.0 + law @ table[l + back]
   table.setflags(write=False)
   return table[gamma + 1:]
 
