@@ -395,7 +395,8 @@ def test_auto_gamma_weighs_the_drain_of_leaving_speculation(monkeypatch):
   assert gammas[0] == 4 and set(gammas[1:]) == {0}, gammas
   assert all("drain_ms" in r for r in sj.generate_many(
       target, tokens, lengths, prior=slow, **common).slots.phases[0]["rated"].values())
-  monkeypatch.setattr(slots, "_drain_iterations", lambda *args: 1e12)
+  from specdec_jax import auto_gamma  # the planner reads its own module's drain
+  monkeypatch.setattr(auto_gamma, "_drain_iterations", lambda *args: 1e12)
   out = sj.generate_many(target, tokens, lengths, prior=slow, **common)
   assert {p["gamma"] for p in out.slots.phases} == {4}, out.slots.phases
   want = sj.generate(target, tokens, lengths, max_decode_steps=10, block_width=9)
