@@ -1,4 +1,4 @@
-"""specdec_jax: exact speculative decoding for T5-style models in JAX/Flax."""
+"""specdec_jax: exact speculative decoding in JAX/Flax (T5 and decoder-only families)."""
 from setuptools import find_packages, setup
 
 CORE = [
@@ -40,8 +40,11 @@ EXTRAS = {
 setup(
     name="specdec_jax",
     version="0.1.0",
-    description="Exact speculative decoding for T5-style encoder-decoder models in JAX/Flax",
-    packages=find_packages(include=["specdec_jax", "specdec_jax.*"]),
+    description="Exact speculative decoding in JAX/Flax: T5 and decoder-only targets, every draft kind",
+    # experiments/: the launcher's entry points (`python -m experiments.run`), importable
+    # from any directory once installed, not only from the repository root.
+    packages=find_packages(include=["specdec_jax", "specdec_jax.*", "experiments",
+                                    "experiments.*"]),
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,

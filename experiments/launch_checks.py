@@ -355,16 +355,19 @@ def output_dir_problem(output_dir: str) -> Optional[str]:
   if not os.path.isdir(probe_dir):
     return (f"--output_dir={output_dir}: {probe_dir} is a file, not a directory; choose "
             "another --output_dir")
-  if probe_dir == path:
-    probe = os.path.join(path, f".write_probe_{uuid.uuid4().hex}")
-    try:
+  # A real write, not os.access: as root, os.access says yes to read-only mounts'
+  # directories and /proc, and the run would fail only after loading and compiling.
+  probe = os.path.join(probe_dir, f".write_probe_{uuid.uuid4().hex}")
+  try:
+    if probe_dir == path:
       with open(probe, "wb") as f:
         f.write(b"probe")
       os.remove(probe)
-    except OSError as e:
-      return (f"--output_dir={output_dir}: cannot write there ({e.strerror}); choose another "
-              "--output_dir")
-  elif not os.access(probe_dir, os.W_OK | os.X_OK):
-    return (f"--output_dir={output_dir}: cannot create it ({probe_dir} is not writable); "
-            "choose another --output_dir")
+    else:  # The directory is made later: a directory must be creatable there.
+      os.mkdir(probe)
+      os.rmdir(probe)
+  except OSError as e:
+    where = ("cannot write there" if probe_dir == path
+             else f"cannot create it: {probe_dir} refuses new directories")
+    return f"--output_dir={output_dir}: {where} ({e.strerror}); choose another --output_dir"
   return None

@@ -46,11 +46,13 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import json
 import math
 import os
 import re
 import sys
 import time
+import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from absl import app
@@ -63,7 +65,9 @@ import numpy as np
 import tqdm
 
 from experiments import launch_checks
-from experiments.run_progress import BatchRecord, RunProgress, describe, rows_digest
+from experiments.output_lock import OutputLock
+from experiments.run_identity import describe, file_fingerprints, rows_digest
+from experiments.run_progress import BatchRecord, RunProgress
 from experiments.gin_flags import (GIN_BINDINGS, GIN_FILES, GIN_SEARCH_PATHS, parse_gin,
                                    rewrite_gin_args)
 from specdec_jax.compile_cache import enable_compile_cache
@@ -82,6 +86,7 @@ from specdec_jax.drafts import (DFlashDraft, Draft, DynamicTreeDraft, FeatureDra
                                 PromptLookupDraft, TreeDraft)
 from specdec_jax.drafts.tree_draft import LAWS as TREE_LAWS
 from specdec_jax.core.outputs import SpeculativeStats
+from specdec_jax.families.hub import check_hub_id, looks_like_hub_id
 from specdec_jax.families.registry import families, family_of
 from specdec_jax.families.t5.config import T5Config
 from specdec_jax.generation import generate
@@ -195,7 +200,11 @@ class ModelSpec(DraftSpec):
   def validate(self, role: str) -> None:
     """Fails fast, before anything loads, on a missing path or an empty spec."""
     if self.checkpoint is not None:
-      if not os.path.exists(self.checkpoint):
+      if not os.path.exists(self.checkpoint) and looks_like_hub_id(self.checkpoint):
+        # Loading fetches it; offline, say so now, with the recipe, in flags.
+        check_hub_id(self.checkpoint,
+                     f"pass --gin.{role.upper()}_CHECKPOINT=\"'DIR'\" (the downloaded directory)")
+      elif not os.path.exists(self.checkpoint):
         raise FileNotFoundError(f"{role} checkpoint not found: {self.checkpoint!r}")
     elif self.config is None and self.perturb_target is None:
       raise ValueError(f"{role} ModelSpec needs a config, a checkpoint or perturb_target")
@@ -240,7 +249,8 @@ class ModelSpec(DraftSpec):
       model = perturbed_model(target, self.perturb_target, seed=self.seed + 1)
     else:
       model = load_spec(self, "draft", partitioner)
-    text.check_vocab_size(tokenizer, model.config, _model_source(self, "draft"))
+    text.check_vocab_size(tokenizer, model.config, _model_source(self, "draft"),
+                          DRAFT_VOCAB_FIX)
     if model.config.vocab_size < target.config.vocab_size:
       # One tokenizer, embedding tables padded to different sizes (Qwen2.5):
       # q = 0 on the ids the draft lacks keeps the outputs exact.
@@ -659,6 +669,52 @@ def _model_source(spec: ModelSpec, role: str) -> str:
   return f"{role} checkpoint {config_json if os.path.isfile(config_json) else spec.checkpoint}"
 
 
+DRAFT_VOCAB_FIX = (
+    "the launcher feeds the draft the target's tokenizer, so a draft model must share the "
+    "target's vocabulary (an embedding table at least as large): choose a draft trained "
+    "with the target's tokenizer (--gin.DRAFT_CHECKPOINT), or a draft kind that needs no "
+    "model (configs/drafts/prompt_lookup.gin)")
+
+
+def _config_vocab_size(spec: ModelSpec) -> Optional[int]:
+  """A checkpoint's config.json `vocab_size` (read before any weights load), or None."""
+  path = spec.checkpoint and os.path.join(spec.checkpoint, "config.json")
+  if not path or not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      size = json.load(f).get("vocab_size")
+  except (OSError, ValueError, AttributeError):
+    return None  # Loading says what is wrong with it.
+  return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _check_vocab_sizes(exp: Experiment, spec: DraftSpec, tokenizer) -> None:
+  """The tokenizer against both checkpoints' config.json, before any weights load."""
+  inner = getattr(spec, "inner", spec)  # A tree's draft model.
+  roles = [(exp.target, "target", _target_vocab_fix(exp))]
+  if isinstance(inner, ModelSpec) and inner.perturb_target is None:
+    roles.append((inner, "draft", DRAFT_VOCAB_FIX))
+  for model_spec, role, fix in roles:
+    size = _config_vocab_size(model_spec)
+    if size is not None:
+      text.check_vocab_size(tokenizer, types.SimpleNamespace(vocab_size=size),
+                            _model_source(model_spec, role), fix)
+
+
+def _target_vocab_fix(exp: Experiment) -> str:
+  """What to change when the tokenizer emits ids the target lacks: the setting that
+  chose the tokenizer."""
+  if exp.tokenizer is not None:
+    return "Experiment.tokenizer is not this checkpoint's tokenizer: unbind it or pass its own"
+  if exp.vocabulary is not None:
+    return (f"--gin.VOCABULARY ({exp.vocabulary!r}) is not this checkpoint's tokenizer: point "
+            "it at the checkpoint's own, or leave it unset to read the checkpoint directory's")
+  return ("the tokenizer was read from the target checkpoint's directory, which then holds "
+          "another model's tokenizer file: put this model's there, or name it with "
+          "--gin.VOCABULARY")
+
+
 def batch_rows(num_rows: int, batch_size: int):
   """Yields (row indices [batch_size], number of real rows); the last batch repeats
   its final row."""
@@ -892,8 +948,13 @@ class Measured:
 
 
 def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
-                   mesh_shape: Optional[str] = None) -> Dict[str, Any]:
+                   mesh_shape: Optional[str] = None, wait_for_output_dir: bool = False
+                   ) -> Dict[str, Any]:
   """Runs `exp`, writes results.json and results.md into output_dir, returns the results.
+
+  One run at a time in output_dir (`experiments.output_lock`): another run holding it
+  is a ValueError naming it before anything is read, or, with `wait_for_output_dir`,
+  waited for.
 
   Four stages: `plan` (every check that needs no weights; the inputs),
   `build` (the models and the draft, the settings validated, then placed),
@@ -905,11 +966,23 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
   same directory is refused. Ctrl-C raises `Interrupted` (how many inputs
   are done).
   """
-  planned = plan(exp, num_examples, mesh_shape)
-  progress = open_progress(exp, planned, output_dir, num_examples, mesh_shape)
-  setup = build(exp, planned)
-  measured = measure(exp, planned, setup, progress)
-  result = report(exp, planned, setup, measured)
+  lock = (OutputLock(output_dir, wait=wait_for_output_dir) if multihost.is_output_process()
+          else contextlib.nullcontext())
+  with lock:
+    planned = plan(exp, num_examples, mesh_shape)
+    progress = open_progress(exp, planned, output_dir, num_examples, mesh_shape)
+    setup = build(exp, planned)
+    measured = measure(exp, planned, setup, progress)
+    result = report(exp, planned, setup, measured)
+    _write_results(exp, planned, output_dir, result)
+  logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", result["speedup"],
+               result["alpha"], result["c"], result.get("identical_outputs", "n/a (sampled)"))
+  return result
+
+
+def _write_results(exp: Experiment, planned: Plan, output_dir: str,
+                   result: Dict[str, Any]) -> None:
+  """results.json and results.md, atomically, by one process."""
   if multihost.is_output_process():  # Multi-host: one writer.
     results_lib.write_json_atomic(os.path.join(output_dir, "results.json"), result)
     results_lib.write_text_atomic(os.path.join(output_dir, "results.md"),
@@ -917,9 +990,6 @@ def run_experiment(exp: Experiment, output_dir: str, num_examples: Optional[int]
                                   + "\n" + results_lib.TABLE2_LEGEND + "\n"
                                   + planned.spec.report_markdown(result)
                                   + VERIFICATION_NOTES.get(exp.verification, ""))
-  logging.info("speedup %.2fx, alpha %.3f, c %s, identical %s", result["speedup"],
-               result["alpha"], result["c"], result.get("identical_outputs", "n/a (sampled)"))
-  return result
 
 
 class Interrupted(Exception):
@@ -935,13 +1005,17 @@ def open_progress(exp: Experiment, planned: Plan, output_dir: str,
                   num_examples: Optional[int], mesh_shape: Optional[str]
                   ) -> Optional[RunProgress]:
   """The output directory's record of finished batches (`experiments.run_progress`),
-  keyed by everything that decides the outputs: the gin configuration, the experiment's
-  settings, the tokenized inputs. None on several processes (no resume there)."""
+  keyed by everything that decides the outputs (`experiments.run_identity`): the gin
+  configuration, the experiment's settings, the tokenized inputs and the contents of
+  every file the settings name (checkpoints, vocabulary). None on several processes
+  (no resume there)."""
   if jax.process_count() > 1:
     return None
-  identity = dict(gin_config=gin.config_str(), experiment=describe(exp),
+  settings = describe(exp)
+  identity = dict(gin_config=gin.config_str(), experiment=settings,
                   inputs_sha256=rows_digest(planned.rows), num_examples=len(planned.rows),
-                  mesh_shape=mesh_shape, backend=jax.default_backend())
+                  mesh_shape=mesh_shape, backend=jax.default_backend(),
+                  files=file_fingerprints(settings, output_dir))
   return RunProgress.open(output_dir, identity)
 
 
@@ -955,6 +1029,7 @@ def plan(exp: Experiment, num_examples: Optional[int] = None,
   spec = draft_spec(exp.draft)
   spec.check()
   tokenizer = exp.tokenizer or text.checkpoint_tokenizer(exp.target.checkpoint, exp.vocabulary)
+  _check_vocab_sizes(exp, spec, tokenizer)
   partitioners = make_partitioners(mesh_shape)
   hosts = host_layout(partitioners, exp.batch_size)
   read = functools.partial(_read_rows, exp, tokenizer, num_examples)
@@ -983,7 +1058,8 @@ def _read_rows(exp: Experiment, tokenizer, num_examples: Optional[int], indices=
   rows = text.encode_texts(tokenizer, [e.inputs for e in examples], exp.chat_template)
   config = exp.target.resolved_config()
   if config is not None:  # Named shapes: bad text fails before the weights load.
-    text.check_vocab_size(tokenizer, config, _model_source(exp.target, "target"))
+    text.check_vocab_size(tokenizer, config, _model_source(exp.target, "target"),
+                          _target_vocab_fix(exp))
     model_inputs(family_of(config), config, rows, exp.max_input_length)
   return examples, rows
 
@@ -994,7 +1070,8 @@ def build(exp: Experiment, planned: Plan) -> Setup:
   target_part, draft_part = planned.partitioners or (None, None)
   target = load_spec(exp.target, "target", target_part)
   family, config = family_of(target), target.config
-  text.check_vocab_size(planned.tokenizer, config, _model_source(exp.target, "target"))
+  text.check_vocab_size(planned.tokenizer, config, _model_source(exp.target, "target"),
+                        _target_vocab_fix(exp))
   inputs, prompt_lengths = model_inputs(family, config, planned.rows, exp.max_input_length)
   # The prompt and the generated tokens must fit the cache the family builds
   # (learned positions): a clear error now, not at the first compile.
@@ -1097,14 +1174,9 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
   bar = tqdm.tqdm(batches, desc="inputs" if _slots(exp, planned) else "batches",
                   unit="chunk" if _slots(exp, planned) else "batch", initial=0)
   for batch_index, (_, real) in enumerate(bar):
-    if records:  # tokens/s and alpha so far, on the bar
-      tokens = sum(int(r.lengths["speculative"].sum()) for r in records)
-      seconds = sum(r.seconds["speculative"] for r in records)
-      stats = _stack_stats([r.stats for r in records])
-      bar.set_postfix(inputs=sum(len(r.lengths["speculative"]) for r in records),
-                      tok_s=f"{tokens / max(seconds, 1e-9):.0f}", alpha=f"{stats.alpha:.2f}")
     if batch_index in done:
       records.append(done[batch_index])
+      _show_progress(bar, records)
       continue
     # Independent keys for the two decoders: the distribution check needs
     # independent samples (greedy ignores them).
@@ -1130,7 +1202,18 @@ def _decode_batches(exp: Experiment, planned: Plan, setup: Setup, batches,
     if progress is not None:
       progress.save_batch(batch_index, record)
     records.append(record)
+    _show_progress(bar, records)
   return records
+
+
+def _show_progress(bar, records: List[BatchRecord]) -> None:
+  """Inputs done, tokens/s and alpha so far, on the bar: set after each batch, so that
+  its last state counts every input."""
+  tokens = sum(int(r.lengths["speculative"].sum()) for r in records)
+  seconds = sum(r.seconds["speculative"] for r in records)
+  stats = _stack_stats([r.stats for r in records])
+  bar.set_postfix(inputs=sum(len(r.lengths["speculative"]) for r in records),
+                  tok_s=f"{tokens / max(seconds, 1e-9):.0f}", alpha=f"{stats.alpha:.2f}")
 
 
 def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
@@ -1402,6 +1485,9 @@ PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (multih
 PAIR = flags.DEFINE_string(
     "pair", None, "A named pair: configs/pairs/NAME.gin, read before the --gin_file files "
     "(e.g. llama_3_1_8b__llama_3_2_1b, or local with TARGET_CHECKPOINT / DRAFT_CHECKPOINT).")
+WAIT_FOR_OUTPUT_DIR = flags.DEFINE_bool(
+    "wait_for_output_dir", False,
+    "When another run is writing into --output_dir, wait for it to finish (default: refuse).")
 PROMPT = flags.DEFINE_string(
     "prompt", None, "One input text instead of a task: its completion goes to stdout and "
     "the results. Not with an input file or a task gin file.")
@@ -1652,7 +1738,8 @@ def main(argv):
   try:
     exp = check_launch(PAIR.value, GIN_FILES.value, GIN_BINDINGS.value, GIN_SEARCH_PATHS.value,
                        OUTPUT_DIR.value, PROMPT.value, NUM_EXAMPLES.value)
-    result = run_experiment(exp, OUTPUT_DIR.value, NUM_EXAMPLES.value, MESH_SHAPE.value)
+    result = run_experiment(exp, OUTPUT_DIR.value, NUM_EXAMPLES.value, MESH_SHAPE.value,
+                            WAIT_FOR_OUTPUT_DIR.value)
   except (ValueError, FileNotFoundError, ImportError, RuntimeError, TypeError) as e:
     # A clean error instead of a traceback for configuration and input
     # mistakes; no results have been written.

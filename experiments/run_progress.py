@@ -7,7 +7,10 @@ atomically to `<output_dir>/progress/batch_NNNNN.npz`; the step timings go to
 configuration on the same inputs reads them back and decodes only what is
 missing, so Ctrl-C (or a killed job) costs at most the batch in flight. A
 different configuration in the same directory is refused, naming what
-differs: results of two configurations are never mixed.
+differs (`experiments.run_identity`: the settings, the inputs, the checkpoints'
+contents), and every batch carries the identity's digest, so that a batch another
+run wrote is refused too: results of two configurations are never mixed.
+`experiments.output_lock` keeps a second run from starting into the directory.
 
     progress = RunProgress.open(output_dir, identity)   # ValueError on a mismatch
     done = progress.batches()                             # {index: BatchRecord}
@@ -15,7 +18,6 @@ differs: results of two configurations are never mixed.
 """
 
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -23,13 +25,14 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from experiments.run_identity import differences, identity_digest
 from specdec_jax import results as results_lib
 from specdec_jax.core.outputs import SpeculativeStats
 
 PROGRESS_DIR = "progress"
 IDENTITY_FILE = "identity.json"
 STEP_TIMES_FILE = "step_times.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each batch and the step times carry the identity's digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,67 +59,22 @@ class BatchRecord:
     return int(len(self.lengths["speculative"]))
 
 
-def describe(value) -> Any:
-  """A JSON-able description of a configuration value that is stable across processes
-  (dataclasses by field, other objects by type: never a memory address)."""
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {"type": type(value).__name__,
-            **{f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}}
-  if isinstance(value, (list, tuple)):
-    return [describe(v) for v in value]
-  if isinstance(value, dict):
-    return {str(k): describe(v) for k, v in value.items()}
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, np.generic):
-    return value.item()
-  return {"type": type(value).__name__, "source": getattr(value, "source", None)}
-
-
-def rows_digest(rows: List[List[int]]) -> str:
-  """sha256 of the tokenized inputs: the same text through another tokenizer differs."""
-  digest = hashlib.sha256()
-  for row in rows:
-    digest.update(np.asarray(row, np.int64).tobytes())
-    digest.update(b"|")
-  return digest.hexdigest()
-
-
-def _flat(value, prefix: str = "") -> Dict[str, Any]:
-  """Nested dicts as {'a.b.c': leaf}."""
-  if not isinstance(value, dict):
-    return {prefix: value}
-  out = {}
-  for key, item in value.items():
-    out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
-  return out
-
-
-def _differences(old: Dict[str, Any], new: Dict[str, Any], limit: int = 4) -> List[str]:
-  """The first `limit` settings (or gin lines) in which two identities differ."""
-  out = []
-  gin_key = "gin_config"
-  old = {**_flat({k: v for k, v in old.items() if k != gin_key}), gin_key: old.get(gin_key)}
-  new = {**_flat({k: v for k, v in new.items() if k != gin_key}), gin_key: new.get(gin_key)}
-  for key in sorted(set(old) | set(new)):
-    if old.get(key) == new.get(key):
-      continue
-    if key == gin_key and isinstance(old.get(key), str) and isinstance(new.get(key), str):
-      before, after = set(old[key].splitlines()), set(new[key].splitlines())
-      out += [f"gin: {line!r} before" for line in sorted(before - after)]
-      out += [f"gin: {line!r} now" for line in sorted(after - before)]
-    else:
-      out.append(f"{key}: {json.dumps(old.get(key))[:120]} before, "
-                 f"{json.dumps(new.get(key))[:120]} now")
-  return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
-
-
 class RunProgress:
   """The progress directory of one output directory (see the module docstring)."""
 
   def __init__(self, directory: str, identity: Dict[str, Any]):
     self.directory = directory
     self.identity = identity
+    # Every batch and the step times carry it: what another run wrote (a second run
+    # into this directory, whatever its identity.json says) is never read back as ours.
+    self.digest = identity_digest(results_lib._jsonable(identity))  # pylint: disable=protected-access
+
+  def _foreign(self, path: str) -> ValueError:
+    return ValueError(
+        f"{path} was written by another run (its identity differs from this one's: were two "
+        f"runs started into {os.path.dirname(self.directory)} at once?): results of two "
+        f"configurations are never mixed; delete {self.directory} to decode everything "
+        "afresh, or choose another --output_dir")
 
   def _record_identity(self) -> None:
     path = os.path.join(self.directory, IDENTITY_FILE)
@@ -141,7 +99,7 @@ class RunProgress:
     elif results_lib._jsonable(identity) != recorded:  # pylint: disable=protected-access
       raise ValueError(
           f"--output_dir={output_dir} holds a run of another configuration ("
-          + "; ".join(_differences(recorded, results_lib._jsonable(identity)))  # pylint: disable=protected-access
+          + "; ".join(differences(recorded, results_lib._jsonable(identity)))  # pylint: disable=protected-access
           + "): results of two configurations are never mixed; choose another --output_dir, "
           f"or delete {directory} to start this one afresh")
     return cls(directory, identity)
@@ -167,40 +125,54 @@ class RunProgress:
       arrays["occupancy_keys"] = np.asarray(sorted(record.occupancy))
     if record.phases is not None:
       arrays["phases_json"] = np.asarray(json.dumps(results_lib._jsonable(record.phases)))  # pylint: disable=protected-access
+    arrays["identity_sha256"] = np.asarray(self.digest)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     results_lib.write_bytes_atomic(self._batch_path(index), buffer.getvalue())
 
   def batches(self) -> Dict[int, BatchRecord]:
-    """{batch index: record} of every finished batch."""
+    """{batch index: record} of every finished batch; a ValueError naming a batch that
+    another run wrote."""
     out = {}
     if not os.path.isdir(self.directory):
       return out
     for name in sorted(os.listdir(self.directory)):
-      if not (name.startswith("batch_") and name.endswith(".npz")):
-        continue
-      with np.load(os.path.join(self.directory, name)) as data:
-        stats = {f.name: (data[f"stats_{f.name}"] if f"stats_{f.name}" in data else None)
-                 for f in dataclasses.fields(SpeculativeStats)}
-        stats["gamma"] = int(stats["gamma"])
-        out[int(name[len("batch_"):-len(".npz")])] = BatchRecord(
-            sequences={k: data[f"sequences_{k}"] for k in ("baseline", "speculative")},
-            lengths={k: data[f"lengths_{k}"] for k in ("baseline", "speculative")},
-            stats=SpeculativeStats(**stats),
-            seconds=dict(zip([str(k) for k in data["seconds_keys"]],
-                             [float(s) for s in data["seconds"]])),
-            occupancy=dict(zip([str(k) for k in data["occupancy_keys"]],
-                               [float(s) for s in data["occupancy"]]))
-            if "occupancy" in data else None,
-            phases=json.loads(str(data["phases_json"])) if "phases_json" in data else None)
+      if name.startswith("batch_") and name.endswith(".npz"):
+        out[int(name[len("batch_"):-len(".npz")])] = self._read_batch(
+            os.path.join(self.directory, name))
     return out
+
+  def _read_batch(self, path: str) -> BatchRecord:
+    with np.load(path) as data:
+      if "identity_sha256" not in data or str(data["identity_sha256"]) != self.digest:
+        raise self._foreign(path)
+      stats = {f.name: (data[f"stats_{f.name}"] if f"stats_{f.name}" in data else None)
+               for f in dataclasses.fields(SpeculativeStats)}
+      stats["gamma"] = int(stats["gamma"])
+      return BatchRecord(
+          sequences={k: data[f"sequences_{k}"] for k in ("baseline", "speculative")},
+          lengths={k: data[f"lengths_{k}"] for k in ("baseline", "speculative")},
+          stats=SpeculativeStats(**stats),
+          seconds=dict(zip([str(k) for k in data["seconds_keys"]],
+                           [float(s) for s in data["seconds"]])),
+          occupancy=dict(zip([str(k) for k in data["occupancy_keys"]],
+                             [float(s) for s in data["occupancy"]]))
+          if "occupancy" in data else None,
+          phases=json.loads(str(data["phases_json"])) if "phases_json" in data else None)
 
   def step_times(self) -> Optional[List[Optional[float]]]:
     """[target step, verify cost, draft step] once measured, else None."""
     if not os.path.isdir(self.directory):
       return None
-    return results_lib.read_json(os.path.join(self.directory, STEP_TIMES_FILE))
+    path = os.path.join(self.directory, STEP_TIMES_FILE)
+    recorded = results_lib.read_json(path)
+    if recorded is None:
+      return None
+    if not isinstance(recorded, dict) or recorded.get("identity_sha256") != self.digest:
+      raise self._foreign(path)
+    return recorded["times"]
 
   def save_step_times(self, times) -> None:
     self._record_identity()
-    results_lib.write_json_atomic(os.path.join(self.directory, STEP_TIMES_FILE), list(times))
+    results_lib.write_json_atomic(os.path.join(self.directory, STEP_TIMES_FILE),
+                                  {"identity_sha256": self.digest, "times": list(times)})

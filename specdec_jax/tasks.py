@@ -18,6 +18,7 @@ Tokenizers map text to T5 ids (pad 0, EOS 1, unknown 2):
   model.
 """
 
+import codecs
 import dataclasses
 import json
 import os
@@ -129,9 +130,12 @@ def count_local(path: str) -> int:
 def _text_lines(path: str):
   """Yields (line number, text) of a UTF-8 file; a line that is not UTF-8 is a
   ValueError naming the file, the line and the fix (not a UnicodeDecodeError from deep
-  inside a loop)."""
+  inside a loop). A byte-order mark opening the file (Notepad's and Excel's UTF-8) is
+  dropped: it is no part of the first input's text."""
   with open(path, "rb") as f:
     for number, raw in enumerate(f, start=1):
+      if number == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
       try:
         yield number, raw.decode("utf-8")
       except UnicodeDecodeError as e:

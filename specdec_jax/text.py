@@ -233,15 +233,17 @@ def tokenizer_difference(target: tasks.Tokenizer, draft: tasks.Tokenizer,
   return None
 
 
-def check_vocab_size(tokenizer: tasks.Tokenizer, config, model_source: str) -> None:
+def check_vocab_size(tokenizer: tasks.Tokenizer, config, model_source: str,
+                     fix: str = "use this checkpoint's own tokenizer") -> None:
   """ValueError naming the tokenizer file and the checkpoint when the tokenizer can
-  emit an id the model has no embedding for."""
+  emit an id the model has no embedding for; `fix` says what to change (the caller
+  knows where the tokenizer came from)."""
   if tokenizer.vocab_size > config.vocab_size:
     source = getattr(tokenizer, "source", type(tokenizer).__name__)
     raise ValueError(
         f"tokenizer/model vocabulary mismatch: {source} emits ids up to "
         f"{tokenizer.vocab_size - 1} but the {model_source} has only {config.vocab_size} "
-        "embeddings (is VOCABULARY the tokenizer of this checkpoint?)")
+        f"embeddings: {fix}")
 
 
 def render_chat(tokenizer: FileTokenizer, text: str) -> str:
