@@ -80,14 +80,16 @@ def run_rows(output_dir: str, rows: Sequence[Table2Row] = TABLE2,
   results = {}
   for index, row in enumerate(rows, start=1):
     row_dir = os.path.join(output_dir, row.name)
-    existing = results_lib.read_json(os.path.join(row_dir, "results.json"))
-    if existing is not None:
-      logging.info("[%d/%d] %s: results exist, skipped", index, len(rows), row.name)
-      results[row.name] = existing
-      continue
-    logging.info("[%d/%d] %s", index, len(rows), row.name)
     run_lib.parse_gin([row_gin_file(row)], row_bindings(row, **binding_kwargs))
     try:
+      # Skipped only when this very row wrote them (the same settings, inputs and
+      # checkpoints' contents); a row since changed is refused, naming what changed.
+      existing = run_lib.finished_results(run_lib.Experiment(), row_dir, num_examples)
+      if existing is not None:
+        logging.info("[%d/%d] %s: results exist, skipped", index, len(rows), row.name)
+        results[row.name] = existing
+        continue
+      logging.info("[%d/%d] %s", index, len(rows), row.name)
       results[row.name] = run_lib.run_experiment(run_lib.Experiment(), row_dir, num_examples)
     finally:
       gin.clear_config()

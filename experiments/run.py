@@ -1019,6 +1019,20 @@ def open_progress(exp: Experiment, planned: Plan, output_dir: str,
   return RunProgress.open(output_dir, identity)
 
 
+def finished_results(exp: Experiment, output_dir: str, num_examples: Optional[int] = None,
+                     mesh_shape: Optional[str] = None) -> Optional[Dict[str, Any]]:
+  """output_dir's results.json when this very experiment wrote it (its progress record
+  holds this run's identity: settings, inputs, the checkpoints' contents); None when
+  there is none; a ValueError naming what differs when another configuration (or a
+  checkpoint since rewritten) wrote it. Loads no weights: a driver of many runs
+  (`experiments.reproduce_table2`) skips the finished ones with it."""
+  result = results_lib.read_json(os.path.join(output_dir, "results.json"))
+  if result is not None:
+    open_progress(exp, plan(exp, num_examples, mesh_shape), output_dir, num_examples,
+                  mesh_shape)
+  return result
+
+
 def plan(exp: Experiment, num_examples: Optional[int] = None,
          mesh_shape: Optional[str] = None) -> Plan:
   """Everything that can fail cheaply fails before any model is loaded; then the task's

@@ -124,6 +124,14 @@ def test_the_lock_waits_when_asked_and_is_free_after_a_run(tmp_path):
     pass
 
 
+def _finished(bindings, out):
+  run_lib.parse_gin(FILES, SMALL + bindings)
+  try:
+    return run_lib.finished_results(run_lib.Experiment(), str(out))
+  finally:
+    gin.clear_config()
+
+
 def test_a_draft_retrained_in_place_is_not_resumed(llama, tmp_path):
   """The same command after the draft checkpoint was rewritten in place: refused, naming
   the checkpoint that changed (its weights' size or time); a config.json rewritten with
@@ -137,11 +145,14 @@ def test_a_draft_retrained_in_place_is_not_resumed(llama, tmp_path):
   config = copy / "config.json"
   config.write_text(config.read_text())  # Same bytes, new time: still the same run.
   assert _run(FILES, bindings, out)["completions"] == first["completions"]
+  assert _finished(bindings, out) == first  # What reproduce_table2 skips a row by.
   sj.export_hf(_random("llama_tiny_draft", 7), str(copy))  # Retrained in place.
   os.utime(copy / "model.safetensors", ns=(time.time_ns(), time.time_ns() + 10**9))
   with pytest.raises(ValueError) as error:
     _run(FILES, bindings, out)
   message = str(error.value)
+  with pytest.raises(ValueError, match="changed since those batches were decoded"):
+    _finished(bindings, out)  # A driver of many runs does not skip it either.
   assert message.startswith(f"--output_dir={out} holds a run of another configuration ({copy} "
                             "changed since those batches were decoded (")
   assert "last modified: model.safetensors" in message
