@@ -170,6 +170,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.core import rows
 from specdec_jax.core.token_tree import TreeAttention, tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
 from specdec_jax.families.kernel_layout import kernel_shape, project
@@ -324,12 +325,12 @@ class Norm(nn.Module):
     x32 = x.astype(jnp.float32)
     if cfg.uses_layer_norm:
       bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), jnp.float32)
-      centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-      x32 = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) +
-                                    cfg.norm_epsilon)
+      # Means as trees of adds (`core.rows`): a row's bits then do not depend on the batch.
+      centred = x32 - rows.row_mean(x32)
+      x32 = centred * jax.lax.rsqrt(rows.row_mean(centred * centred) + cfg.norm_epsilon)
       return (x32 * scale + bias).astype(_dtype(cfg))
     eps = cfg.norm_epsilon if self.epsilon is None else self.epsilon
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(rows.row_mean(x32 * x32) + eps)
     if cfg.norm_offset:
       # Gemma: (1 + w) formed in float32 (w may be stored in bf16).
       return (x32 * (cfg.norm_offset + scale.astype(jnp.float32))).astype(_dtype(cfg))
@@ -392,14 +393,16 @@ def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: i
   if softcap is not None:
     scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
   scores = scores + bias[:, :, None]
+  # Max and sum as trees (`core.rows`): a reduction's library, so its order, changes
+  # with the batch on XLA CPU, and with it a row's bits.
   if sinks is None:
-    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    weights = rows.softmax(scores, axis=-1).astype(value.dtype)
   else:
     # Query head h = kv head h // groups, group h % groups (the reshape above).
     sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, groups, 1, 1)
-    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    top = jnp.maximum(rows.row_max(scores), sink)
     exp = jnp.exp(scores - top)
-    weights = (exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(
+    weights = (exp / (rows.row_sum(exp) + jnp.exp(sink - top))).astype(
         value.dtype)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value)
   return out.reshape(batch, q_len, heads, value.shape[-1])

@@ -12,8 +12,8 @@ larger operations (counted per layer by `specdec_jax.tools.hlo_ops`):
   [emb, n, mlp] kernel for the n gated-MLP input kernels (wi_0, wi_1), so a
   layer runs 5 projections instead of 9. Each pre-norm's scale is folded into
   the kernels it feeds, so a norm is one reduction whose 1/rms multiplies the
-  projection's output inside operations that exist anyway (on CPU the
-  reduction is staged so that XLA CPU compiles it to one fusion, not three:
+  projection's output inside operations that exist anyway (its sum a tree of
+  adds, `core.rows.row_sum`, so a row's bits do not depend on the batch:
   `_inv_rms`);
 * `decode_block` computes the relative position bias and both masks once per
   call, not per layer;
@@ -50,6 +50,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.core.rows import row_sum
 from specdec_jax.core.token_tree import TreeAttention, tree_positions
 from specdec_jax.families.kernel_layout import project
 from specdec_jax.families.t5.config import T5Config
@@ -133,31 +134,17 @@ def prepare_decode_params(params, config: T5Config) -> Prepared:
       layers=layers)
 
 
-# XLA CPU splits a reduction over more than this many values in two.
-_CPU_REDUCTION_CHUNK = 32
-
-
 def _inv_rms(x: Array, config: T5Config) -> Array:
   """[..., emb] -> [..., 1] float32: 1 / RMS(x), T5's norm without its scale.
 
-  On CPU the sum of squares is taken in two explicit stages (chunks of 32,
-  then their sums) with an optimisation barrier between them. XLA CPU splits
-  any reduction over more than 32 values into a reduce-window and a reduce
-  and then leaves the square unfused: three operations per norm, nine per
-  decoder layer. Staged by hand, and kept staged by the barrier (which moves
-  no data), the whole norm compiles to one fusion. The sum is the same
-  two-stage sum XLA CPU would compute. Elsewhere, one reduction.
+  The sum of squares is `core.rows.row_sum`, a tree of adds: a reduction would run
+  on XLA CPU's own loop for a few rows and on YNNPACK, summing in another order,
+  from 4096 elements on (batch 2 at block width 8 and emb 256), so a row's norm,
+  and in bfloat16 its tokens, would depend on the batch beside it. The tree is one
+  loop fusion per norm, as the two-stage reduction it replaces was.
   """
-  x32 = x.astype(jnp.float32)
-  emb = x.shape[-1]
-  if (jax.default_backend() == "cpu" and emb > _CPU_REDUCTION_CHUNK and
-      emb % _CPU_REDUCTION_CHUNK == 0):
-    chunks = (x32 * x32).reshape(x.shape[:-1] + (-1, _CPU_REDUCTION_CHUNK))
-    partial = jax.lax.optimization_barrier(jnp.sum(chunks, axis=-1))
-    total = jnp.sum(partial, axis=-1, keepdims=True)
-  else:
-    total = jnp.sum(x32 * x32, axis=-1, keepdims=True)
-  return jax.lax.rsqrt(total / emb + config.layer_norm_epsilon)
+  return jax.lax.rsqrt(row_sum(jnp.square(x.astype(jnp.float32))) / x.shape[-1] +
+                       config.layer_norm_epsilon)
 
 
 def _rms_norm(x: Array, scale: Array, config: T5Config) -> Array:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.core import rows
 from specdec_jax.families.kernel_layout import kernel_shape, project
 from specdec_jax.families.t5.config import T5Config
 
@@ -94,8 +95,8 @@ class RMSNorm(nn.Module):
   def __call__(self, x: Array) -> Array:
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) +
-                              self.config.layer_norm_epsilon)
+    # The mean a tree of adds (`core.rows`): a row's bits then do not depend on the batch.
+    x32 = x32 * jax.lax.rsqrt(rows.row_mean(x32 * x32) + self.config.layer_norm_epsilon)
     return (x32 * scale.astype(jnp.float32)).astype(_dtype(self.config))
 
 
@@ -149,7 +150,7 @@ def _attend(query: Array, key: Array, value: Array, bias: Array) -> Array:
     [batch, q, heads, head_dim] in the query's dtype.
   """
   scores = jnp.einsum("bqhd,bhkd->bhqk", query, key, preferred_element_type=jnp.float32)
-  weights = jax.nn.softmax(scores + bias, axis=-1).astype(value.dtype)
+  weights = rows.softmax(scores + bias, axis=-1).astype(value.dtype)  # batch-invariant bits
   return jnp.einsum("bhqk,bhkd->bqhd", weights, value)
 
 
