@@ -97,7 +97,10 @@ def generate(model, inputs, prompt_lengths=None, *, max_decode_steps: int,
       TF32 / bf16 passes); None keeps JAX's setting.
     batch_invariant: decode each row with the same batch-1 program, so a
       row's output never depends on the rows beside it (kernels for other
-      batch sizes round differently: see BENCHMARKS.md). Costs the batch's
+      batch sizes may round differently: see BENCHMARKS.md; on XLA CPU the
+      families' norms and softmaxes are summed batch-invariantly,
+      `core.rows`, and greedy bf16 rows matched batch 1 in the tests, so
+      this is for GPUs/TPUs and MoE routing). Costs the batch's
       parallelism: rows run one after another. Sampled rows use
       fold_in(rng, row) as their key.
     partitioner: run under this `sharding.Partitioner`'s mesh: params, inputs

@@ -40,8 +40,15 @@ stashes (`SlotStats.segments` and `refills` count them).
 Exactness. Each row's loop state is its own (its length, positions, cache rows,
 draft state), so a row decodes the same tokens whatever shares its batch:
 greedy outputs equal `generate` on that input alone at the same block width
-where the target's batched kernels round as at batch 1 (checked in the tests;
-`generate`'s `batch_invariant` says why they may not). Sampling: each input i
+where the target's batched kernels round as at batch 1. On XLA CPU they do, in
+float32 and bfloat16 (the demo pairs' bf16 held-out inputs bit for bit,
+tests/test_generate_many_bf16.py): the families' norms and softmaxes sum as trees
+of adds (`core.rows`), because a reduction XLA CPU hands to YNNPACK once it holds
+4096 elements sums in another order (the T5 pair's norms crossed it between batch
+1 and 2 at block width 8; 2 of 300 bf16 outputs differed), and the dots round each
+row alike at every batch tried. Elsewhere (GPU/TPU kernels tiled by batch; MoE
+routing sums) it is tested, not built in: `generate`'s `batch_invariant` says why
+it may not hold. Sampling: each input i
 brings its own key, fold_in(rng, i), split per iteration for its row alone
 (`core.sampling.split_keys`), so a sampled output does not depend on the batch
 either; verification is the usual exact rule, row by row.
@@ -238,8 +245,14 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
                   topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
                   gamma: Union[int, str] = "auto", verification: str = "token",
                   block_width: Optional[int] = None, prior_alpha: Optional[float] = None,
-                  prior: Optional[Dict[str, Any]] = None) -> ManyOutput:
+                  prior: Optional[Dict[str, Any]] = None,
+                  stream_left: Optional[int] = None) -> ManyOutput:
   """Decodes every row of `inputs` through `batch_size` slots, refilling freed slots.
+
+  Greedy outputs equal `generate` on each input alone at the same block width, bit for
+  bit, wherever the target's kernels round a row as at batch 1: on XLA CPU in float32
+  and bfloat16 (norms and softmaxes summed as trees, `core.rows`; the module
+  docstring's "Exactness" says when it may not hold).
 
   Args:
     model: the target (any family). inputs: [N, C] int32, any N (T5 encoder tokens;
