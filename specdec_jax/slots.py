@@ -245,8 +245,7 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
                   topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
                   gamma: Union[int, str] = "auto", verification: str = "token",
                   block_width: Optional[int] = None, prior_alpha: Optional[float] = None,
-                  prior: Optional[Dict[str, Any]] = None,
-                  stream_left: Optional[int] = None) -> ManyOutput:
+                  prior: Optional[Dict[str, Any]] = None) -> ManyOutput:
   """Decodes every row of `inputs` through `batch_size` slots, refilling freed slots.
 
   Greedy outputs equal `generate` on each input alone at the same block width, bit for
