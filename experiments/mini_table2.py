@@ -24,7 +24,9 @@ Timings on a CPU shared with other jobs move by a few tenths of X between runs.
 
 Writes results.json and results.md (atomically) and prints the table beside the paper's.
 Resumable: each finished row is written to rows/<draft>_T<temperature>.json
-(atomically) and read back instead of measured again.
+(atomically) and read back instead of measured again, by a run of the same flags on
+the same pair's files only (each row carries that identity's digest; another's is
+refused); one run at a time holds the output directory.
 
 `--target_shape=t5_1_1_base` (or `gpt2_medium` with `--demo_pair_dir=decoder_only`)
 first embeds the target function-preservingly in that shape (`sj.scale_pair`,
@@ -40,8 +42,11 @@ import numpy as np
 
 import json
 import os
+import sys
 
+from experiments.output_lock import OutputLock
 from experiments.paper_tables import TABLE2
+from experiments.run_identity import file_fingerprints, identity_digest
 # experiments.run defines --output_dir (and its other flags) at import; we share it.
 from experiments.run import OUTPUT_DIR
 from specdec_jax.compile_cache import enable_compile_cache
@@ -50,7 +55,7 @@ from specdec_jax.tools.profiling import block_step_seconds, time_generate_pairs,
 from specdec_jax.tools.speedup import pooled_alpha
 from specdec_jax import results as results_lib
 from specdec_jax.core import theory
-from specdec_jax.demo_pair import load_demo_pair
+from specdec_jax.demo_pair import DIRS as DEMO_PAIR_DIRS, load_demo_pair
 from specdec_jax.scaled_pair import scale_pair
 
 FLAGS = flags.FLAGS
@@ -77,7 +82,47 @@ def paper_rows_markdown() -> str:
   return "\n".join(lines)
 
 
+# The flags a row's figures depend on (--drafts and --temperatures pick the rows).
+ROW_FLAGS = ("demo_pair_dir", "num_inputs", "repeats", "gammas", "ngram_gammas", "max_gamma",
+             "target_shape", "memory_budget_gb")
+
+
+def row_identity() -> str:
+  """The digest every stored row carries: the flags above, the backend and the pair's
+  files (`experiments.run_identity`): a row is read back only by the run that would
+  measure it again."""
+  directory = DEMO_PAIR_DIRS.get(FLAGS.demo_pair_dir or "t5", FLAGS.demo_pair_dir)
+  return identity_digest(dict(flags={name: FLAGS[name].value for name in ROW_FLAGS},
+                              backend=jax.default_backend(),
+                              files=file_fingerprints({"pair": directory})))
+
+
+def _stored_row(row_path: str, digest: str):
+  """A finished row of this very run, else None; another run's is a ValueError."""
+  if not os.path.exists(row_path):
+    return None
+  with open(row_path) as f:
+    row = json.load(f)
+  if row.get("identity_sha256") != digest:
+    raise ValueError(f"{row_path} was measured with other flags or another pair's files (one "
+                     f"of --{', --'.join(ROW_FLAGS)}, or a retrained pair): delete "
+                     f"{os.path.dirname(row_path)} to measure afresh, or choose another "
+                     "--output_dir")
+  return row
+
+
 def run(output_dir: str) -> Dict:
+  """The table, one (draft, temperature) row at a time, each stored as it finishes; one
+  run at a time in output_dir (`experiments.output_lock`)."""
+  with OutputLock(output_dir):
+    return _run(output_dir)
+
+
+def _run(output_dir: str) -> Dict:
+  digest = row_identity()
+  rows_dir = os.path.join(output_dir, "rows")
+  for name in sorted(os.listdir(rows_dir)) if os.path.isdir(rows_dir) else []:
+    _stored_row(os.path.join(rows_dir, name), digest)  # Another run's rows: refused now.
   pair = load_demo_pair(FLAGS.demo_pair_dir)
   inputs, lengths = pair.inputs(FLAGS.num_inputs)
   first = None if lengths is None else lengths[:1]
@@ -114,55 +159,13 @@ def run(output_dir: str) -> Dict:
     for name in FLAGS.drafts:
       draft = drafts[name]
       row_path = os.path.join(output_dir, "rows", f"{name}_T{temperature:g}.json")
-      if os.path.exists(row_path):  # resumed: a finished row (written atomically)
-        with open(row_path) as f:
-          rows.append(json.load(f))
+      stored = _stored_row(row_path, digest)
+      if stored is not None:  # resumed: a finished row (written atomically)
+        rows.append(stored)
         continue
-      # Model drafts and feature heads sweep --gammas; n-gram drafts --ngram_gammas.
-      neural = name in model_drafts
-      sweep = [int(g) for g in (FLAGS.gammas if neural else FLAGS.ngram_gammas)]
-      # alpha does not depend on gamma (per-position acceptance); measure it at gamma = 4.
-      probe = time_generate_pairs(target, inputs, 0, kwargs, dict(kwargs, draft=draft, gamma=4),
-                                  prompt_lengths=lengths).spec_outputs
-      alpha = pooled_alpha(probe)
-      draft_c = c.get(name, 0.0)  # n-gram proposals cost ~nothing next to a T5 step.
-      gamma_theory = theory.optimal_gamma(min(alpha, 0.999), draft_c, FLAGS.max_gamma)
-      verify = {g: theory.predicted_speedup_with_cost_curve(alpha, g, draft_c, block_cost)
-                for g in range(1, FLAGS.max_gamma + 1)}
-      gamma_curve = max(verify, key=lambda g: (verify[g], -g))
-      measured = {}
-      identical = True
-      for g in sorted(set(sweep) | {gamma_theory, gamma_curve}):
-        if g > FLAGS.max_gamma:
-          continue
-        # Summed per-input medians: the time to complete all inputs.
-        # block_width g + 1: the narrowest exact width, the cheapest on CPU.
-        timing = time_generate_pairs(target, inputs, FLAGS.repeats, kwargs,
-                                     dict(kwargs, draft=draft, gamma=g, block_width=g + 1),
-                                     prompt_lengths=lengths)
-        outs = timing.spec_outputs
-        base_time, seconds = sum(timing.base_seconds), sum(timing.spec_seconds)
-        base_tokens = sum(int(o.lengths[0]) for o in timing.reference_outputs)
-        measured[g] = dict(seconds=seconds, target_seconds=base_time,
-                           speedup=base_time / seconds, baseline_block_width=timing.base_width,
-                           reference_block_width=timing.reference_width,
-                           target_ms_per_token=1e3 * base_time / max(base_tokens, 1),
-                           alpha=pooled_alpha(outs),
-                           tokens_per_iteration=float(np.mean(
-                               [o.stats.mean_tokens_per_iteration for o in outs])))
-        if temperature == 0.0:
-          identical &= timing.identical
-      best = max(measured, key=lambda g: measured[g]["speedup"])
-      row = dict(draft=name, temperature=temperature, alpha=alpha, c=draft_c,
-                 gamma_theory=gamma_theory,
-                 predicted_theory=theory.walltime_improvement(alpha, gamma_theory, draft_c),
-                 speedup_theory_gamma=measured[gamma_theory]["speedup"],
-                 gamma_cost_curve=gamma_curve, predicted_cost_curve=verify[gamma_curve],
-                 speedup_cost_curve_gamma=measured[gamma_curve]["speedup"],
-                 gamma_best=best, speedup_best=measured[best]["speedup"],
-                 target_ms_per_token=measured[best]["target_ms_per_token"],
-                 identical_outputs=identical if temperature == 0.0 else None,
-                 sweep=measured)
+      row = {"draft": name, "temperature": temperature,
+             **_measure_row(target, inputs, lengths, kwargs, draft, name in model_drafts,
+                            c.get(name, 0.0), block_cost), "identity_sha256": digest}
       rows.append(row)
       results_lib.write_json_atomic(row_path, row)
       logging.info("%s", {k: v for k, v in row.items() if k != "sweep"})
@@ -176,6 +179,57 @@ def run(output_dir: str) -> Dict:
   results_lib.write_text_atomic(f"{output_dir}/results.md", md)
   print(md)
   return result
+
+
+def _measure_row(target, inputs, lengths, kwargs, draft, neural: bool, draft_c: float,
+                 block_cost) -> Dict:
+  """One draft's row at one temperature: alpha (probed at gamma 4), the theory's and the
+  cost curve's gamma, and the timed sweep (`draft_c`: its c; n-gram drafts 0, a table
+  lookup next to a target step)."""
+  temperature = kwargs["temperature"]
+  # Model drafts and feature heads sweep --gammas; n-gram drafts --ngram_gammas.
+  sweep = [int(g) for g in (FLAGS.gammas if neural else FLAGS.ngram_gammas)]
+  # alpha does not depend on gamma (per-position acceptance); measure it at gamma = 4.
+  probe = time_generate_pairs(target, inputs, 0, kwargs, dict(kwargs, draft=draft, gamma=4),
+                              prompt_lengths=lengths).spec_outputs
+  alpha = pooled_alpha(probe)
+  gamma_theory = theory.optimal_gamma(min(alpha, 0.999), draft_c, FLAGS.max_gamma)
+  verify = {g: theory.predicted_speedup_with_cost_curve(alpha, g, draft_c, block_cost)
+            for g in range(1, FLAGS.max_gamma + 1)}
+  gamma_curve = max(verify, key=lambda g: (verify[g], -g))
+  measured = {}
+  identical = True
+  for g in sorted(set(sweep) | {gamma_theory, gamma_curve}):
+    if g > FLAGS.max_gamma:
+      continue
+    # Summed per-input medians: the time to complete all inputs.
+    # block_width g + 1: the narrowest exact width, the cheapest on CPU.
+    timing = time_generate_pairs(target, inputs, FLAGS.repeats, kwargs,
+                                 dict(kwargs, draft=draft, gamma=g, block_width=g + 1),
+                                 prompt_lengths=lengths)
+    outs = timing.spec_outputs
+    base_time, seconds = sum(timing.base_seconds), sum(timing.spec_seconds)
+    base_tokens = sum(int(o.lengths[0]) for o in timing.reference_outputs)
+    measured[g] = dict(seconds=seconds, target_seconds=base_time,
+                       speedup=base_time / seconds, baseline_block_width=timing.base_width,
+                       reference_block_width=timing.reference_width,
+                       target_ms_per_token=1e3 * base_time / max(base_tokens, 1),
+                       alpha=pooled_alpha(outs),
+                       tokens_per_iteration=float(np.mean(
+                           [o.stats.mean_tokens_per_iteration for o in outs])))
+    if temperature == 0.0:
+      identical &= timing.identical
+  best = max(measured, key=lambda g: measured[g]["speedup"])
+  return dict(alpha=alpha, c=draft_c,
+              gamma_theory=gamma_theory,
+              predicted_theory=theory.walltime_improvement(alpha, gamma_theory, draft_c),
+              speedup_theory_gamma=measured[gamma_theory]["speedup"],
+              gamma_cost_curve=gamma_curve, predicted_cost_curve=verify[gamma_curve],
+              speedup_cost_curve_gamma=measured[gamma_curve]["speedup"],
+              gamma_best=best, speedup_best=measured[best]["speedup"],
+              target_ms_per_token=measured[best]["target_ms_per_token"],
+              identical_outputs=identical if temperature == 0.0 else None,
+              sweep=measured)
 
 
 def markdown(result: Dict) -> str:
@@ -213,7 +267,11 @@ def markdown(result: Dict) -> str:
 def main(argv):
   del argv
   enable_compile_cache()
-  run(OUTPUT_DIR.value or "results/mini_table2")
+  try:
+    run(OUTPUT_DIR.value or "results/mini_table2")
+  except (ValueError, FileNotFoundError) as e:  # A clear line, not a traceback.
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -182,3 +182,13 @@ def test_mini_table2_smoke(tmp_path):
     assert row["identical_outputs"] is True
     assert row["gamma_theory"] == row["gamma_cost_curve"] == 1 and list(row["sweep"]) == ["1"]
   assert (tmp_path / "results.md").exists()
+  # Rerun with another --repeats: its stored rows are another run's, refused before any
+  # measurement (they were read back as this run's before).
+  again = subprocess.run(
+      [sys.executable, "-m", "experiments.mini_table2", f"--output_dir={tmp_path}",
+       "--num_inputs=1", "--repeats=2", "--gammas=1", "--ngram_gammas=1",
+       "--drafts=small,bigram", "--temperatures=0", "--max_gamma=1"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+      text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
+  assert again.returncode != 0
+  assert "was measured with other flags or another pair's files" in again.stderr
