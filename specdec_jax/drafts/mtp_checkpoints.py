@@ -191,33 +191,57 @@ def load(directory, target, layout: Optional[str] = None, dtype=None) -> dict:
   hf = read_config_json(directory, WHAT, HOLDS)
   path = os.path.join(directory, "config.json")
   files = hf_weight_files(directory)
-  num_layers = config.num_layers
-  if layout is None:
-    # DeepSeek's modules sit after the layers config.json counts (a target of another depth
-    # is then named by `_config_checks`).
-    stored_layers = _value(hf, "num_hidden_layers")
-    layout = detect_layout(files, hf, num_layers) or (
-        detect_layout(files, hf, stored_layers) if isinstance(stored_layers, int) else None)
-    if layout is None:
-      looked = "; ".join(f"{name}: {what}" for name, what in LOOKED_FOR.items())
-      keys = {k: hf[k] for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers",
-                                 "num_hidden_layers") if k in hf}
-      raise CheckpointError(
-          f"{directory}: no MTP modules found. Looked for {looked}. Its config.json has "
-          f"{keys or 'none of those keys'} and its {len(files)} tensors none of those names "
-          f"(L = {num_layers}, the target's layers)")
-  elif layout not in LAYOUTS:
-    raise ValueError(f"layout must be None or one of {LAYOUTS}, got {layout!r}")
+  layout = _resolved_layout(directory, hf, files, config.num_layers, layout)
   _config_checks(hf, config, path, layout)
   n = _num_modules(layout, hf, files, path)
-  # Own embedding tables (DeepSeek): read where they differ from the target's.
+  own_tables, own_embeddings = _own_embedding_tables(directory, files, target, layout, n)
+  head = _mtp_head(target, layout, n, own_embeddings)
+  names, expert_reads = _checked_names(directory, files, head, layout, n, own_tables,
+                                       own_embeddings)
+  flat = _read_flat(files, names, expert_reads, jnp.dtype(dtype or config.dtype))
+  modules = []
+  for k in range(n):
+    mine = {key[len(f"{k}/"):]: value for key, value in flat.items() if key.startswith(f"{k}/")}
+    modules.append(traverse_util.unflatten_dict(mine, sep="/"))
+  params = jax.tree_util.tree_map(jnp.asarray, dict(modules=modules))
+  if config.kernel_layout == "out_in":
+    params = transpose_kernels(params)
+  return dict(layout=layout, num_modules=n, params=params, own_embeddings=own_embeddings)
+
+
+def _resolved_layout(directory: str, hf: dict, files, num_layers: int,
+                     layout: Optional[str]) -> str:
+  """The layout asked for, checked, or the one the stored names and config.json show."""
+  if layout is not None:
+    if layout not in LAYOUTS:
+      raise ValueError(f"layout must be None or one of {LAYOUTS}, got {layout!r}")
+    return layout
+  # DeepSeek's modules sit after the layers config.json counts (a target of another depth
+  # is then named by `_config_checks`).
+  stored_layers = _value(hf, "num_hidden_layers")
+  layout = detect_layout(files, hf, num_layers) or (
+      detect_layout(files, hf, stored_layers) if isinstance(stored_layers, int) else None)
+  if layout is None:
+    looked = "; ".join(f"{name}: {what}" for name, what in LOOKED_FOR.items())
+    keys = {k: hf[k] for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers",
+                               "num_hidden_layers") if k in hf}
+    raise CheckpointError(
+        f"{directory}: no MTP modules found. Looked for {looked}. Its config.json has "
+        f"{keys or 'none of those keys'} and its {len(files)} tensors none of those names "
+        f"(L = {num_layers}, the target's layers)")
+  return layout
+
+
+def _own_embedding_tables(directory: str, files, target, layout: str, n: int):
+  """({module: tensor name} of stored embed_tokens tables (DeepSeek), whether they differ
+  from the target's): read only where stored, compared with the target's."""
+  num_layers = target.config.num_layers
   own_tables = {}
   if layout == "deepseek":
     for k in range(n):
       name = f"model.layers.{num_layers + k}.embed_tokens.weight"
       if name in files:
         own_tables[k] = name
-  target_table = None
   own_embeddings = False
   if own_tables:
     target_table = np.asarray(target.params["embed_tokens"]["embedding"])
@@ -229,7 +253,16 @@ def load(directory, target, layout: Optional[str] = None, dtype=None) -> dict:
     if own_embeddings and len(own_tables) != n:
       raise CheckpointError(f"{directory}: only modules {sorted(own_tables)} of {n} store an "
                             "embed_tokens table unlike the target's")
-  head = _mtp_head(target, layout, n, own_embeddings)
+  return own_tables, own_embeddings
+
+
+def _checked_names(directory: str, files, head, layout: str, n: int, own_tables,
+                   own_embeddings: bool):
+  """({param key: (tensor name, transpose)}, {expert key: ('experts', names) or ('fused',
+  name)}) of every module, every name present at its shape; else one CheckpointError
+  listing what is missing, unexpected and mismatched."""
+  config = head.config
+  num_layers = config.num_layers
   # Shapes in the checkpoints' [in, out] kernel layout (an out_in target's kernels are
   # transposed after reading).
   from specdec_jax.families.decoder_only.mtp_head import MtpHead
@@ -244,12 +277,11 @@ def load(directory, target, layout: Optional[str] = None, dtype=None) -> dict:
     layer, layer_experts = _layer_names(head, layout, k)
     names.update({f"{k}/{key}": value for key, value in layer.items()})
     experts.update({f"{k}/{key}": value for key, value in layer_experts.items()})
-  prefix = _prefixes(layout, num_layers)
   if layout == "deepseek":
     stored = [m for m in files if m.startswith("model.layers.") and
               int(m.split(".")[2]) >= num_layers]
   else:
-    stored = [m for m in files if m.startswith(prefix)]
+    stored = [m for m in files if m.startswith(_prefixes(layout, num_layers))]
   used = {name for name, _ in names.values()} | set(own_tables.values())
   missing, mismatched = [], []
   for key, (name, transpose) in names.items():
@@ -265,9 +297,8 @@ def load(directory, target, layout: Optional[str] = None, dtype=None) -> dict:
     one = tuple(reversed(shapes[key][1:]))
     if all(name in files for name in per_expert):
       used.update(per_expert)
-      bad = [f"{files[name].source}: {tuple(files[name].shape)} vs expected {one}"
-             for name in per_expert if tuple(files[name].shape) != one]
-      mismatched += bad
+      mismatched += [f"{files[name].source}: {tuple(files[name].shape)} vs expected {one}"
+                     for name in per_expert if tuple(files[name].shape) != one]
       expert_reads[key] = ("experts", per_expert)
     elif fused in files:
       used.add(fused)
@@ -279,7 +310,12 @@ def load(directory, target, layout: Optional[str] = None, dtype=None) -> dict:
                     f"{'s' if n > 1 else ''}, hidden {config.emb_dim}, vocabulary "
                     f"{config.vocab_size}) do not match the target:", missing, unexpected,
                     mismatched)
-  np_dtype = jnp.dtype(dtype or config.dtype)
+  return names, expert_reads
+
+
+def _read_flat(files, names, expert_reads, np_dtype) -> dict:
+  """{param key: array} read and cast: kernels transposed where stored [out, in], experts
+  stacked (one tensor each) or split (transformers 5's fused gate/up)."""
   flat = {key: cast(files[name].read(None), np_dtype, transpose)
           for key, (name, transpose) in names.items()}
   for key, (kind, what) in expert_reads.items():
@@ -294,11 +330,4 @@ def load(directory, target, layout: Optional[str] = None, dtype=None) -> dict:
         part = int(key.endswith("up_proj"))
         flat[key] = cast(np.ascontiguousarray(array[:, :, part * width:(part + 1) * width]),
                          np_dtype)
-  modules = []
-  for k in range(n):
-    mine = {key[len(f"{k}/"):]: value for key, value in flat.items() if key.startswith(f"{k}/")}
-    modules.append(traverse_util.unflatten_dict(mine, sep="/"))
-  params = jax.tree_util.tree_map(jnp.asarray, dict(modules=modules))
-  if config.kernel_layout == "out_in":
-    params = transpose_kernels(params)
-  return dict(layout=layout, num_modules=n, params=params, own_embeddings=own_embeddings)
+  return flat
