@@ -15,11 +15,10 @@ import time
 from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 import numpy as np
+from absl import logging
 
 from specdec_jax.core import theory
 from specdec_jax.core.outputs import sequence_lengths
-from specdec_jax.families.registry import family_of
-from specdec_jax.programs import PROGRAMS
 
 
 class Engine(NamedTuple):
@@ -44,14 +43,16 @@ def _own_gamma(draft) -> int:
   return 4 if draft is None else min(4, draft.max_gamma or 4)
 
 
-def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, engine,
-                 block_width, prior_alpha, prior):
-  """gamma='auto': phases of inputs, each at the gamma chosen before it. Without
-  `prior_alpha` the first phase (one stash) drafts at min(4, the draft's most) to measure
-  alpha, unless the theory says speculation loses even at alpha = 1. `prior`: an earlier
-  call's `measured`. Returns (results, usage, phases, the counters' gamma width,
-  measured). A chain's plans are target-only and gamma 1, 2, 4, 8; a tree's (a draft of
-  its own shape), target-only and that shape.
+def _auto_phases(draft, n, slots, steps, settings_for, engine, block_width, prior_alpha,
+                 prior, stream_left=None):
+  """gamma='auto': phases of the `n` inputs, each at the gamma chosen before it. Without
+  `prior_alpha` the first phase (one stash) drafts at the probe (the largest candidate up
+  to 4) to measure alpha, unless the theory says speculation loses even at alpha = 1.
+  `prior`: an earlier call's `measured`. `stream_left`: inputs the stream has from this
+  call's first on (default n), what a plan's compile is weighed against. Returns
+  (results, usage, phases, the counters' gamma width, measured, planning). A chain's
+  plans are target-only and gamma 1, 2, 4, 8; a tree's (a draft of its own shape),
+  target-only and that shape.
 
   What decides is each plan's expected time for the inputs not yet handed out: their
   loop iterations at it (tokens over the tokens a live row emits per iteration, spread
@@ -67,77 +68,121 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
   that. Target-only counts at the better of its timing and its measurement.
   So a prediction can send a plan to be tried for one stash, and measurement alone keeps
   it: speculation stays only where it measured faster than target-only, the drain that
-  leaving it costs counted (`_drain_iterations`). A plan that
-  measured slower than its timing predicts, at the top of what its inputs' tokens per
-  iteration allow, is tried again once the plan chosen has run REEXPLORE times as many
-  iterations (its walls add up: the retries grow rarer). Each decision holds one stash and is made a stash ahead (that
-  stash starts while the one before it decodes), except after a plan's first stash or
-  a retry's, which are measured before anything follows them.
+  leaving it costs counted (`_drain_iterations`). A plan that measured slower than its
+  timing predicts, at the top of what its inputs' tokens per iteration allow, is tried
+  again once the plan chosen has run REEXPLORE times as many iterations (its walls add
+  up: the retries grow rarer). Each decision holds one stash and is made a stash ahead
+  (that stash starts while the one before it decodes), except after a plan's first
+  stash or a retry's, which are measured before anything follows them.
+
+  The plan search is bounded (`_Planner.search`): timing a plan compiles its programs,
+  seconds on a small model whose whole stream decodes in less. Target-only is timed
+  first; a speculative plan only where, at its best case (its iteration no dearer than
+  the timed plans around it allow, `_Planner.optimistic_ms`), it could beat the best
+  timed plan and would save more over the stream left than its compile and timing cost
+  (as long as the plans prepared so far took). A cold launcher run on the tiny demo
+  pair (8 inputs) spent 48 s more under auto than at gamma 4 timing plans that could
+  never pay (each decision is logged, and the planning seconds returned).
   """
-  from specdec_jax.tools import speedup  # tools time programs; they import no entry point
-  n = tokens.shape[0]
+  planner = _Planner(draft, n, slots, steps, settings_for, engine, block_width, prior or {},
+                     stream_left)
+  planner.decode(prior_alpha if prior_alpha is not None else (prior or {}).get("alpha"))
+  return planner.outputs()
+
+
+def _candidates(draft, settings_for, block_width):
+  """The speculative plans gamma='auto' chooses among: a tree's own shape (keyed by the
+  gamma it decodes at when nothing chooses), or a chain's powers of two up to its most."""
   if _own_shape(draft):
-    # A tree (or another draft of its own shape): one speculative plan, at that shape,
-    # against target-only (keyed by the gamma it decodes at when nothing chooses).
-    most = _own_gamma(draft)
-    candidates = [most]
-  else:
-    most = min(8, draft.max_gamma or 8)
-    # Every plan's block fits the target-only width: the one given, or the default where
-    # defaults are not the narrowest (bfloat16, accelerators: 8, so gamma <= 7 there;
-    # float32 on CPU runs each plan at its own gamma + 1).
-    fixed = settings_for(0).block_width
-    if block_width is not None or fixed > 1:
-      most = min(most, fixed - 1)
-    # Powers of two: each candidate costs a compile and a timing, once per shape.
-    candidates = [g for g in (1, 2, 4, 8) if g <= most]
-  # The most drafts a plan's row can keep per iteration: a chain's gamma, a tree's deepest
-  # path (greedy pending tokens included). Before a plan has run, its tokens per iteration
-  # are the i.i.d. law's along that path (for a tree, the law of its one chain: at alpha
-  # = 1 its most, which decides whether it is tried at all).
-  path = {g: draft.proposal_depth(settings_for(g).sampling, g, settings_for(g).block_width)
-          for g in candidates}
-  # Each gamma's iteration costs its proposal and one target call at the block width it
-  # runs at (gamma + 1 on CPU float32, else `block_width` or the default), and target-only
-  # decoding one call at its own width: both relative to that, so the theory compares what
-  # each phase would really run.
-  widths = {g: settings_for(g).block_width for g in [0] + candidates}
-  # C(k) and the draft's cost, recorded in the phases (a chain's; a tree's proposal is no
-  # chain's, and its whole iteration is timed below, which is what decides).
-  costs = dict(curve={}, draft={}) if _own_shape(draft) else _phase_costs(
-      model, draft, tokens, row_lengths, slots, steps, candidates, sorted(set(widths.values())))
-  # Each plan's whole loop iteration timed at this batch size (its proposal, its target
-  # call, verification, sampling and bookkeeping) and its refill per input: what a plan
-  # that has not run is predicted from (on a small model the loop's own work is a large
-  # part of an iteration, and the cost curve's target calls alone would overpredict).
-  timed = engine.time_plans([0] + candidates)
-  iteration = {g: ms for g, (ms, _) in timed.items()}
-  refill = {g: ms for g, (_, ms) in timed.items()}
-  eos_id = settings_for(0).eos_id
-  results, phases = {}, []
-  usage = dict(segments=0, refills=0, iterations=0, live_iterations=0, started_ahead=0)
+    return [_own_gamma(draft)]
+  most = min(8, draft.max_gamma or 8)
+  # Every plan's block fits the target-only width: the one given, or the default where
+  # defaults are not the narrowest (bfloat16, accelerators: 8, so gamma <= 7 there;
+  # float32 on CPU runs each plan at its own gamma + 1).
+  fixed = settings_for(0).block_width
+  if block_width is not None or fixed > 1:
+    most = min(most, fixed - 1)
+  # Powers of two: each candidate costs a compile and a timing, once per shape.
+  return [g for g in (1, 2, 4, 8) if g <= most]
 
-  prior = prior or {}
-  # gamma: sums over the inputs decoded at it (`sums_at`), the prior's at any batch size
-  # (what a live row emits per iteration does not depend on the batch)
-  earlier_sums = {int(g): dict(v) for g, v in prior.get("tokens", {}).items()}
-  # gamma: [seconds, loop iterations] run at it (the prior's at the same batch size)
-  walls: Dict[int, Tuple[float, int]] = {
-      int(g): tuple(v) for g, v in prior.get("walls", {}).items()
-  } if prior.get("batch_size") == slots else {}
 
-  def sums_at():
+class _Planner:
+  """One gamma='auto' call's state: what it measured, the phases so far, the plans timed.
+  Its methods are `_auto_phases`' steps (see there)."""
+
+  def __init__(self, draft, n, slots, steps, settings_for, engine, block_width, prior,
+               stream_left):
+    from specdec_jax.tools import speedup  # tools time programs; they import no entry point
+    self.speedup = speedup
+    self.draft, self.n, self.slots, self.steps = draft, n, slots, steps
+    self.settings_for, self.engine = settings_for, engine
+    self.candidates = _candidates(draft, settings_for, block_width)
+    self.probe = max(g for g in self.candidates if g <= 4) if min(self.candidates) <= 4 \
+        else self.candidates[0]
+    # The most drafts a plan's row can keep per iteration: a chain's gamma, a tree's
+    # deepest path (greedy pending tokens included). Before a plan has run, its tokens per
+    # iteration are the i.i.d. law's along that path (for a tree, the law of its one
+    # chain: at alpha = 1 its most, which decides whether it is tried at all).
+    self.path = {g: draft.proposal_depth(settings_for(g).sampling, g,
+                                         settings_for(g).block_width)
+                 for g in self.candidates}
+    self.eos_id = settings_for(0).eos_id
+    self.results, self.phases = {}, []
+    self.usage = dict(segments=0, refills=0, iterations=0, live_iterations=0,
+                      started_ahead=0)
+    # gamma: sums over the inputs decoded at it (`sums_at`), the prior's at any batch size
+    # (what a live row emits per iteration does not depend on the batch)
+    self.earlier_sums = {int(g): dict(v) for g, v in prior.get("tokens", {}).items()}
+    # gamma: [seconds, loop iterations] run at it (the prior's at the same batch size)
+    self.walls: Dict[int, Tuple[float, int]] = {
+        int(g): tuple(v) for g, v in prior.get("walls", {}).items()
+    } if prior.get("batch_size") == slots else {}
+    # Each timed plan's loop iteration and refill, ms (`time`); what preparing one plan
+    # costs here (the prior's, else what this call's first timings took).
+    self.iteration: Dict[int, float] = {}
+    self.refill: Dict[int, float] = {}
+    self.plan_seconds = float(prior.get("plan_seconds") or 0.0)
+    self.planning = dict(seconds=0.0, timed=[], untimed={})
+    self.stream_left = max(int(stream_left or n), n)
+    self.start = self.run_start = 0  # run_start: the run decoding now's first input
+    self.alpha = None
+    self.time([0])
+
+  def time(self, gammas):
+    """Times plans `gammas` with target-only, in the same rounds (`Engine.time_plans`:
+    compiled and timed once per shape in a process, later calls read them back), and
+    logs each: target-only is kept at the least of its timings (the error allowed runs
+    the safe way: speculation must not look faster for a slow spell)."""
+    began = time.perf_counter()
+    timed = self.engine.time_plans(sorted({0, *gammas}))
+    seconds = time.perf_counter() - began
+    fresh = [g for g in timed if g not in self.iteration]
+    self.planning["seconds"] += seconds
+    if fresh and seconds > 0.05 * len(fresh):  # compiled here, not read back
+      self.plan_seconds = max(self.plan_seconds, seconds / len(fresh))
+    for g, (ms, refill) in sorted(timed.items()):
+      self.iteration[g] = min(ms, self.iteration.get(g, ms))
+      self.refill[g] = refill
+      if g in fresh:
+        self.planning["timed"].append(g)
+        self.planning["untimed"].pop(str(g), None)
+        logging.info("gamma='auto': timed %s at batch %d: %.3f ms an iteration, %.3f ms a "
+                     "refill (planning %.1f s so far: compiles and timings)", _plan_name(g),
+                     self.slots, ms, refill, self.planning["seconds"])
+
+  def sums_at(self):
     """{gamma: {inputs, tokens, tokens_sq, iterations, iterations_sq}}: sums over the
     inputs decoded at each gamma so far and the prior's (their tokens emitted and loop
     iterations, and the squares of each input's)."""
-    gamma_of = {i: p["gamma"] for p in phases for i in range(*p["inputs"])}
-    done = [i for i in results if i in gamma_of]
-    out = {g: dict(v) for g, v in earlier_sums.items()}
+    gamma_of = {i: p["gamma"] for p in self.phases for i in range(*p["inputs"])}
+    done = [i for i in self.results if i in gamma_of]
+    out = {g: dict(v) for g, v in self.earlier_sums.items()}
     if done:  # numpy in: jnp would compile for each new count of inputs
-      emitted = sequence_lengths(np.stack([results[i]["sequences"][1:] for i in done]), eos_id)
+      emitted = sequence_lengths(
+          np.stack([self.results[i]["sequences"][1:] for i in done]), self.eos_id)
       for i, count in zip(done, emitted):
         sums = out.setdefault(int(gamma_of[i]), dict.fromkeys(_SUMS, 0.0))
-        iterations = float(results[i]["counters"]["iterations"])
+        iterations = float(self.results[i]["counters"]["iterations"])
         for name, value in (("inputs", 1.0), ("tokens", float(count)),
                             ("iterations", iterations)):
           sums[name] += value
@@ -145,116 +190,133 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
             sums[name + "_sq"] += value * value
     return {g: v for g, v in out.items() if v["iterations"]}
 
-  def rates(alpha, remaining, unmeasured=None):
-    """{gamma: `_Rate`} of every plan (tokens a live row emits per loop iteration, ms per
-    loop iteration, the slots' expected occupancy over the `remaining` inputs, the ms a
-    run of it loses when it drains, loop iterations per input): measured
-    where it ran, else predicted (see above); gamma `unmeasured`'s time predicted as if
+  def optimistic_ms(self, g):
+    """An untimed chain plan's iteration at its best: on the line between the timed plans
+    around it (a proposal's cost grows with gamma, a target call's jumps from one token
+    to a block then grows slowly, so the line is at or under it), else the deepest timed
+    plan below it's (deeper never costs less)."""
+    below = max(t for t in self.iteration if t < g)
+    above = [t for t in self.iteration if t > g]
+    if not above:
+      return self.iteration[below]
+    up = min(above)
+    low, high = self.iteration[below], self.iteration[up]
+    return low + (high - low) * (g - below) / (up - below)
+
+  def rates(self, alpha, remaining, unmeasured=None, optimistic=False):
+    """{gamma: `_Rate`} of every timed plan (tokens a live row emits per loop iteration,
+    ms per loop iteration, the slots' expected occupancy over the `remaining` inputs, the
+    ms a run of it loses when it drains, loop iterations per input): measured where it
+    ran, else predicted (see `_auto_phases`); gamma `unmeasured`'s time predicted as if
     it had not run and its tokens at the top of what its inputs measured
-    (`_optimistic_tokens`): a retry's case."""
-    sums = sums_at()
+    (`_optimistic_tokens`): a retry's case. `optimistic`: the untimed plans too, each at
+    `optimistic_ms`."""
+    sums = self.sums_at()
     inputs = sum(v["inputs"] for v in sums.values())
     per_input = spread = 0.0  # tokens per input: mean, standard deviation
     if inputs:
       per_input = sum(v["tokens"] for v in sums.values()) / inputs
       spread = _deviation(sum(v["tokens_sq"] for v in sums.values()) / inputs, per_input)
-    per_input = max(per_input, 1.0) if inputs else float(steps)
-    ms = {g: 1e3 * s / count for g, (s, count) in walls.items() if count and g != unmeasured}
+    per_input = max(per_input, 1.0) if inputs else float(self.steps)
+    # The plans rated: those timed, those measured (a prior's walls: what decides them
+    # needs no timing) and with `optimistic` the rest, each untimed one at its best case.
+    iteration = dict(self.iteration)
+    iteration.update({g: self.optimistic_ms(g) for g in self.candidates
+                      if g not in iteration and (optimistic or g in self.walls)})
+    refill = {g: self.refill.get(g, self.refill[0]) for g in iteration}
+    ms = {g: 1e3 * s / count for g, (s, count) in self.walls.items()
+          if count and g != unmeasured and g in iteration}
+    model = _RateModel(sums, per_input, spread, alpha, self.slots, refill, iteration, ms,
+                       set(self.iteration))
+    drift = max(1.0, (self.start - self.run_start) / self.slots)
+    return {g: model.rate(g, remaining, drift, self.path.get(g, g), g == unmeasured)
+            for g in sorted(iteration)}
 
-    def refills_ms(g, tokens):
-      """Plan g's refills per loop iteration: an input starts for every per_input / tokens
-      row iterations."""
-      return refill[g] * slots * tokens / per_input
-
-    # How slow each measured plan ran against its timing, its refills taken out (at most
-    # half its wall): the timing holds none, and a prediction adds its own plan's. Left
-    # in, they were counted twice: on the scaled pair at B = 16 target-only's wall is 45
-    # ms an iteration against 36 timed and 13 of refills, gamma 4's 99 against 74 and 33
-    # (both 0.9 of their timing without refills, 1.25 and 1.35 with them).
-    slowest = max(((ms[g] - min(refills_ms(g, sums[g]["tokens"] / sums[g]["iterations"]
-                                           if g in sums else 1.0), ms[g] / 2)) / iteration[g]
-                   for g in ms), default=1.0)
-    # What the speculative plans emitted against E[tokens] at alpha for outputs of their
-    # inputs' mean length (acceptances in runs give fewer than i.i.d. ones would), at
-    # most 1, 1 before any; and how their inputs' iteration counts spread (each count's
-    # deviation over its mean). The lengths count: each output's last iteration is cut,
-    # which costs a deep plan more (gamma 8 emits 0.94 of eq. 1 at alpha 0.86 over 48
-    # tokens, gamma 2 0.98), so a factor measured at one gamma carries over to another
-    # only with them taken out.
-    got = want = 0.0
-    relative = [0.0]
-    for g, v in sums.items():
-      if g and v["inputs"]:
-        got += v["tokens"]
-        want += v["iterations"] * theory.expected_tokens_per_iteration(
-            min(alpha, 0.999), g, max(v["tokens"] / v["inputs"], 1.0))
-        mean = v["iterations"] / v["inputs"]
-        relative.append(_deviation(v["iterations_sq"] / v["inputs"], mean) / mean)
-    factor = min(1.0, got / want) if want else 1.0
-    out = {}
-    for g in [0] + candidates:
-      if g in sums:
-        v = sums[g]
-        tokens = (_optimistic_tokens(v, path.get(g, g)) if g == unmeasured
-                  else v["tokens"] / v["iterations"])
-        each = v["iterations"] / v["inputs"]
-        deviation = _deviation(v["iterations_sq"] / v["inputs"], each)
-      elif not g:  # target-only: an iteration per token
-        tokens, each, deviation = 1.0, per_input, spread
-      else:
-        tokens = factor * theory.expected_tokens_per_iteration(min(alpha, 0.999), path[g],
-                                                               per_input)
-        each = per_input / tokens
-        deviation = each * max(max(relative), spread / per_input)
-      # A plan that has not run at this batch size: target-only as timed, speculation as
-      # slow against its timing as the slowest measured plan; plus its refills (each
-      # input's start) per iteration, which speculation makes more frequent.
-      predicted = iteration[g] * (slowest if g else 1.0) + refills_ms(g, tokens)
-      # Target-only at the better of its timing and its measurement: on a shared machine
-      # one slow spell must not make speculation look faster than it is (the error is
-      # allowed the other way only: speculation kept where it may have won is lost
-      # speed, speculation run where it loses breaks auto's promise).
-      cost = (min(ms[0], predicted) if 0 in ms else predicted) if not g \
-          else ms.get(g, predicted)
-      out[g] = _Rate(tokens, cost, _occupancy(remaining, slots, each, deviation),
-                     cost * _drain_iterations(slots, each, deviation,
-                                              max(1.0, (start - run_start) / slots)), each)
-    return out
-
-  def speedups(alpha, remaining, unmeasured=None):
+  def speedups(self, alpha, remaining, unmeasured=None, optimistic=False):
     """`choose_phase_gamma`'s arguments from `rates`: each speculative plan's iteration in
     target-only iterations per occupied slot (the curve; its proposal is inside it) and
     its tokens per row iteration against E[tokens] at alpha."""
-    rated = rates(alpha, remaining, unmeasured)
+    rated = self.rates(alpha, remaining, unmeasured, optimistic)
     clamped = min(max(alpha, 0.0), 0.999)
     base = rated[0].ms / rated[0].occupancy
     curve = {g + 1: (r.ms / r.occupancy) / base for g, r in rated.items() if g}
     factors = {g: r.tokens / theory.expected_tokens_per_iteration(clamped, g)
                for g, r in rated.items() if g}
-    return {g: 0.0 for g in candidates}, curve, None, factors
+    return {g: 0.0 for g in rated if g}, curve, None, factors
 
-  def predicted_at(g, alpha):
+  def predicted_at(self, g, alpha, optimistic=False):
     """gamma g's predicted speedup over target-only at `alpha` over the inputs not yet
     handed out (target-only: 1)."""
     if not g or alpha is None:
       return 1.0
-    return speedup.phase_speedup(alpha, g, *speedups(alpha, n - start))
+    return self.speedup.phase_speedup(
+        alpha, g, *self.speedups(alpha, self.n - self.start, optimistic=optimistic))
 
-  def choose(alpha, current):
+  def alone_seconds(self, alpha):
+    """Target-only's expected seconds for the stream's inputs not yet handed out."""
+    left = self.stream_left - self.start
+    rated = self.rates(alpha, left)[0]
+    return left * rated.iterations / (self.slots * rated.occupancy) * rated.ms / 1e3
+
+  def search(self, alpha):
+    """Times the untimed plans worth it at `alpha` (None: alpha = 1, nothing measured),
+    one at a time (the probe first), each timing tightening the others' best case: a plan
+    is worth timing where its best case beats the best timed plan by SWITCH_GAIN and
+    saves more over the stream left than a plan's compile and timing cost here. Those
+    left out are recorded with why (`planning['untimed']`)."""
+    alpha = 1.0 if alpha is None else alpha
+    while True:
+      missing = [g for g in self.candidates if g not in self.iteration]
+      if missing and not self.plan_seconds:
+        # Timing costs nothing here (every plan read back, or timings that compile
+        # nothing): every plan is timed, in the same rounds, so none is ruled out by
+        # another's best case (and a measured plan's timing says how slow it ran).
+        self.time(missing)
+        return
+      # A plan measured (a prior's walls) is rated by them: it needs no timing.
+      untimed = [g for g in missing if g not in self.walls]
+      if not untimed:
+        return
+      best = max([1.0] + [self.predicted_at(g, alpha)
+                          for g in self.rates(alpha, self.n - self.start) if g])
+      alone = self.alone_seconds(alpha)
+      worth = []
+      for g in untimed:
+        could = self.predicted_at(g, alpha, optimistic=True)
+        saved = alone / best - alone / could
+        if could < SWITCH_GAIN * best:
+          why = f"could not beat {best:.2f}X at alpha {alpha:.2f} (at most {could:.2f}X)"
+        elif saved <= self.plan_seconds:
+          why = (f"would save at most {saved:.2f} s over the {self.stream_left - self.start}"
+                 f" inputs left, its compile and timing ~{self.plan_seconds:.1f} s")
+        else:
+          worth.append(g)
+          continue
+        # The first reason stands: what kept the plan untimed when it was first weighed.
+        self.planning["untimed"].setdefault(str(g), why)
+      if not worth:
+        return
+      self.time([self.probe if self.probe in worth else worth[-1]])
+
+  def choose(self, alpha, current):
     """(gamma, predicted speedup, a retry) of the next stash at `alpha` (None: unmeasured),
-    the inputs decoding at gamma `current` (None: none yet). Speculation must be
-    predicted SWITCH_GAIN faster than what runs (target-only at least) to start, and
-    faster than target-only to stay: the prediction's error is of the order of a shared
-    machine's noise, and only speculation can lose against target-only."""
+    the inputs decoding at gamma `current` (None: none yet), after the plans worth timing
+    are timed (`search`). Speculation must be predicted SWITCH_GAIN faster than what runs
+    (target-only at least) to start, and faster than target-only to stay: the
+    prediction's error is of the order of a shared machine's noise, and only speculation
+    can lose against target-only."""
+    self.search(alpha)
+    remaining = self.n - self.start
     if alpha is None:
-      # Nothing measured: one stash at min(4, most) measures alpha, unless the timed
-      # iterations say speculation loses even at alpha = 1.
-      best, predicted = speedup.choose_phase_gamma(1.0, *speedups(1.0, n - start))
-      if predicted < SWITCH_GAIN:
+      # Nothing measured: one stash at the probe measures alpha, unless the timed
+      # iterations say speculation loses even at alpha = 1 (or none could pay for its
+      # timing).
+      best, predicted = self.speedup.choose_phase_gamma(1.0, *self.speedups(1.0, remaining))
+      if predicted < SWITCH_GAIN or self.probe not in self.iteration:
         return 0, 1.0, False
-      return min(4, most), predicted, False
-    best, predicted = speedup.choose_phase_gamma(alpha, *speedups(alpha, n - start))
-    staying = predicted_at(current, alpha) if current else 1.0
+      return self.probe, predicted, False
+    best, predicted = self.speedup.choose_phase_gamma(alpha, *self.speedups(alpha, remaining))
+    staying = self.predicted_at(current, alpha) if current else 1.0
     if best != current and predicted < SWITCH_GAIN * max(staying, 1.0):
       # Not a clear gain over what runs (a switch drains the slots): keep it, unless it
       # is speculation that no longer beats target-only, the drain counted: leaving
@@ -263,12 +325,12 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
       # decode the inputs left sooner. Uncounted, the tail of the last inputs made gamma 4
       # look slower near a stream's end: on the scaled pair at B = 16 auto left it
       # after 6 of 8 stashes and ran 0.92X where gamma 4 throughout ran 1.01X.
-      best = current if current and staying >= leaving_below(current, alpha) else 0
-      predicted = predicted_at(best, alpha)
-    retry = retried(alpha, best)
+      best = current if current and staying >= self.leaving_below(current, alpha) else 0
+      predicted = self.predicted_at(best, alpha)
+    retry = self.retried(alpha, best)
     if retry is not None:
       return retry
-    if best and 0 not in walls and walls:
+    if best and 0 not in self.walls and self.walls:
       # Speculation measured, target-only only timed: one stash of target-only first, so
       # that speculation is kept only against a measured target-only.
       return 0, 1.0, False
@@ -278,108 +340,238 @@ def _auto_phases(model, draft, tokens, row_lengths, slots, steps, settings_for, 
     # 64 inputs). Staying costs nothing: the slots stay full while the gamma does.
     return best, predicted, False
 
-  def leaving_below(current, alpha):
+  def leaving_below(self, current, alpha):
     """The speedup below which running speculation `current` is left for target-only:
     target-only's time for the inputs left against that time plus `current`'s drain."""
-    rated = rates(alpha, n - start)
-    alone = (n - start) * rated[0].iterations / (slots * rated[0].occupancy) * rated[0].ms
+    left = self.n - self.start
+    rated = self.rates(alpha, left)
+    alone = left * rated[0].iterations / (self.slots * rated[0].occupancy) * rated[0].ms
     return alone / (alone + rated[current].drain_ms) if alone > 0 else 1.0
 
-  def retried(alpha, best):
+  def retried(self, alpha, best):
     """(gamma, predicted speedup, True) of a speculative plan to measure again for one
     stash, or None: one that measured slower than its timing predicts, once the plan
-    chosen has run REEXPLORE times its loop iterations (see there)."""
+    chosen has run REEXPLORE times its loop iterations (see `_auto_phases`)."""
+    walls = self.walls
     if alpha is None or best not in walls:
       return None
-    for g in candidates:
+    for g in self.candidates:
       if g != best and g in walls and walls[best][1] >= REEXPLORE * max(walls[g][1], 1):
-        fresh = speedup.phase_speedup(alpha, g, *speedups(alpha, n - start, unmeasured=g))
-        if fresh >= SWITCH_GAIN * max(predicted_at(best, alpha), 1.0):
+        fresh = self.speedup.phase_speedup(
+            alpha, g, *self.speedups(alpha, self.n - self.start, unmeasured=g))
+        if fresh >= SWITCH_GAIN * max(self.predicted_at(best, alpha), 1.0):
           return g, fresh, True
     return None
 
-  def measured_alpha(alpha):
+  def measured_alpha(self, alpha):
     """The acceptance pooled over every input decoded so far (else `alpha`, as chosen at:
     a target-only phase measures none; 0 when nothing was ever measured)."""
     beta = [(r["counters"]["beta_sum"], r["counters"]["beta_count"])
-            for r in results.values() if "beta_sum" in r["counters"]]
+            for r in self.results.values() if "beta_sum" in r["counters"]]
     count = sum(c for _, c in beta)
     if count:
       return float(sum(b for b, _ in beta) / count)
     return 0.0 if alpha is None else alpha
 
-  def record(rows, gamma, predicted):
+  def record(self, rows, gamma, predicted):
     """A phase: its inputs, gamma, the alpha and predicted speedup it was chosen at, and
     every plan as rated then (`rates`: tokens a live row emits per loop iteration, ms per
-    loop iteration, the occupancy expected over the inputs left)."""
-    rated = rates(1.0 if alpha is None else alpha, n - rows.start)
-    phases.append(dict(inputs=[rows.start, rows.stop], gamma=gamma, alpha=alpha,
-                       predicted_speedup=predicted, rated={
-                           str(g): dict(tokens=r.tokens, ms=r.ms, occupancy=r.occupancy,
-                                        drain_ms=r.drain_ms)
-                           for g, r in rated.items()}))
+    loop iteration, the occupancy expected over the inputs left). A change of plan is
+    logged with every timed plan's predicted speedup (what the choice was made from)."""
+    alpha = 1.0 if self.alpha is None else self.alpha
+    rated = self.rates(alpha, self.n - rows.start)
+    self.phases.append(dict(
+        inputs=[rows.start, rows.stop], gamma=gamma, alpha=self.alpha,
+        predicted_speedup=predicted, rated={
+            str(g): dict(tokens=r.tokens, ms=r.ms, occupancy=r.occupancy, drain_ms=r.drain_ms)
+            for g, r in rated.items()}))
+    if len(self.phases) == 1 or self.phases[-2]["gamma"] != gamma:
+      others = ", ".join(f"{_plan_name(g)} {self.predicted_at(g, alpha):.2f}X"
+                         for g in rated if g)
+      logging.info("gamma='auto': inputs %d-%d at %s (alpha %s; predicted over target-only: "
+                   "%s)", rows.start, rows.stop - 1, _plan_name(gamma),
+                   "not measured yet" if self.alpha is None else f"{self.alpha:.2f}",
+                   others or "no speculative plan timed")
 
-  start, alpha = 0, prior_alpha if prior_alpha is not None else prior.get("alpha")
-  run_start = 0  # the first input of the run decoding now: its slots started in step
-  chosen = choose(alpha, None)
-  while start < n:
-    gamma, predicted, retry = chosen
-    rows = range(start, min(n, start + engine.stash))
-    record(rows, gamma, predicted)
-    start = rows.stop
-    # A plan's first stash (or a retry's) is measured before anything follows it: the
-    # next stash is not started ahead of that decision.
-    probe = retry or gamma not in walls
+  def stash(self, gamma, predicted):
+    """The next stash's inputs, recorded at `gamma`."""
+    rows = range(self.start, min(self.n, self.start + self.engine.stash))
+    self.record(rows, gamma, predicted)
+    self.start = rows.stop
+    return rows
 
-    def more(so_far, used, seconds, ahead):
-      """At a refill point with at most one stash waiting (`ahead`: one does): the next
-      stash's inputs if it keeps this run's gamma (the slots stay full), else none (this
-      run drains, the next starts), or None (not yet: ask at the next sync)."""
-      nonlocal start, alpha, chosen, probe
-      if start >= n:
-        return []
-      if len(so_far) < max(1, slots // 4):
-        if ahead and probe:
-          return None
-        # Too little measured in this run to re-decide: one more stash at this gamma, so
-        # that no finished row waits idle for a decision.
-        after = range(start, min(n, start + engine.stash))
-        record(after, gamma, chosen[1])
-        start = after.stop
-        return after
-      results.update(so_far)
-      walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
-      alpha = measured_alpha(alpha)
-      chosen, probe = choose(alpha, gamma), False
-      if start >= n or chosen[0] != gamma:
-        return []
-      after = range(start, min(n, start + engine.stash))
-      record(after, gamma, chosen[1])
-      start = after.stop
-      return after
+  def decode(self, alpha):
+    """Every input, phase by phase, from the acceptance `alpha` (None: unmeasured)."""
+    self.alpha = alpha
+    chosen = self.choose(alpha, None)
+    while self.start < self.n:
+      gamma, predicted, retry = chosen
+      rows = self.stash(gamma, predicted)
+      # A plan's first stash (or a retry's) is measured before anything follows it: the
+      # next stash is not started ahead of that decision.
+      self.probing = retry or gamma not in self.walls
+      self.chosen = chosen
+      earlier = self.walls.get(gamma, (0.0, 0))
+      self.run_start, began, planned = rows.start, time.perf_counter(), self.planning["seconds"]
+      got, used = self.engine.run(self.settings_for(gamma), self.draft if gamma else None,
+                                  rows, more=functools.partial(self.more, gamma, earlier, planned))
+      # A plan timed while this run decoded is no part of its wall.
+      wall = time.perf_counter() - began - (self.planning["seconds"] - planned)
+      self.walls[gamma] = (earlier[0] + wall, earlier[1] + used["iterations"])
+      self.results.update(got)
+      for name in self.usage:
+        self.usage[name] += used[name]
+      chosen = self.chosen
+      if self.start < self.n and chosen[0] == gamma:  # decided before this run's last ended
+        self.alpha = self.measured_alpha(self.alpha)
+        chosen = self.choose(self.alpha, gamma)
 
-    earlier = walls.get(gamma, (0.0, 0))
-    run_start = rows.start
-    began = time.perf_counter()
-    got, used = engine.run(settings_for(gamma), draft if gamma else None, rows, more=more)
-    walls[gamma] = (earlier[0] + time.perf_counter() - began,
-                    earlier[1] + used["iterations"])
-    results.update(got)
-    for name in usage:
-      usage[name] += used[name]
-    if start < n and chosen[0] == gamma:  # decided before this run's last inputs ended
-      alpha = measured_alpha(alpha)
-      chosen = choose(alpha, gamma)
-  for phase in phases:
-    phase["cost_curve"] = {str(k): v for k, v in costs["curve"].items()}
-    phase["draft_cost"] = {str(g): v for g, v in costs["draft"].items()}
-    phase["iteration_ms"] = {str(g): v for g, v in iteration.items()}
-    phase["refill_ms"] = {str(g): ms for g, ms in refill.items()}
-  alpha = measured_alpha(alpha)
-  measured = dict(batch_size=slots, alpha=alpha,
-                  tokens={str(g): v for g, v in sums_at().items()},
-                  walls={str(g): list(v) for g, v in walls.items()})
-  return results, usage, phases, max(candidates), measured
+  def more(self, gamma, earlier, planned, so_far, used, seconds, ahead):
+    """At a refill point of the run at `gamma` with at most one stash waiting (`ahead`: one
+    does): the next stash's inputs if it keeps this run's gamma (the slots stay full),
+    else none (this run drains, the next starts), or None (not yet: ask at the next
+    sync)."""
+    if self.start >= self.n:
+      return []
+    if len(so_far) < max(1, self.slots // 4):
+      if ahead and self.probing:
+        return None
+      # Too little measured in this run to re-decide: one more stash at this gamma, so
+      # that no finished row waits idle for a decision.
+      return self.stash(gamma, self.chosen[1])
+    self.results.update(so_far)
+    seconds -= self.planning["seconds"] - planned  # plans timed meanwhile
+    self.walls[gamma] = (earlier[0] + seconds, earlier[1] + used["iterations"])
+    self.alpha = self.measured_alpha(self.alpha)
+    self.chosen, self.probing = self.choose(self.alpha, gamma), False
+    if self.start >= self.n or self.chosen[0] != gamma:
+      return []
+    return self.stash(gamma, self.chosen[1])
+
+  def outputs(self):
+    """(results, usage, phases, the counters' gamma width, measured, planning), the phases
+    with every timed plan's iteration and refill ms; the call's plans said on the
+    console, and a call that never speculated says why."""
+    for phase in self.phases:
+      phase["iteration_ms"] = {str(g): v for g, v in self.iteration.items()}
+      phase["refill_ms"] = {str(g): ms for g, ms in self.refill.items()}
+    self.alpha = self.measured_alpha(self.alpha)
+    measured = dict(batch_size=self.slots, alpha=self.alpha,
+                    tokens={str(g): v for g, v in self.sums_at().items()},
+                    walls={str(g): list(v) for g, v in self.walls.items()},
+                    plan_seconds=self.plan_seconds)
+    planning = dict(self.planning, timed=sorted(self.planning["timed"]))
+    ran = sorted({p["gamma"] for p in self.phases})
+    untimed = "; ".join(f"{_plan_name(int(g))} {why}"
+                        for g, why in sorted(self.planning["untimed"].items(), key=lambda x: int(x[0])))
+    logging.info("gamma='auto': %d inputs at %s; planning %.1f s (plans timed here: %s%s)",
+                 self.n, ", ".join(_plan_name(g) for g in ran), planning["seconds"],
+                 ", ".join(_plan_name(g) for g in planning["timed"]) or "none, read back",
+                 f"; not timed: {untimed}" if untimed else "")
+    if ran == [0]:
+      logging.info("gamma='auto' ran target-only throughout: %s", _why_target_only(
+          self.phases, self.planning["untimed"], self.walls))
+    return self.results, self.usage, self.phases, max(self.candidates), measured, planning
+
+
+def _plan_name(g: int) -> str:
+  """A plan as the console names it."""
+  return f"gamma {g}" if g else "target-only"
+
+
+def _why_target_only(phases, untimed, walls) -> str:
+  """Why a call ran target-only throughout, in a sentence: no speculative plan timed (none
+  could pay), or timed ones predicted slower, or measured slower."""
+  speculative = {g for g in walls if g}
+  if speculative:
+    return (f"{', '.join(_plan_name(g) for g in sorted(speculative))} measured slower "
+            "than target-only")
+  rated = {g for p in phases for g in p["rated"] if int(g)}
+  if not rated:
+    return ("no speculative plan was worth compiling for this stream (" +
+            "; ".join(f"{_plan_name(int(g))} {why}" for g, why in sorted(untimed.items())) + ")")
+  return "every timed speculative plan was predicted slower than target-only"
+
+
+class _RateModel(NamedTuple):
+  """What `_Planner.rates` rates each plan from: the inputs' sums per plan, tokens per
+  input (mean, deviation), the acceptance, the slots, and per plan its refill ms, its
+  iteration ms (timed, or at its best case) and its measured wall ms per iteration;
+  `timed`: the plans whose iteration is a timing."""
+  sums: Dict[int, Dict[str, float]]
+  per_input: float
+  spread: float
+  alpha: float
+  slots: int
+  refill: Dict[int, float]
+  iteration: Dict[int, float]
+  ms: Dict[int, float]
+  timed: set
+
+  def refills_ms(self, g, tokens):
+    """Plan g's refills per loop iteration: an input starts for every per_input / tokens
+    row iterations."""
+    return self.refill[g] * self.slots * tokens / self.per_input
+
+  def slowest(self):
+    """How slow each measured plan ran against its timing, its refills taken out (at most
+    half its wall): the timing holds none, and a prediction adds its own plan's. Left
+    in, they were counted twice: on the scaled pair at B = 16 target-only's wall is 45
+    ms an iteration against 36 timed and 13 of refills, gamma 4's 99 against 74 and 33
+    (both 0.9 of their timing without refills, 1.25 and 1.35 with them)."""
+    sums, ms = self.sums, self.ms
+    return max(((ms[g] - min(self.refills_ms(g, sums[g]["tokens"] / sums[g]["iterations"]
+                                             if g in sums else 1.0), ms[g] / 2))
+                / self.iteration[g] for g in ms if g in self.timed), default=1.0)
+
+  def spread_of_speculation(self):
+    """What the speculative plans emitted against E[tokens] at alpha for outputs of their
+    inputs' mean length (acceptances in runs give fewer than i.i.d. ones would), at most
+    1, 1 before any; and how their inputs' iteration counts spread (the largest of each
+    count's deviation over its mean). The lengths count: each output's last iteration is
+    cut, which costs a deep plan more (gamma 8 emits 0.94 of eq. 1 at alpha 0.86 over 48
+    tokens, gamma 2 0.98), so a factor measured at one gamma carries over to another
+    only with them taken out."""
+    got = want = 0.0
+    relative = [0.0]
+    for g, v in self.sums.items():
+      if g and v["inputs"]:
+        got += v["tokens"]
+        want += v["iterations"] * theory.expected_tokens_per_iteration(
+            min(self.alpha, 0.999), g, max(v["tokens"] / v["inputs"], 1.0))
+        mean = v["iterations"] / v["inputs"]
+        relative.append(_deviation(v["iterations_sq"] / v["inputs"], mean) / mean)
+    return (min(1.0, got / want) if want else 1.0), max(relative)
+
+  def rate(self, g, remaining, drift, path, retry):
+    """Plan g's `_Rate` over `remaining` inputs, its run's slots `drift` inputs each since
+    they started together; `path`: its deepest path; `retry`: its tokens at the top of
+    what its inputs measured, its time as if it had not run."""
+    if g in self.sums:
+      v = self.sums[g]
+      tokens = _optimistic_tokens(v, path) if retry else v["tokens"] / v["iterations"]
+      each = v["iterations"] / v["inputs"]
+      deviation = _deviation(v["iterations_sq"] / v["inputs"], each)
+    elif not g:  # target-only: an iteration per token
+      tokens, each, deviation = 1.0, self.per_input, self.spread
+    else:
+      factor, relative = self.spread_of_speculation()
+      tokens = factor * theory.expected_tokens_per_iteration(min(self.alpha, 0.999), path,
+                                                             self.per_input)
+      each = self.per_input / tokens
+      deviation = each * max(relative, self.spread / self.per_input)
+    # A plan that has not run at this batch size: target-only as timed, speculation as
+    # slow against its timing as the slowest measured plan; plus its refills (each
+    # input's start) per iteration, which speculation makes more frequent.
+    predicted = self.iteration[g] * (self.slowest() if g else 1.0) + self.refills_ms(g, tokens)
+    # Target-only at the better of its timing and its measurement: on a shared machine
+    # one slow spell must not make speculation look faster than it is (the error is
+    # allowed the other way only: speculation kept where it may have won is lost
+    # speed, speculation run where it loses breaks auto's promise).
+    ms = self.ms
+    cost = (min(ms[0], predicted) if 0 in ms else predicted) if not g else ms.get(g, predicted)
+    return _Rate(tokens, cost, _occupancy(remaining, self.slots, each, deviation),
+                 cost * _drain_iterations(self.slots, each, deviation, drift), each)
 
 
 # gamma='auto''s sums per plan over the inputs decoded at it (`measured["tokens"]`).
@@ -522,39 +714,3 @@ REEXPLORE = 16
 # inputs measured (about the 98th percentile): exploration is optimistic, exploitation
 # is not (a measured plan is chosen at what it measured).
 RETRY_ERRORS = 2.0
-
-def _phase_costs(model, draft, tokens, row_lengths, slots, steps, candidates, widths):
-  """C(k) for k = 1, each candidate gamma + 1 and each of `widths`, at batch `slots`, and
-  the draft's cost per proposal of each candidate gamma, relative to one target step
-  (cached per shape)."""
-  from specdec_jax.tools import profiling
-  key = ("slot_costs", model.config, draft.compile_key(), slots, tokens.shape[1], steps,
-         tuple(candidates), tuple(widths))
-
-  def measure():
-    batch = tokens[:slots]
-    # The profiling tools take what `generate` takes: prompt lengths only where the family
-    # continues its context (T5's encoder lengths are read from the padding).
-    continued = family_of(model).context(None, None).continued
-    lens = row_lengths[:slots] if continued and row_lengths is not None else None
-    ks = sorted({1} | {g + 1 for g in candidates} | set(widths))
-    ms = profiling.time_block_calls({"target": model}, batch, max(steps, max(ks)) + 1, ks,
-                                    repeats=3, calls=4, lengths=lens)["target"]
-    probe = max(candidates)
-    try:
-      proposal = profiling.time_proposals(model, {"draft": draft}, batch, max(steps, 4) + 1,
-                                          probe, repeats=3, calls=4, lengths=lens)["draft"]
-    except Exception as e:  # a draft of one's own whose proposer needs more than its state
-      raise ValueError(
-          f"gamma='auto' times the draft's proposals alone (tools.profiling.time_proposals) "
-          f"and could not time this {type(draft).__name__}'s ({type(e).__name__}: {e}); "
-          "pass an int gamma instead") from e
-    calls = draft.calls_per_proposal(probe)
-    if calls:
-      each = {g: proposal / calls * draft.calls_per_proposal(g) for g in candidates}
-    else:  # lookups (n-gram, prompt lookup), no network call: about one cost at any gamma
-      each = dict.fromkeys(candidates, proposal)
-    return dict(curve={k: ms[k] / ms[1] for k in ks},
-                draft={g: each[g] / ms[1] for g in candidates})
-
-  return PROGRAMS.get(key, measure)

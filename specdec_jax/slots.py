@@ -96,7 +96,10 @@ class SlotStats:
   batch_size, tokens {gamma: sums over the inputs decoded at it: inputs, tokens,
   iterations and their squares per input} and walls {gamma: [seconds, loop iterations]
   run at it}; started_ahead: stashes started before the host synced on the segment
-  before them (their start overlapping it).
+  before them (their start overlapping it); planning: under gamma='auto', the plan
+  search: seconds (this call's compiles and timings of plans: 0 where every plan it
+  timed was timed before in this process), timed (the plans it timed or read back) and
+  untimed {gamma: why it was not worth timing}.
   """
   batch_size: int
   inputs: int
@@ -108,10 +111,16 @@ class SlotStats:
   phases: Tuple[Dict[str, Any], ...] = ()
   measured: Optional[Dict[str, Any]] = None
   started_ahead: int = 0
+  planning: Optional[Dict[str, Any]] = None
 
   @property
   def occupancy(self) -> float:
     return self.live_iterations / max(self.iterations * self.batch_size, 1)
+
+  @property
+  def planning_seconds(self) -> float:
+    """Seconds gamma='auto' spent compiling and timing plans in this call (0 without)."""
+    return 0.0 if self.planning is None else self.planning["seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +254,8 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
                   topk: int = 0, topp: Optional[float] = None, eos_id: Optional[int] = None,
                   gamma: Union[int, str] = "auto", verification: str = "token",
                   block_width: Optional[int] = None, prior_alpha: Optional[float] = None,
-                  prior: Optional[Dict[str, Any]] = None) -> ManyOutput:
+                  prior: Optional[Dict[str, Any]] = None,
+                  stream_left: Optional[int] = None) -> ManyOutput:
   """Decodes every row of `inputs` through `batch_size` slots, refilling freed slots.
 
   Greedy outputs equal `generate` on each input alone at the same block width, bit for
@@ -281,6 +291,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
       each plan's tokens per row iteration and, at the same batch size, its wall time
       and loop iterations, so this call chooses from the start with what that one
       learned.
+    stream_left: gamma="auto" only: the inputs the stream has from this call's first on,
+      this call's included (default: this call's; the launcher passes its whole stream's):
+      a speculative plan is compiled and timed only where its best case would save more
+      than that costs over them (`auto_gamma._Planner.search`).
     rng: the call's key; input i draws from fold_in(rng, i) alone.
   Returns:
     ManyOutput: sequences [N, max_decode_steps], lengths [N], stats per input (None
@@ -326,6 +340,10 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
   if prior_alpha is not None and (not auto or not 0.0 <= prior_alpha <= 1.0):
     raise ValueError(f"prior_alpha ({prior_alpha!r}) is an acceptance rate in [0, 1] for "
                      "gamma='auto'; with a fixed gamma there is nothing to choose")
+  if stream_left is not None and (isinstance(stream_left, bool) or not isinstance(
+      stream_left, (int, np.integer)) or stream_left < 1):
+    raise ValueError(f"stream_left must be an int >= 1 (the stream's inputs from this call's "
+                     f"first on), got {stream_left!r}")
   chooses = auto and draft_obj is not None
 
   def settings_for(g):
@@ -342,21 +360,21 @@ def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_st
     settings = settings_for(_own_gamma(draft_obj) if auto else gamma)
     results, usage = run(settings, None if draft_obj is None else draft_obj, range(n))
     phases = [dict(inputs=[0, n], gamma=settings.gamma if draft_obj is not None else 0)]
-    width, measured = max(settings.gamma, 1), None
+    width, measured, planning = max(settings.gamma, 1), None, None
   else:
     # `_iteration_ms` looked up at the call: the tests replace it with fixed timings.
     engine = Engine(run, lambda gammas: _iteration_ms(
         model, draft_obj, tokens, row_lengths, slots, settings_for, gammas), stash_size(slots))
-    results, usage, phases, width, measured = _auto_phases(
-        model, draft_obj, tokens, row_lengths, slots, steps, settings_for, engine, block_width,
-        prior_alpha, prior)
+    results, usage, phases, width, measured, planning = _auto_phases(
+        draft_obj, n, slots, steps, settings_for, engine, block_width, prior_alpha, prior,
+        stream_left)
   sequences = jnp.asarray(np.stack([results[i]["sequences"][1:] for i in range(n)]))
   counters = _merged_counters([results[i]["counters"] for i in range(n)],
                               width if chooses else 0)
   out = make_output(sequences, counters if draft_obj is not None else None,
                     settings_for(0).eos_id, width)
   stats = SlotStats(batch_size=slots, inputs=n, seconds=time.perf_counter() - wall,
-                    phases=tuple(phases), measured=measured, **usage)
+                    phases=tuple(phases), measured=measured, planning=planning, **usage)
   return ManyOutput(out.sequences, out.lengths, out.stats, slots=stats)
 
 

@@ -176,7 +176,7 @@ def test_auto_gamma_runs_in_phases_and_stays_exact():
   assert phases[0]["inputs"] == [0, 8] and phases[0]["alpha"] is None  # one stash
   assert phases[-1]["inputs"][1] == 9 and all(p["gamma"] in (0, 1, 2, 3, 4, 6, 8)
                                               for p in phases)
-  assert all(p["alpha"] is not None for p in phases[1:]) and "1" in phases[0]["cost_curve"]
+  assert all(p["alpha"] is not None for p in phases[1:]) and "0" in phases[0]["iteration_ms"]
   with pytest.raises(ValueError, match="gamma must be an int >= 1 or 'auto'"):
     sj.generate_many(target, tokens, lengths, batch_size=2, draft=drafter, gamma="best",
                      max_decode_steps=4)
@@ -468,8 +468,10 @@ def test_auto_gamma_in_bfloat16_equals_target_only_alone_and_refuses_an_old_prio
     sj.generate_many(target, tokens, lengths, prior=dict(fast, tokens=[40.0, 50.0]), **common)
 
 
-def test_auto_gamma_names_a_draft_it_cannot_time():
-  """A draft whose proposals cannot be timed alone: a clear error naming the fix."""
+def test_auto_gamma_decodes_a_draft_whose_proposals_cannot_be_timed_alone():
+  """A draft whose proposals need more than its state (the target's cache): gamma='auto'
+  times whole loop iterations only (the proposals alone, timed for a record that decided
+  nothing, raised here), so it decodes, greedy outputs the target's."""
   target = tiny_model("decoder_only")
   tokens, lengths = _inputs("decoder_only", n=4)
 
@@ -481,25 +483,25 @@ def test_auto_gamma_names_a_draft_it_cannot_time():
         return inner.propose(rng, state, sequences, lengths, max_drafted)
       return inner._replace(propose=propose, reads_cache=True)
 
-  with pytest.raises(ValueError, match="could not time this NeedsTheCache.*pass an int gamma"):
-    sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=8,
-                     draft=NeedsTheCache(tiny_model("decoder_only", seed=11)))
+  out = sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=8,
+                         draft=NeedsTheCache(tiny_model("decoder_only", seed=11)))
+  want = sj.generate(target, tokens, lengths, max_decode_steps=8)
+  np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_auto_gamma_times_a_lookup_draft_without_a_network(dtype):
-  """A prompt-lookup draft makes no network call (calls_per_proposal 0): gamma='auto'
-  times its proposal as one cost at any gamma (it divided by its zero calls), and the
-  outputs equal target-only `generate` alone, greedy. In bfloat16 the default block
-  width is 8 (GPUs, TPUs): its candidates stop at gamma 4 (gamma 8 needs 9 slots and
-  raised before any work, with no block_width given)."""
+  """A prompt-lookup draft makes no network call: under gamma='auto' the outputs equal
+  target-only `generate` alone, greedy. In bfloat16 the default block width is 8 (GPUs,
+  TPUs): its candidates (the plans timed and those not worth timing) stop at gamma 4
+  (gamma 8 needs 9 slots and raised before any work, with no block_width given)."""
   target = tiny_model("decoder_only", dtype=dtype)
   tokens, lengths = _inputs("decoder_only", n=5)
   out = sj.generate_many(target, tokens, lengths, batch_size=2, max_decode_steps=6,
                          draft=sj.PromptLookupDraft(16))
-  costs = out.slots.phases[0]["draft_cost"]
-  assert len(set(costs.values())) == 1 and min(costs.values()) > 0, costs
-  assert sorted(costs, key=int)[-1] == ("8" if dtype == "float32" else "4"), costs
+  planning = out.slots.planning
+  plans = set(planning["timed"]) | {int(g) for g in planning["untimed"]}
+  assert max(plans) == (8 if dtype == "float32" else 4) and 0 in plans, planning
   want = sj.generate(target, tokens, lengths, max_decode_steps=6)
   np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
 
