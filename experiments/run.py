@@ -1243,6 +1243,9 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
   hosts = planned.hosts
 
   learned = {}  # gamma='auto': the last chunk's `out.slots.measured`, the next one's prior
+  # gamma='auto''s plan search of the first call with the draft: `_decode_batches`' warm-up,
+  # whose phases are dropped, so its seconds (the cold compiles) go with the next call's.
+  warm_up = {}
 
   def decode(use_draft: bool, block_width: int, batch_index: int, key,
              prior_alpha: Optional[float] = None):
@@ -1260,6 +1263,8 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
                           exp.gamma == "auto" else None,
                           prior=learned.get(block_width) if use_draft and exp.gamma == "auto"
                           else None,
+                          stream_left=len(setup.inputs) - int(index[0])
+                          if use_draft and exp.gamma == "auto" else None,
                           verification=exp.verification if use_draft else "token")
       if use_draft and out.slots.measured is not None:
         learned[block_width] = out.slots.measured
@@ -1271,6 +1276,15 @@ def _decoder(exp: Experiment, planned: Plan, setup: Setup, batches):
       stats = None if out.stats is None else _pad_stats(out.stats, pad)
       phases = [dict(p, inputs=[int(index[0]) + i for i in p["inputs"]])
                 for p in out.slots.phases] if use_draft else None
+      if use_draft and out.slots.planning is not None:
+        planning = dict(out.slots.planning, warm_up_seconds=0.0)
+        if not warm_up:  # the warm-up: its own phases are dropped
+          warm_up.update(seconds=planning["seconds"], untimed=planning["untimed"])
+        elif warm_up["seconds"] is not None:  # carried once; its reasons first (they decided)
+          planning.update(warm_up_seconds=warm_up["seconds"],
+                          untimed={**planning["untimed"], **warm_up["untimed"]})
+          warm_up["seconds"] = None
+        phases[0]["planning"] = planning
       return (sequences, lens, stats, time.perf_counter() - start, out.slots.occupancy,
               phases)
     if hosts is None:
@@ -1330,12 +1344,21 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
   config, settings, stats = setup.target.config, setup.settings, measured.stats
   width, alpha, walltime = settings.block_width, stats.alpha, measured.walltime
   gamma = _theory_gamma(exp, setup, measured)
+  auto = exp.gamma == "auto" and bool(measured.phases)
+  auto_planning = results_lib.auto_planning(measured.phases) if auto else None
+  if auto_planning is not None:  # the plan search's cost, said beside the speedup
+    logging.info("GAMMA=%s; its plan search took %.1f s (compiles and timings of plans %s, "
+                 "over %d calls)", results_lib.auto_gamma_label(measured.phases),
+                 auto_planning["seconds"], auto_planning["timed"], auto_planning["calls"])
   c = None if measured.draft_step is None else measured.draft_step / measured.target_step
   baseline_width, baseline_time = width, walltime["baseline"]
   if width != 1 and walltime["baseline_width_1"] < baseline_time:
     baseline_width, baseline_time = 1, walltime["baseline_width_1"]
   speedup = baseline_time / walltime["speculative"]
   cost = setup.cost_model
+  auto_warnings = _auto_gamma_warnings(exp, planned, setup, measured)
+  for warning in auto_warnings:  # on the console too, not only in results.json
+    logging.warning("%s", warning)
   result = dict(
       task=exp.task.name, target=exp.target.name, draft=planned.spec.name,
       target_checkpoint=_checkpoint_path(exp.target),
@@ -1364,9 +1387,11 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       slot_occupancy=measured.occupancy,
       gamma_setting=exp.gamma,
       gamma_phases=None if measured.phases is None else [
-          {k: v for k, v in p.items() if k not in _PHASE_COSTS} for p in measured.phases],
+          {k: v for k, v in p.items() if k not in _PHASE_COSTS + ("planning",)}
+          for p in measured.phases],
       gamma_auto_costs=None if not measured.phases or exp.gamma != "auto" else {
-          k: v for k, v in measured.phases[0].items() if k in _PHASE_COSTS},
+          k: v for k, v in measured.phases[-1].items() if k in _PHASE_COSTS},
+      gamma_auto_planning=auto_planning,
       acceptance_rate=stats.acceptance_rate, alpha=alpha,
       mean_tokens_per_iteration=stats.mean_tokens_per_iteration,
       expected_tokens_per_iteration=theory.expected_tokens_per_iteration(alpha, gamma),
@@ -1379,7 +1404,7 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
       predicted_speedup_measured_verify_cost=theory.predicted_speedup_with_verify_cost(
           alpha, gamma, c or 0.0, measured.verify_cost),
       operative_gin_config=gin.operative_config_str(),
-      warnings=list(planned.warnings) + _auto_gamma_warnings(exp, planned, setup, measured))
+      warnings=list(planned.warnings) + auto_warnings)
   result.update(planned.spec.report(setup.draft, stats, width, exp.temperature, c,
                                     measured.verify_cost))
   result.update(_exactness(exp, setup, measured))
@@ -1387,14 +1412,15 @@ def report(exp: Experiment, planned: Plan, setup: Setup, measured: Measured) -> 
   # results.md's "predicted" column: Theorem 3.8 with the measured costs (c and the
   # verification call's cost relative to one token), not free verification.
   result["markdown_row"] = results_lib.table2_row(
-      result["task"], result["draft"], exp.temperature, gamma, alpha, speedup,
+      result["task"], result["draft"], exp.temperature,
+      results_lib.auto_gamma_label(measured.phases) if auto else gamma, alpha, speedup,
       result["predicted_speedup_measured_verify_cost"], c)
   return result
 
 
-# A phase's measurements (the same in every phase of a batch size): results.json keeps them
-# once, as `gamma_auto_costs`.
-_PHASE_COSTS = ("cost_curve", "draft_cost", "iteration_ms")
+# A phase's measurements (the same in every phase of a call; the last call's hold every
+# plan timed): results.json keeps them once, as `gamma_auto_costs`.
+_PHASE_COSTS = ("iteration_ms", "refill_ms")
 
 
 def _auto_gamma_warnings(exp: Experiment, planned: Plan, setup: Setup,
@@ -1404,9 +1430,13 @@ def _auto_gamma_warnings(exp: Experiment, planned: Plan, setup: Setup,
   if exp.gamma != "auto":
     return []
   if measured.phases and not any(p["gamma"] for p in measured.phases):
-    return ["GAMMA='auto' ran target-only throughout (speculation was predicted or measured "
-            "slower at this batch size), so the draft's statistics are empty: set "
-            "--gin.GAMMA to an int to measure the draft"]
+    planning = results_lib.auto_planning(measured.phases) or {}
+    untimed = "; ".join(f"gamma {g} {why}" for g, why in planning.get("untimed", {}).items())
+    why = (f"plans not worth compiling and timing: {untimed}" if untimed and
+           planning.get("timed") == [0] else
+           "speculation was predicted or measured slower at this batch size")
+    return [f"GAMMA='auto' ran target-only throughout ({why}), so the draft's statistics are "
+            "empty: set --gin.GAMMA to an int to measure the draft"]
   if isinstance(setup.draft, (TreeDraft, DynamicTreeDraft)):
     return []
   if not _slots(exp, planned):

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -110,9 +110,39 @@ def _fmt(value, spec: str) -> str:
   return "n/a" if value is None else format(value, spec)
 
 
-def table2_row(task: str, draft: str, temperature: float, gamma: int, alpha: Optional[float],
-               speedup: Optional[float], predicted: Optional[float],
+def auto_gamma_label(phases: Sequence[Dict[str, Any]]) -> str:
+  """results.md's γ under GAMMA='auto': what ran, not the gamma the theory is read at:
+  "auto → 0 (target-only)" where no phase speculated, else "auto → " and every gamma
+  that decoded a phase (0 among them where target-only did too), e.g. "auto → 2, 4"."""
+  ran = sorted({int(p["gamma"]) for p in phases})
+  if not any(ran):
+    return "auto → 0 (target-only)"
+  return "auto → " + ", ".join(str(g) for g in ran)
+
+
+def auto_planning(phases: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+  """results.json's `gamma_auto_planning` from the phases of every GAMMA='auto' call (the
+  first phase of each holds its `planning`, `generate_many`'s `SlotStats.planning`, and
+  the warm-up's seconds it carries): seconds in all (compiles and timings of plans),
+  calls, the plans timed, and those never timed with why (the first reason given for
+  each: what kept it untimed when first weighed). None without any."""
+  calls = [p["planning"] for p in phases if p.get("planning")]
+  if not calls:
+    return None
+  timed = sorted({g for c in calls for g in c["timed"]})
+  untimed = {}
+  for call in calls:
+    for g, why in call["untimed"].items():
+      untimed.setdefault(g, why)
+  return dict(seconds=sum(c["seconds"] + c.get("warm_up_seconds", 0.0) for c in calls),
+              calls=len(calls), timed=timed,
+              untimed={g: why for g, why in untimed.items() if int(g) not in timed})
+
+
+def table2_row(task: str, draft: str, temperature: float, gamma: Union[int, str],
+               alpha: Optional[float], speedup: Optional[float], predicted: Optional[float],
                c: Optional[float]) -> str:
-  """One Markdown row in the format of the paper's Table 2 (+ Table 4's columns)."""
+  """One Markdown row in the format of the paper's Table 2 (+ Table 4's columns); `gamma`
+  an int, or what GAMMA='auto' ran (`auto_gamma_label`)."""
   return (f"| {task} | {draft} | {temperature:g} | {gamma} | {_fmt(alpha, '.2f')} | "
           f"{_fmt(speedup, '.1f')}X | {_fmt(predicted, '.1f')} | {_fmt(c, '.2f')} |")
