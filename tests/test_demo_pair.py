@@ -167,12 +167,15 @@ def test_mini_table2_smoke(tmp_path):
   # then 1 too, so each draft times one gamma (one speculative compile, not up
   # to three) through the same code paths: cost curve, the probe at gamma 4,
   # the gamma choice, the timed sweep and the identity check.
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.mini_table2", f"--output_dir={tmp_path}",
-       "--num_inputs=1", "--repeats=1", "--gammas=1", "--ngram_gammas=1",
-       "--drafts=small,bigram", "--temperatures=0", "--max_gamma=1"],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-      text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
+  def mini_table2(repeats):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.mini_table2", f"--output_dir={tmp_path}",
+         "--num_inputs=1", f"--repeats={repeats}", "--gammas=1", "--ngram_gammas=1",
+         "--drafts=small,bigram", "--temperatures=0", "--max_gamma=1"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+        text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
+
+  result = mini_table2(1)
   assert result.returncode == 0, result.stderr[-2000:]
   with open(tmp_path / "results.json") as f:
     table = json.load(f)
@@ -184,11 +187,6 @@ def test_mini_table2_smoke(tmp_path):
   assert (tmp_path / "results.md").exists()
   # Rerun with another --repeats: its stored rows are another run's, refused before any
   # measurement (they were read back as this run's before).
-  again = subprocess.run(
-      [sys.executable, "-m", "experiments.mini_table2", f"--output_dir={tmp_path}",
-       "--num_inputs=1", "--repeats=2", "--gammas=1", "--ngram_gammas=1",
-       "--drafts=small,bigram", "--temperatures=0", "--max_gamma=1"],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-      text=True, timeout=600, env=dict(os.environ, **CHEAP_COMPILE_ENV))
+  again = mini_table2(2)
   assert again.returncode != 0
   assert "was measured with other flags or another pair's files" in again.stderr
