@@ -1100,7 +1100,7 @@ def build(exp: Experiment, planned: Plan) -> Setup:
   draft = spec.build(target, planned.rows, planned.tokenizer, draft_part)
   with launcher_words():
     draft = settings_lib.check_draft(config, draft, inputs, prompt_lengths,
-                                     exp.max_decode_steps)
+                                     exp.max_decode_steps, row_keys=_slots(exp, planned))
     settings = settings_lib.plan_settings(
         config, draft, max_decode_steps=exp.max_decode_steps, temperature=exp.temperature,
         topk=exp.topk, topp=exp.topp, gamma=planned_gamma(exp, draft),

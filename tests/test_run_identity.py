@@ -249,10 +249,12 @@ def test_the_launcher_runs_from_any_directory(tmp_path):
   """Not only from the repository root: `experiments` is installed with the package."""
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   proc = subprocess.run([sys.executable, "-m", "experiments.run", "--pair=local",
-                         "--prompt=hi"], cwd=tmp_path, env=dict(env, JAX_PLATFORMS="cpu"),
+                         "--gin_file=configs/drafts/prompt_lookup.gin", "--prompt=hi"],
+                        cwd=tmp_path, env=dict(env, JAX_PLATFORMS="cpu"),
                         capture_output=True, text=True, timeout=300)
   assert "No module named" not in proc.stderr, proc.stderr[-2000:]
   assert proc.returncode == 1 and "--output_dir is required" in proc.stderr
+  assert "gin file not found" not in proc.stderr and "bad gin" not in proc.stderr
 
 
 def test_a_hub_id_offline_keeps_the_download_recipe(llama, tmp_path, monkeypatch):

@@ -19,6 +19,12 @@ class, and asks it four things, in this order:
    `core.tree_decoding`). Each proposer runs its own loop, so the engine
    never asks which kind it holds. One call or several per proposal is the
    proposer's business; `calls_per_proposal` says which, for cost models.
+   Its `rng` is one key (`generate`) or one key per row [batch, 2]
+   (`generate_many`, the launcher's slots: an input's draws never depend on
+   its batch): split it with `core.sampling.split_keys` and draw with
+   `plan.sampling.draw`, which take either. For the slots `settings.check_draft`
+   traces one proposal with row keys (`jax.eval_shape`, no compile) and refuses,
+   by name, a draft that takes a single key only (`jax.random.split(rng, n)`).
 4. after each verification, the proposer's `observe` (when it has one)
    learns the accepted count and tokens and, where `reads` asks for them,
    the target's features at accepted positions only: never anything the
@@ -253,5 +259,6 @@ class Draft(abc.ABC):
 
 def chain_proposer(propose, plan: ProposalPlan, observe=None,
                    reads_cache: bool = False) -> decoding.ChainProposer:
-  """A `ChainProposer` of gamma = plan.gamma (a convenience for chain drafts)."""
+  """A `ChainProposer` of gamma = plan.gamma (a convenience for chain drafts). `propose`
+  takes rng as one key or one key per row (`core.sampling.split_keys` splits either)."""
   return decoding.ChainProposer(propose, plan.gamma, observe, reads_cache)
