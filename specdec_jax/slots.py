@@ -185,59 +185,8 @@ def _programs(family, config, draft, settings):
     return parts(params, draft_params, inputs, offset, carry.cache, carry.draft_state,
                  carry.rng).body(carry)
 
-  def segment(params, draft_params, state, stash, live, cursor, limit, host_waits, axes):
-    """The loop from `state` ((carry, offset) of B slots), a free slot (a done row, or one
-    no input holds: `live` [B] False) taking the next stash row (rows cursor..limit - 1
-    of `stash`, inputs started together) before each iteration, in slot order. Runs
-    until no row decodes and none can be swapped in, or, when `host_waits` (inputs
-    beyond this stash), until a finished row finds the stash empty.
-
-    Returns (state, live, cursor, swaps, loop iterations): swaps = (finished [R, n]
-    (`_packed` of the row each stash row replaced), slot_of [R] int32 (where stash row k
-    went), harvested [R] bool (it replaced a finished input, not a free slot)).
-    """
-    slots = live.shape[0]
-    rows = stash[0].done.shape[0]
-    width = _packed(state[0]).shape[1]
-    swaps = (jnp.zeros((rows, width), jnp.int32), jnp.full((rows,), -1, jnp.int32),
-             jnp.zeros((rows,), jnp.bool_))
-
-    def swap_in(loop):
-      state, live, cursor, swaps, count = loop
-      free = state[0].done | ~live
-      n = jnp.minimum(jnp.sum(free), limit - cursor)
-      order = jnp.nonzero(free, size=slots, fill_value=0)[0]
-      before = _packed(state[0])  # each slot swaps once per call: its row as it ended
-
-      def one(j, inner):
-        state, live, (finished, slot_of, harvested) = inner
-        slot, k = order[j], cursor + j
-        finished = finished.at[k].set(before[slot])
-        slot_of = slot_of.at[k].set(slot)
-        harvested = harvested.at[k].set(live[slot])
-        leaves, tree = jax.tree_util.tree_flatten(state)
-        state = tree.unflatten([_swapped(leaf, new, axis, slot, k, slots) for leaf, new, axis
-                                in zip(leaves, jax.tree_util.tree_leaves(stash), axes)])
-        return state, live.at[slot].set(True), (finished, slot_of, harvested)
-
-      state, live, swaps = jax.lax.fori_loop(0, n, one, (state, live, swaps))
-      return state, live, cursor + n, swaps, count
-
-    def body(loop):
-      free = loop[0][0].done | ~loop[1]
-      loop = jax.lax.cond(jnp.any(free) & (loop[2] < limit), swap_in, lambda x: x, loop)
-      (carry, offset), live, cursor, swaps, count = loop
-      carry = decode_step(params, draft_params, carry, offset)
-      return (carry, offset), live, cursor, swaps, count + 1
-
-    def going(loop):
-      (carry, _), live, cursor, _, _ = loop
-      left = cursor < limit
-      free = carry.done | ~live
-      blocked = jnp.any(live & carry.done) & ~left  # a finished row, no row to take its slot
-      return (jnp.any(live & ~carry.done) | (left & jnp.any(free))) & ~(host_waits & blocked)
-
-    return jax.lax.while_loop(going, body, (state, live, cursor, swaps, jnp.int32(0)))
+  # The loop over slots, around this plan's iteration (a function of its own: see there).
+  segment = functools.partial(_segment, decode_step)
 
   def iterate(params, draft_params, carry, offset, count):
     """`count` (traced: one program for any count) iterations from `carry`, done rows or
@@ -247,6 +196,63 @@ def _programs(family, config, draft, settings):
         0, count, lambda _, c: decode_step(params, draft_params, c, offset), carry)
 
   return start, segment, iterate
+
+
+def _segment(decode_step, params, draft_params, state, stash, live, cursor, limit, host_waits,
+             axes):
+  """The loop from `state` ((carry, offset) of B slots), a free slot (a done row, or one
+  no input holds: `live` [B] False) taking the next stash row (rows cursor..limit - 1
+  of `stash`, inputs started together) before each iteration, in slot order, each
+  iteration `decode_step` (every row's, from `_programs`). Runs
+  until no row decodes and none can be swapped in, or, when `host_waits` (inputs
+  beyond this stash), until a finished row finds the stash empty.
+
+  Returns (state, live, cursor, swaps, loop iterations): swaps = (finished [R, n]
+  (`_packed` of the row each stash row replaced), slot_of [R] int32 (where stash row k
+  went), harvested [R] bool (it replaced a finished input, not a free slot)).
+  """
+  slots = live.shape[0]
+  rows = stash[0].done.shape[0]
+  width = _packed(state[0]).shape[1]
+  swaps = (jnp.zeros((rows, width), jnp.int32), jnp.full((rows,), -1, jnp.int32),
+           jnp.zeros((rows,), jnp.bool_))
+
+  def swap_in(loop):
+    state, live, cursor, swaps, count = loop
+    free = state[0].done | ~live
+    n = jnp.minimum(jnp.sum(free), limit - cursor)
+    order = jnp.nonzero(free, size=slots, fill_value=0)[0]
+    before = _packed(state[0])  # each slot swaps once per call: its row as it ended
+
+    def one(j, inner):
+      state, live, (finished, slot_of, harvested) = inner
+      slot, k = order[j], cursor + j
+      finished = finished.at[k].set(before[slot])
+      slot_of = slot_of.at[k].set(slot)
+      harvested = harvested.at[k].set(live[slot])
+      leaves, tree = jax.tree_util.tree_flatten(state)
+      state = tree.unflatten([_swapped(leaf, new, axis, slot, k, slots) for leaf, new, axis
+                              in zip(leaves, jax.tree_util.tree_leaves(stash), axes)])
+      return state, live.at[slot].set(True), (finished, slot_of, harvested)
+
+    state, live, swaps = jax.lax.fori_loop(0, n, one, (state, live, swaps))
+    return state, live, cursor + n, swaps, count
+
+  def body(loop):
+    free = loop[0][0].done | ~loop[1]
+    loop = jax.lax.cond(jnp.any(free) & (loop[2] < limit), swap_in, lambda x: x, loop)
+    (carry, offset), live, cursor, swaps, count = loop
+    carry = decode_step(params, draft_params, carry, offset)
+    return (carry, offset), live, cursor, swaps, count + 1
+
+  def going(loop):
+    (carry, _), live, cursor, _, _ = loop
+    left = cursor < limit
+    free = carry.done | ~live
+    blocked = jnp.any(live & carry.done) & ~left  # a finished row, no row to take its slot
+    return (jnp.any(live & ~carry.done) | (left & jnp.any(free))) & ~(host_waits & blocked)
+
+  return jax.lax.while_loop(going, body, (state, live, cursor, swaps, jnp.int32(0)))
 
 
 def generate_many(model, inputs, lengths=None, *, batch_size: int, max_decode_steps: int,
