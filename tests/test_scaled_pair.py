@@ -61,8 +61,9 @@ def test_act2_target_decodes_what_the_shipped_target_decodes(family, dtype, tmp_
   order, so this is not a bitwise promise. Float32: the greedy outputs are equal. Bfloat16:
   the teacher-forced logits agree within a few bfloat16 steps, and a row may leave the
   shipped target's greedy path only at a near-tie, one whose two logits differ by no more
-  than the logits themselves do (2 of 8 T5 rows do: one at an exact tie of the shipped
-  target, one at a gap of half a bfloat16 step; the drift is one step, 0.0625 at 16.9)."""
+  than the logits themselves do (3 of 8 T5 rows do since aed2353's pairwise sums: two at
+  exact ties of the shipped target, one at a gap of half a bfloat16 step; the drift is one
+  step, 0.0625. Before it, 2 rows: which near-ties flip depends on the sums' order)."""
   from experiments.demo_act2 import DEFAULT_SHAPES
   from specdec_jax.families.registry import family_of
   pair = sj.load_demo_pair(family, dtype=dtype)
@@ -91,7 +92,7 @@ def test_act2_target_decodes_what_the_shipped_target_decodes(family, dtype, tmp_
   scale = np.abs(logits["shipped"][scored]).max()
   assert drift <= 2 ** -5 * scale, (drift, scale)  # a few bfloat16 steps (2^-8 relative)
   differing = [row for row in range(len(grown)) if not np.array_equal(grown[row], shipped[row])]
-  assert len(differing) <= 2, differing
+  assert len(differing) <= 3, differing  # each one a near-tie, checked below
   for row in differing:
     step = int(np.argmax(grown[row] != shipped[row]))
     position = np.flatnonzero(scored[row])[step]
