@@ -256,20 +256,15 @@ def render_chat(tokenizer: FileTokenizer, text: str) -> str:
                      f"{CONFIG_FILE} or chat_template.jinja beside it): is this an "
                      "instruction-tuned checkpoint?")
   try:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2  # noqa: F401  (checked here for the CHAT_TEMPLATE message)
   except ImportError as e:
     raise ImportError("CHAT_TEMPLATE needs jinja2 (pip install jinja2) to render "
                       "tokenizer_config.json's template") from e
-
-  def raise_exception(message):
-    raise ValueError(f"the chat template refused the prompt: {message}")
-
-  # As transformers renders it: sandboxed, with block whitespace trimmed.
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  env.globals["raise_exception"] = raise_exception
-  return env.from_string(template).render(
-      messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-      bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+  # The general (multi-turn) renderer, imported here rather than at the top so that
+  # evaluation modules may import this one without a cycle.
+  from specdec_jax.evaluation import conversation
+  return conversation.next_prompt([text], [], template=template,
+                                  bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
 
 
 def encode_texts(tokenizer: tasks.Tokenizer, texts: Sequence[str], chat: bool = False
