@@ -20,14 +20,14 @@ EXTRAS = {
     # tokenizers / jinja2: the launcher's tests train a tokenizer.json and render a
     # chat template (tests/test_launcher.py).
     "test": ["pytest", "hypothesis", "scipy", "pytest-timeout", "pytest-xdist", "tokenizers",
-             "jinja2"],
+             "jinja2", "pyarrow"],
     # Reference implementation for parity checks. torch is pinned to the CPU
     # wheel that this machine class carries.
     "parity": ["torch==2.13.0", "transformers", "safetensors", "sentencepiece"],
     # Text in, text out with a checkpoint's own tokenizer (experiments.run):
     # tokenizer.json through `tokenizers`, chat templates through jinja2.
     "tokenizer": ["sentencepiece", "tokenizers", "jinja2"],
-    "data": ["tensorflow-datasets", "datasets"],
+    "data": ["tensorflow-datasets", "datasets", "pyarrow"],
     "notebooks": ["jupyter", "nbclient", "nbformat", "ipykernel", "matplotlib"],
     # What T5X's own sources (not on PyPI; see tests/test_t5x_integration.py)
     # import, for running T5X's binaries with our model. Kept out of .venv by
