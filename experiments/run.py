@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import glob
 import json
-import math
 import os
 import re
 import sys
@@ -60,7 +59,6 @@ from absl import flags
 from absl import logging
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -78,6 +76,7 @@ from specdec_jax import settings as settings_lib
 from specdec_jax import tasks
 from specdec_jax import text
 from specdec_jax.core import theory
+from specdec_jax.evaluation.law import mean_log_probs, sign_test_p_value
 from specdec_jax.core.verification import VERIFIERS
 from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.core.token_tree import TreeShape
@@ -784,35 +783,6 @@ def model_inputs(family, config, rows, width: int):
 
 # ---------------------------------------------------------------------------
 # Measurements.
-
-
-def mean_log_probs(model, inputs, prompt_lengths, sequences: np.ndarray, lengths: np.ndarray,
-                   max_decode_steps: int, temperature: float, topk: int,
-                   topp: float) -> np.ndarray:
-  """[batch] mean log-probability of each row's generated tokens under the target's
-  sampling distribution (teacher forced, through the family's training batch)."""
-  family, config = family_of(model), model.config
-  tokens, row_lengths = family.check_inputs(config, inputs, prompt_lengths, max_decode_steps)
-  batch = family.continuation_batch(config, np.asarray(tokens), np.asarray(row_lengths),
-                                    sequences, lengths)
-  logits, targets, weights = family.token_logits(config, model.params, batch)
-  probs = sampling.adjust_probs(logits, temperature, topk, topp)
-  token_probs = jnp.take_along_axis(probs, targets[..., None], axis=-1)[..., 0]
-  logs = np.log(np.maximum(np.asarray(token_probs), 1e-30))
-  weights = np.asarray(weights)
-  return (logs * weights).sum(1) / np.maximum(weights.sum(1), 1)
-
-
-def sign_test_p_value(differences: Sequence[float]) -> float:
-  """Exact two-sided sign test of "median difference 0" (zeros dropped)."""
-  nonzero = [d for d in differences if d != 0]
-  n = len(nonzero)
-  if n == 0:
-    return 1.0
-  positives = sum(d > 0 for d in nonzero)
-  tail = min(positives, n - positives)
-  p = 2 * sum(math.comb(n, i) for i in range(tail + 1)) / 2**n
-  return min(1.0, p)
 
 
 def distribution_check(base_stats: Dict[str, np.ndarray],
@@ -1528,7 +1498,8 @@ NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes (multihos
 PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (multihost, if not detected).")
 PAIR = flags.DEFINE_string(
     "pair", None, "A named pair: configs/pairs/NAME.gin, read before the --gin_file files "
-    "(e.g. llama_3_1_8b__llama_3_2_1b, or local with TARGET_CHECKPOINT / DRAFT_CHECKPOINT).")
+    "(e.g. llama_3_1_8b__llama_3_2_1b, or local with TARGET_CHECKPOINT / DRAFT_CHECKPOINT); "
+    "experiments.evaluate also takes demo_t5 and demo_decoder_only, the shipped demo pairs.")
 WAIT_FOR_OUTPUT_DIR = flags.DEFINE_bool(
     "wait_for_output_dir", False,
     "When another run is writing into --output_dir, wait for it to finish (default: refuse).")

@@ -1,0 +1,127 @@
+"""The methods an evaluation compares: named draft configurations of one target.
+
+A method is a draft (None: vanilla, target-only decoding), the gamma it drafts
+per iteration and the rule that keeps its tokens. Every speculative method is
+exact, so its greedy outputs must equal target-only decoding's at its block
+width, and `runner` checks that they do.
+
+`demo_methods(pair)` names every draft kind a demo pair ships
+(`DEMO_METHODS`: what each name is); `experiments/evaluate.py` builds the same
+names from the launcher's gin configuration for any other target.
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from specdec_jax.drafts import (DynamicTreeDraft, ModelDraft, PromptLookupDraft, TreeDraft,
+                                as_draft)
+
+VANILLA = "vanilla"
+DEFAULT_GAMMA = 4
+TREE_BRANCHING = (2, 2, 1)
+DYNAMIC_TREE = dict(topk=3, depth=4, node_budget=12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One row of the evaluation's table.
+
+  name: the row's name ('vanilla', 'model', 'prompt_lookup', ...).
+  draft: a `specdec_jax.drafts.Draft`, or None for vanilla.
+  gamma: tokens drafted per iteration (a tree's own shape decides instead).
+  verification: 'token' or 'block' (`core.verification.VERIFIERS`).
+  description: what the method is, in the words of results.md's legend.
+  """
+  name: str
+  draft: Any = None
+  gamma: int = DEFAULT_GAMMA
+  verification: str = "token"
+  description: str = ""
+
+  @property
+  def is_vanilla(self) -> bool:
+    return self.draft is None
+
+
+# name -> what the method is, for --methods' help, the error on an unknown name and
+# results.md's legend. Each builder takes the pair and gamma.
+DEMO_METHODS = {
+    VANILLA: "target-only decoding, one token per target call (the baseline)",
+    "model": "the pair's distilled draft model (T5: 'small', decoder-only: 'draft'), a chain "
+             "of gamma tokens verified token-wise",
+    "model_tiny": "T5 only: the 'tiny' draft model (0.2M), a chain of gamma tokens",
+    "block": "the draft model's chain kept by block verification (Sun et al.)",
+    "tree": f"a static token tree, branching {TREE_BRANCHING}, drawn from the draft model",
+    "dynamic_tree": "an EAGLE-2 dynamic tree around the draft model "
+                    f"(topk {DYNAMIC_TREE['topk']}, depth {DYNAMIC_TREE['depth']}, "
+                    f"{DYNAMIC_TREE['node_budget']} nodes)",
+    "eagle": "the pair's EAGLE-1 feature head over the target's hidden states",
+    "medusa": "the pair's Medusa heads (one call drafts gamma tokens)",
+    "dflash": "the pair's DFlash block drafter (one call drafts a block)",
+    "pard": "the pair's PARD drafter (one call of a small model with mask tokens)",
+    "ngram": "the pair's bigram table (NgramDraft, no model)",
+    "prompt_lookup": "prompt lookup: copies what followed the context's last 1-3-gram",
+}
+# The draft each head-like method reads from DemoPair.drafts.
+_PAIR_DRAFTS = {"eagle": "feature", "medusa": "medusa", "dflash": "dflash", "pard": "parallel"}
+
+
+def _model_draft(pair) -> ModelDraft:
+  name = "small" if pair.family == "t5" else "draft"
+  return ModelDraft(pair.drafts[name])
+
+
+def _demo_builders(pair) -> Dict[str, Callable[[int], Method]]:
+  """{name: gamma -> Method} for what `pair` ships."""
+  describe = DEMO_METHODS
+  builders = {
+      VANILLA: lambda g: Method(VANILLA, None, 0, description=describe[VANILLA]),
+      "model": lambda g: Method("model", _model_draft(pair), g, description=describe["model"]),
+      "block": lambda g: Method("block", _model_draft(pair), g, "block", describe["block"]),
+      "tree": lambda g: Method("tree", TreeDraft(_model_draft(pair), TREE_BRANCHING), g,
+                               description=describe["tree"]),
+      "dynamic_tree": lambda g: Method("dynamic_tree", DynamicTreeDraft(
+          _model_draft(pair), **DYNAMIC_TREE), g, description=describe["dynamic_tree"]),
+      "prompt_lookup": lambda g: Method("prompt_lookup", PromptLookupDraft(
+          pair.target.config.vocab_size, 3, 1), g, description=describe["prompt_lookup"]),
+  }
+  if "tiny" in pair.drafts:
+    builders["model_tiny"] = lambda g: Method("model_tiny", ModelDraft(pair.drafts["tiny"]), g,
+                                              description=describe["model_tiny"])
+  if "bigram" in pair.ngrams:
+    builders["ngram"] = lambda g: Method("ngram", pair.ngrams["bigram"], g,
+                                         description=describe["ngram"])
+  for name, key in _PAIR_DRAFTS.items():
+    if key in pair.drafts:
+      builders[name] = (lambda n, k: lambda g: Method(n, as_draft(pair.drafts[k]), g,
+                                                      description=describe[n]))(name, key)
+  return builders
+
+
+def check_names(names: Sequence[str], known: Sequence[str], where: str) -> None:
+  """A clear error for an unknown or repeated method name, before any decode."""
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"unknown method(s) {unknown} for {where}; known: {', '.join(known)} "
+                     "(--methods=NAME,NAME,...)")
+  repeated = sorted({n for n in names if list(names).count(n) > 1})
+  if repeated:
+    raise ValueError(f"--methods names {repeated} more than once")
+
+
+def with_vanilla(names: Sequence[str]) -> list:
+  """The names with vanilla first: it is always measured, the baseline of every speedup."""
+  return [VANILLA] + [n for n in names if n != VANILLA]
+
+
+def demo_methods(pair, names: Sequence[str], gamma: int = DEFAULT_GAMMA,
+                 gammas: Optional[Dict[str, int]] = None) -> Dict[str, Method]:
+  """The named methods of a demo pair ({name: Method}, vanilla first).
+
+  names: any of what the pair ships (`DEMO_METHODS`; T5's 'model_tiny' only there).
+  gamma: the chains' gamma; gammas: per-method overrides ({'prompt_lookup': 6}).
+  """
+  builders = _demo_builders(pair)
+  check_names(names, list(builders), f"the {pair.family} demo pair")
+  gammas = dict(gammas or {})
+  return {n: builders[n](gammas.get(n, gamma)) for n in with_vanilla(names)}
