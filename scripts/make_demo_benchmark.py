@@ -213,7 +213,8 @@ def prefix_candidates(view: FileLines, token_range: Tuple[int, int], answer_toke
   return out
 
 
-def multi_turn_candidates(view: FileLines, budget: PairBudget, stride: int = 3) -> List[Candidate]:
+def multi_turn_candidates(view: FileLines, budget: PairBudget,
+                          stride: int = 3) -> List[Candidate]:
   """Two turns: a code prefix, then the whole lines after its 3-line reference continuation
   (the answer stands for those), each of at most `multi_turn_first[1]` tokens and both
   within `multi_turn_total`."""
