@@ -82,6 +82,10 @@ def _check_options(options: Options) -> None:
                            ("max_new_tokens", options.max_new_tokens or 1, 1)):
     if value < low:
       problems.append(f"--{name} must be >= {low}, got {value}")
+  if options.pair is None and not options.gin_files:
+    problems.append("no target: pass --pair (demo_t5, demo_decoder_only, or a configs/pairs "
+                    "name such as local) or --gin_file files that bind the launcher's "
+                    "Experiment.target")
   if options.pair is not None and options.pair not in PAIRS:
     from experiments import run as run_lib
     try:
@@ -113,8 +117,6 @@ def _demo(options: Options):
 def _gin_subject(options: Options):
   """(subject, methods) from the launcher's gin configuration."""
   from experiments import run as run_lib  # The launcher's specs and loading.
-  parse_gin(run_lib.pair_gin_files(options.pair, options.gin_files), options.gin_bindings,
-            options.gin_search_paths or (run_lib.REPO_ROOT,))
   exp = run_lib.Experiment(task=None)
   exp.target.validate("target")
   tokenizer = exp.tokenizer or text.checkpoint_tokenizer(exp.target.checkpoint, exp.vocabulary)
@@ -130,7 +132,7 @@ def _gin_subject(options: Options):
   names = _method_names(options.methods, known)
   methods_lib.check_names(names, known, "this gin configuration (evaluation_drafts.drafts "
                           "and .paths name more)")
-  for name in names:
+  for name in names[1:]:  # After vanilla.
     spec = specs.get(name, exp.draft)
     spec = getattr(spec, "inner", spec)
     if isinstance(spec, run_lib.ModelSpec):
@@ -140,6 +142,13 @@ def _gin_subject(options: Options):
                          "served by the harness)")
   target = run_lib.load_spec(exp.target, "target")
   return exp, tokenizer, target, specs, names
+
+
+def _parse_gin(options: Options) -> None:
+  """The launcher's gin files (--pair's configs/pairs file first) and bindings."""
+  from experiments import run as run_lib
+  parse_gin(run_lib.pair_gin_files(options.pair, options.gin_files), options.gin_bindings,
+            options.gin_search_paths or (run_lib.REPO_ROOT,))
 
 
 def _gin(options: Options, questions_rows):
@@ -250,6 +259,7 @@ def prepare(options: Options) -> Prepared:
     subject, methods, demo_path, pair_steps, pair_dir = _demo(options)
     files = [pair_dir]
   else:
+    _parse_gin(options)
     demo_path, pair_steps, files = None, None, []
   benchmark = _benchmark(options, demo_path)
   if options.pair not in PAIRS:

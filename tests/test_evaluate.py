@@ -293,3 +293,19 @@ def test_bad_flags(tmp_path, no_decode):
   with pytest.raises(ValueError, match="--repeats must be >= 1"):
     setup_lib.prepare(setup_lib.Options(pair="demo_t5", repeats=0))
 
+
+
+def test_batches_through_slots_keep_outputs_exact(tmp_path):
+  """batch_size 2: each category's questions stream through generate_many's slots, turn by
+  turn; the outputs still equal target-only decoding's, and each call's seconds are shared
+  by its inputs' tokens (every input of a call shows the call's tokens/s)."""
+  prepared = _prepare(tmp_path, methods=("model",), batch_size=2)
+  assert prepared.settings.batch_size == 2
+  prepared = setup_lib.dataclasses.replace(
+      prepared, settings=setup_lib.dataclasses.replace(prepared.settings, repeats=1))
+  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False)
+  assert result["equality"]["passed"], result["equality"]
+  records = [json.loads(p.read_text()) for p in (tmp_path / "out" / "records" / "model").iterdir()]
+  completion = [r for r in records if r["category"] == "completion"]
+  speeds = [sum(r["runs"][0]["new_tokens"]) / sum(r["runs"][0]["seconds"]) for r in completion]
+  assert speeds[0] == pytest.approx(speeds[1])
