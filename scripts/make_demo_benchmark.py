@@ -84,7 +84,7 @@ class PairBudget:
 
 
 # T5: encoder inputs of the trained width (64 = 63 ids + EOS) except long_context; a
-# multi-turn prompt is turn 1 + answer (<= 39 ids + EOS) + turn 2: at most 126 + 42.
+# multi-turn prompt is turn 1 + answer (<= 40 tokens) + turn 2: at most 126 + 42 + EOS.
 # Decoder-only: prompt + 48 new tokens <= 128 positions, so a prompt is <= 80 tokens, and a
 # second turn's prompt (turn 1, a 48-token answer, turn 2, two joining newlines) leaves
 # turn 1 + turn 2 <= 128 - 48 - 48 - 2 = 30, less 2 tokens of slack for re-encoding the
