@@ -20,6 +20,11 @@ VANILLA = "vanilla"
 DEFAULT_GAMMA = 4
 TREE_BRANCHING = (2, 2, 1)
 DYNAMIC_TREE = dict(topk=3, depth=4, node_budget=12)
+# Where every loop scores DEFAULT_BLOCK_WIDTH = 8 slots (anything but float32 on a CPU:
+# `core.decoding.narrow_by_default`), the trees above (11 and 12 slots) do not fit a block:
+# these do, scripts/gpu_benchmarks.py's W = 8 trees (7 and 8 slots, root included).
+FIXED_WIDTH_TREE = (2, 1, 1)
+FIXED_WIDTH_DYNAMIC_TREE = dict(topk=2, depth=4, node_budget=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +56,13 @@ DEMO_METHODS = {
              "of gamma tokens verified token-wise",
     "model_tiny": "T5 only: the 'tiny' draft model (0.2M), a chain of gamma tokens",
     "block": "the draft model's chain kept by block verification (Sun et al.)",
-    "tree": f"a static token tree, branching {TREE_BRANCHING}, drawn from the draft model",
+    "tree": f"a static token tree, branching {TREE_BRANCHING} ({FIXED_WIDTH_TREE} where "
+            "blocks are 8 wide: accelerators, bfloat16), drawn from the draft model",
     "dynamic_tree": "an EAGLE-2 dynamic tree around the draft model "
                     f"(topk {DYNAMIC_TREE['topk']}, depth {DYNAMIC_TREE['depth']}, "
-                    f"{DYNAMIC_TREE['node_budget']} nodes)",
+                    f"{DYNAMIC_TREE['node_budget']} nodes; "
+                    f"{FIXED_WIDTH_DYNAMIC_TREE['topk']}, {FIXED_WIDTH_DYNAMIC_TREE['depth']}, "
+                    f"{FIXED_WIDTH_DYNAMIC_TREE['node_budget']} where blocks are 8 wide)",
     "eagle": "the pair's EAGLE-1 feature head over the target's hidden states",
     "medusa": "the pair's Medusa heads (one call drafts gamma tokens)",
     "dflash": "the pair's DFlash block drafter (one call drafts a block)",
@@ -66,22 +74,39 @@ DEMO_METHODS = {
 _PAIR_DRAFTS = {"eagle": "feature", "medusa": "medusa", "dflash": "dflash", "pard": "parallel"}
 
 
+def _model_draft_name(family: str) -> str:
+  return "small" if family == "t5" else "draft"
+
+
 def _model_draft(pair) -> ModelDraft:
-  name = "small" if pair.family == "t5" else "draft"
-  return ModelDraft(pair.drafts[name])
+  return ModelDraft(pair.drafts[_model_draft_name(pair.family)])
+
+
+def _tree_shapes(target):
+  """(static branching, dynamic tree settings) that fit the target's default blocks: on a
+  CPU in float32 a block is as wide as its draft needs; elsewhere every loop scores 8
+  slots (so that greedy outputs are identical by construction) and the trees shrink."""
+  from specdec_jax.core import decoding
+  if decoding.narrow_by_default(target.config.dtype):
+    return TREE_BRANCHING, DYNAMIC_TREE
+  return FIXED_WIDTH_TREE, FIXED_WIDTH_DYNAMIC_TREE
 
 
 def _demo_builders(pair) -> Dict[str, Callable[[int], Method]]:
   """{name: gamma -> Method} for what `pair` ships."""
   describe = DEMO_METHODS
+  branching, dynamic = _tree_shapes(pair.target)
+  tree_words = (f"a static token tree, branching {branching}, drawn from the draft model",
+                "an EAGLE-2 dynamic tree around the draft model (topk {topk}, depth {depth}, "
+                "{node_budget} nodes)".format(**dynamic))
   builders = {
       VANILLA: lambda g: Method(VANILLA, None, 0, description=describe[VANILLA]),
       "model": lambda g: Method("model", _model_draft(pair), g, description=describe["model"]),
       "block": lambda g: Method("block", _model_draft(pair), g, "block", describe["block"]),
-      "tree": lambda g: Method("tree", TreeDraft(_model_draft(pair), TREE_BRANCHING), g,
-                               description=describe["tree"]),
+      "tree": lambda g: Method("tree", TreeDraft(_model_draft(pair), branching), g,
+                               description=tree_words[0]),
       "dynamic_tree": lambda g: Method("dynamic_tree", DynamicTreeDraft(
-          _model_draft(pair), **DYNAMIC_TREE), g, description=describe["dynamic_tree"]),
+          _model_draft(pair), **dynamic), g, description=tree_words[1]),
       "prompt_lookup": lambda g: Method("prompt_lookup", PromptLookupDraft(
           pair.target.config.vocab_size, 3, 1), g, description=describe["prompt_lookup"]),
   }
