@@ -69,6 +69,14 @@ CHAT_TEMPLATE = flags.DEFINE_enum(
     "auto: turns through the target tokenizer's chat template (required for multi-turn "
     "inputs); plain: turns and answers joined as text.")
 PLOT = flags.DEFINE_bool("plot", True, "Write speedup_tau.png (needs matplotlib).")
+SCALE_TO = flags.DEFINE_string(
+    "scale_to", None, "Demo pairs: the trained target embedded function-preservingly at a "
+    "large model's shape (T5: t5_1_1_xxl; decoder-only: gpt2_xl, or overrides such as "
+    "gpt2_xl:emb_dim=4608,num_heads=72,mlp_dim=18432,num_layers=40), its heads grown with it: "
+    "every method at that model's cost with the pair's real acceptance. SHAPE/DRAFT_SHAPE "
+    "also embeds the model draft and PARD's model there (T5's default: t5_1_1_small; "
+    "'shipped' keeps them). bfloat16 on accelerators. specdec_jax.evaluation.methods."
+    "scale_demo_pair.")
 
 
 def evaluate(prepared: setup_lib.Prepared, output_dir: str, plot: bool = True,
@@ -130,7 +138,7 @@ def main(argv):
           batch_size=BATCH_SIZE.value, seed=SEED.value,
           max_input_length=MAX_INPUT_LENGTH.value, chat_template=CHAT_TEMPLATE.value,
           gin_files=GIN_FILES.value, gin_bindings=GIN_BINDINGS.value,
-          gin_search_paths=GIN_SEARCH_PATHS.value))
+          gin_search_paths=GIN_SEARCH_PATHS.value, scale_to=SCALE_TO.value))
       result = evaluate(prepared, OUTPUT_DIR.value, PLOT.value, progress=_progress)
   except (ValueError, FileNotFoundError, ImportError, TypeError) as e:
     print(f"error: {e}", file=sys.stderr)

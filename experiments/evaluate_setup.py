@@ -51,6 +51,14 @@ class Options:
   gin_files: Sequence[str] = ()
   gin_bindings: Sequence[str] = ()
   gin_search_paths: Sequence[str] = ()
+  # A demo pair at a large model's cost: 'SHAPE' or 'SHAPE/DRAFT_SHAPE'
+  # (`methods.scale_demo_pair`); None: the pair as shipped.
+  scale_to: Optional[str] = None
+
+  def __post_init__(self):
+    if self.scale_to is not None and self.pair not in PAIRS:
+      raise ValueError(f"--scale_to embeds a demo pair's target: pass --pair="
+                       f"{' or '.join(sorted(PAIRS))} (got --pair={self.pair})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +112,22 @@ def _method_names(requested: Sequence[str], known: Sequence[str]) -> List[str]:
 
 
 def _demo(options: Options):
-  """(subject, methods, the pair's benchmark path, its max_new_tokens) of a demo pair."""
-  pair = demo_pair_lib.load_demo_pair(PAIRS[options.pair])
+  """(subject, methods, the pair's benchmark path, its max_new_tokens, its directory) of a
+  demo pair; with --scale_to, its target embedded at that shape and its drafts fit to it
+  (`methods.scale_demo_pair`), said in vanilla's description (results.md's legend)."""
+  if options.scale_to:
+    pair = demo_pair_lib.load_demo_pair(PAIRS[options.pair], dtype=methods_lib.scaled_dtype())
+    pair, scaled = methods_lib.scale_demo_pair(pair, options.scale_to)
+  else:
+    pair, scaled = demo_pair_lib.load_demo_pair(PAIRS[options.pair]), None
   known = list(methods_lib._demo_builders(pair))
   names = _method_names(options.methods, known)
   built = methods_lib.demo_methods(pair, names, options.gamma)
+  if scaled:
+    logging.info("--scale_to=%s: %s", options.scale_to, scaled)
+    vanilla = built[methods_lib.VANILLA]
+    built[methods_lib.VANILLA] = dataclasses.replace(
+        vanilla, description=f"{vanilla.description}; {scaled}")
   subject = runner.Subject(pair.target, pair.tokenizer)
   path = os.path.join(demo_pair_lib.DIRS[pair.family], DEMO_BENCHMARK_FILE)
   return subject, built, path, pair.max_decode_steps, demo_pair_lib.DIRS[pair.family]
@@ -245,6 +264,8 @@ def _identity(options: Options, benchmark: Benchmark, methods: Dict[str, Method]
       methods={n: dict(draft=type(m.draft).__name__ if m.draft is not None else None,
                        gamma=m.gamma, verification=m.verification) for n, m in methods.items()},
       settings=dict(describe(settings), pair=options.pair, chat_template=options.chat_template,
+                    # Only when set: unscaled runs keep their identity (and resume).
+                    **({"scale_to": options.scale_to} if options.scale_to else {}),
                     gin_files=list(options.gin_files), gin_bindings=list(options.gin_bindings),
                     gin_config=gin.config_str() if options.pair not in PAIRS else None),
       backend=jax.default_backend(),

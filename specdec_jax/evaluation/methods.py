@@ -8,13 +8,17 @@ width, and `runner` checks that they do.
 `demo_methods(pair)` names every draft kind a demo pair ships
 (`DEMO_METHODS`: what each name is); `experiments/evaluate.py` builds the same
 names from the launcher's gin configuration for any other target.
+`scale_demo_pair(pair, shape)` is `--scale_to`: the pair's target embedded at a
+large model's shape, every draft fit to it, so every method above runs at that
+model's cost with the trained pair's acceptance.
 """
 
 import dataclasses
+import os
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from specdec_jax.drafts import (DynamicTreeDraft, ModelDraft, PromptLookupDraft, TreeDraft,
-                                as_draft)
+from specdec_jax.drafts import (DynamicTreeDraft, ModelDraft, ParallelDraft, PromptLookupDraft,
+                                TreeDraft, as_draft)
 
 VANILLA = "vanilla"
 DEFAULT_GAMMA = 4
@@ -25,6 +29,12 @@ DYNAMIC_TREE = dict(topk=3, depth=4, node_budget=12)
 # these do, scripts/gpu_benchmarks.py's W = 8 trees (7 and 8 slots, root included).
 FIXED_WIDTH_TREE = (2, 1, 1)
 FIXED_WIDTH_DYNAMIC_TREE = dict(topk=2, depth=4, node_budget=8)
+# `scale_demo_pair`: the shape a pair's model draft and PARD drafter's model are embedded
+# at beside a scaled target. The paper pairs T5-XXL with a T5-small-shaped draft
+# (scripts/gpu_benchmarks.py's DRAFT_SHAPE); no benchmark grows a decoder-only draft, so
+# those stay as shipped unless a draft shape is named. 'shipped': keep them as they are.
+SCALED_DRAFT_SHAPES = {"t5": "t5_1_1_small"}
+SHIPPED = "shipped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,3 +160,78 @@ def demo_methods(pair, names: Sequence[str], gamma: int = DEFAULT_GAMMA,
   check_names(names, list(builders), f"the {pair.family} demo pair")
   gammas = dict(gammas or {})
   return {n: builders[n](gammas.get(n, gamma)) for n in with_vanilla(names)}
+
+
+def scaled_dtype() -> str:
+  """The dtype a scaled demo pair is loaded in: bfloat16 on accelerators (the paper's and
+  scripts/gpu_benchmarks.py's), the pair's float32 on a CPU (whose bfloat16 dots are slow)."""
+  import jax
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _memory_budget() -> Optional[int]:
+  """Bytes a scaled pair may take: the accelerator's memory, or the host's on a CPU."""
+  import jax
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001 -- backends without memory statistics
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def scale_demo_pair(pair, scale_to: str):
+  """(the demo pair at a large model's cost, what was built in words): `--scale_to`.
+
+  scale_to: 'SHAPE' or 'SHAPE/DRAFT_SHAPE'. SHAPE, a named config of the pair's
+    family with optional overrides (`scaled_pair.shape_config`: 't5_1_1_xxl',
+    'gpt2_xl', 'gpt2_xl:emb_dim=4608,num_heads=72,mlp_dim=18432,num_layers=40'),
+    is the target's: the trained target embedded function-preservingly
+    (`scaled_pair.embed_model`: same greedy outputs, the large shape's cost); the
+    feature, Medusa and DFlash heads grow with it (`scaled_pair.embed_draft`).
+    DRAFT_SHAPE (default `SCALED_DRAFT_SHAPES`, 'shipped': none) is where the model
+    draft ('small' / 'draft', which the block, tree and dynamic-tree methods also
+    use) and PARD's model are embedded, as the GPU benchmark does. T5's 'tiny'
+    draft, the n-gram tables and prompt lookup stay as shipped (their cost is
+    their own). Every method the pair ships stays available.
+
+  Built directly in memory (the large arrays are never written to disk: on an
+  accelerator a bfloat16 XXL is 22 GB), after `scaled_pair.plan` has checked the
+  bytes against this machine's memory. Kernels: out_in on a CPU (its fast dot),
+  in_out elsewhere.
+  """
+  import jax
+  from specdec_jax import scaled_pair
+  from specdec_jax.families import kernel_layout as layouts
+  shape, _, draft_shape = scale_to.partition("/")
+  draft_shape = draft_shape or SCALED_DRAFT_SHAPES.get(pair.family, SHIPPED)
+  layout = "out_in" if jax.default_backend() == "cpu" else "in_out"
+  scaled_pair.plan(pair, shape, kernel_layout=layout, memory_budget_bytes=_memory_budget())
+
+  def grow(model, to):
+    return layouts.with_kernel_layout(scaled_pair.embed_model(model, to), layout)
+
+  target = grow(pair.target, shape)
+  drafts = {n: scaled_pair.embed_draft(d, pair.target, target) for n, d in pair.drafts.items()}
+  words = [f"the {pair.target.config.num_params / 1e6:.1f}M demo target embedded at {shape} "
+           f"({target.config.num_params / 1e9:.2f}B, {target.config.dtype})"]
+  grown = [n for n in drafts if drafts[n] is not pair.drafts[n]]
+  if grown:
+    words.append(f"{', '.join(grown)} grown with it")
+  if draft_shape != SHIPPED:
+    name = _model_draft_name(pair.family)
+    drafts[name], embedded = grow(pair.drafts[name], draft_shape), [name]
+    if "parallel" in pair.drafts:
+      pard = pair.drafts["parallel"]
+      drafts["parallel"] = ParallelDraft(
+          grow(pard.model, draft_shape), pard.mask_token_id, pard.gamma,
+          pard.vocab_size if pard.padding else None)
+      embedded.append("parallel's model")
+    words.append(f"{' and '.join(embedded)} embedded at {draft_shape}")
+  kept = [n for n in drafts if drafts[n] is pair.drafts[n]] + ["the n-gram tables"]
+  words.append(" and ".join(kept) + " as shipped")
+  return dataclasses.replace(pair, target=target, drafts=drafts), "; ".join(words)
