@@ -13,7 +13,7 @@ export JAX_PLATFORMS ?= cpu
 T5X_PATH ?= ../shared/third_party
 VENV_T5X := .venv-t5x
 
-.PHONY: demo demo-methods test test-slow test-multihost test-t5x venv venv-test clean
+.PHONY: demo demo-methods evaluate test test-slow test-multihost test-t5x venv venv-test clean
 
 # JAX's persistent compilation cache for the test targets: a program compiled once, by
 # any test process (an xdist worker, a subprocess test, make test-slow after make test,
@@ -52,6 +52,22 @@ demo: $(VENV)/.core
 demo-methods: $(VENV)/.core
 	$(JAX_CACHE_ENV) $(PY) -m experiments.demo --pair=$(if $(filter both,$(PAIR)),t5,$(PAIR)) \
 	  --acts=1 --methods=chain,block,tree,dynamic
+
+# Issue 51: the standard evaluation (Spec-Bench's table: every method x every category,
+# speedup, tau, equality) for both demo pairs on their shipped mini-benchmarks
+# (demo_pair*/benchmark.jsonl), into EVAL_DIR/<pair>/ (results.json, results.md,
+# speedup_tau.png); a rerun resumes. EVAL_FLAGS adds flags (--repeats=1, --methods=...).
+EVAL_DIR ?= results/evaluate
+EVAL_FLAGS ?=
+$(VENV)/.eval: $(VENV)/.core setup.py
+	$(PIP) install -q -e '.[eval]'
+	touch $@
+
+evaluate: $(VENV)/.eval
+	for pair in demo_t5 demo_decoder_only; do \
+	  $(JAX_CACHE_ENV) $(PY) -m experiments.evaluate --pair=$$pair --benchmark=demo \
+	    --chat_template=plain --output_dir=$(EVAL_DIR)/$$pair $(EVAL_FLAGS) || exit 1; \
+	done
 
 test: $(VENV)/.test
 	$(JAX_CACHE_ENV) $(PY) -m pytest -q --timeout=900 -n 2 --dist loadgroup --durations=20 -m "not slow" \

@@ -28,6 +28,9 @@ EXTRAS = {
     # tokenizer.json through `tokenizers`, chat templates through jinja2.
     "tokenizer": ["sentencepiece", "tokenizers", "jinja2"],
     "data": ["tensorflow-datasets", "datasets", "pyarrow"],
+    # The evaluation harness (experiments.evaluate, `make evaluate`): its plot, chat
+    # templates, SPEED-Bench's parquet files.
+    "eval": ["matplotlib", "jinja2", "pyarrow"],
     "notebooks": ["jupyter", "nbclient", "nbformat", "ipykernel", "matplotlib"],
     # What T5X's own sources (not on PyPI; see tests/test_t5x_integration.py)
     # import, for running T5X's binaries with our model. Kept out of .venv by

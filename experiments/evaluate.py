@@ -41,6 +41,7 @@ from experiments import evaluate_setup as setup_lib
 # --wait_for_output_dir.
 from experiments.run import OUTPUT_DIR, PAIR, WAIT_FOR_OUTPUT_DIR
 from specdec_jax.compile_cache import enable_compile_cache
+from specdec_jax.evaluation import costs as costs_lib
 from specdec_jax.evaluation import report, runner
 from specdec_jax.evaluation.store import RecordStore
 
@@ -68,6 +69,8 @@ CHAT_TEMPLATE = flags.DEFINE_enum(
     "chat_template", "auto", ["auto", "plain"],
     "auto: turns through the target tokenizer's chat template (required for multi-turn "
     "inputs); plain: turns and answers joined as text.")
+COSTS = flags.DEFINE_bool("costs", True, "Also time each draft's c and the verification "
+                          "cost C(W), and give the theory's speedup from the measured τ.")
 PLOT = flags.DEFINE_bool("plot", True, "Write speedup_tau.png (needs matplotlib).")
 SCALE_TO = flags.DEFINE_string(
     "scale_to", None, "Demo pairs: the trained target embedded function-preservingly at a "
@@ -80,8 +83,12 @@ SCALE_TO = flags.DEFINE_string(
 
 
 def evaluate(prepared: setup_lib.Prepared, output_dir: str, plot: bool = True,
-             clock=None, progress=None) -> Dict[str, Any]:
-  """Runs a prepared evaluation into output_dir and writes its results; returns them."""
+             clock=None, progress=None, costs: bool = True) -> Dict[str, Any]:
+  """Runs a prepared evaluation into output_dir and writes its results; returns them.
+
+  costs: also time each draft's one-token step against the target's (c), the
+  verification call's C(W), and give the theory's speedup from the measured τ
+  (`specdec_jax.evaluation.costs`); a few seconds of compiles per method."""
   decoder = runner.Decoder(prepared.subject, prepared.settings,
                            **({} if clock is None else dict(clock=clock)))
   store = RecordStore(output_dir, prepared.identity)
@@ -94,10 +101,24 @@ def evaluate(prepared: setup_lib.Prepared, output_dir: str, plot: bool = True,
             for name, m in prepared.methods.items()}
   result = report.assemble(prepared.methods, records, prepared.benchmark,
                            prepared.identity["settings"], widths, prepared.settings.greedy)
+  if costs:
+    _add_costs(prepared, decoder, widths, result)
   result["resumed_records"] = resumed
   result["notes"] = list(prepared.notes)
   report.write(output_dir, result, plot=plot)
   return result
+
+
+def _add_costs(prepared: setup_lib.Prepared, decoder: runner.Decoder,
+               widths: Dict[str, int], result: Dict[str, Any]) -> None:
+  """Each method's c, C(W) and predicted speedup, timed on the first question's prompt."""
+  first = prepared.benchmark.questions[0]
+  inputs, lengths = decoder.inputs(runner.prompt_ids(prepared.subject, first.turns[:1], []))
+  found = costs_lib.method_costs(prepared.subject.target, inputs, lengths,
+                                 prepared.settings.max_new_tokens, prepared.methods, widths,
+                                 result["methods"])
+  for name, values in found.items():
+    result["methods"][name].update(values)
 
 
 def _progress(done: int, total: int) -> None:
@@ -139,7 +160,8 @@ def main(argv):
           max_input_length=MAX_INPUT_LENGTH.value, chat_template=CHAT_TEMPLATE.value,
           gin_files=GIN_FILES.value, gin_bindings=GIN_BINDINGS.value,
           gin_search_paths=GIN_SEARCH_PATHS.value, scale_to=SCALE_TO.value))
-      result = evaluate(prepared, OUTPUT_DIR.value, PLOT.value, progress=_progress)
+      result = evaluate(prepared, OUTPUT_DIR.value, PLOT.value, progress=_progress,
+                        costs=COSTS.value)
   except (ValueError, FileNotFoundError, ImportError, TypeError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)

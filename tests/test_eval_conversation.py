@@ -160,8 +160,9 @@ def test_template_refusal_and_turn_count_errors():
 def test_plain_fallback_text():
   assert conversation.next_prompt(["only turn"], [], template=None) == "only turn"
   assert conversation.next_prompt(["q1", "q2"], ["a1"], template=None) == "q1\na1\nq2"
-  assert conversation.next_prompt(["q1\n", "q2", "q3"], ["a1", "a2"], template="") == (
-      "q1\n\na1\nq2\na2\nq3")
+  # A piece that ends in a newline gets no second one (code turns of whole lines).
+  assert conversation.next_prompt(["q1\n", "q2", "q3"], ["a1\n", "a2"], template="") == (
+      "q1\na1\nq2\na2\nq3")
 
 
 def _benchmark(*turn_counts):

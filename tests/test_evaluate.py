@@ -159,7 +159,8 @@ def test_stubbed_run_figures_equal_hand_computed(tmp_path, monkeypatch):
     return conversation(self, method, question, repeat, *args, **kwargs)
   monkeypatch.setattr(runner.Decoder, "conversation", spy)
   prepared = _prepare(tmp_path)
-  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False, clock=clock)
+  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False, clock=clock,
+                                 costs=False)
   vanilla = _expected(prepared, "vanilla")
   for method in ("model", "prompt_lookup"):
     mine = _expected(prepared, method)
@@ -188,7 +189,8 @@ def test_stubbed_run_figures_equal_hand_computed(tmp_path, monkeypatch):
 def test_resume_loses_nothing_and_repeats_nothing(tmp_path, monkeypatch):
   clock, calls = _stubbed(monkeypatch)
   prepared = _prepare(tmp_path)
-  whole = evaluate_lib.evaluate(prepared, str(tmp_path / "whole"), plot=False, clock=clock)
+  whole = evaluate_lib.evaluate(prepared, str(tmp_path / "whole"), plot=False, clock=clock,
+                                 costs=False)
 
   def stop_after_two(done, total):
     if done == 2:
@@ -196,10 +198,11 @@ def test_resume_loses_nothing_and_repeats_nothing(tmp_path, monkeypatch):
   calls.clear()
   with pytest.raises(KeyboardInterrupt):
     evaluate_lib.evaluate(prepared, str(tmp_path / "cut"), plot=False, clock=clock,
-                          progress=stop_after_two)
+                          progress=stop_after_two, costs=False)
   first = list(calls)
   calls.clear()
-  resumed = evaluate_lib.evaluate(prepared, str(tmp_path / "cut"), plot=False, clock=clock)
+  resumed = evaluate_lib.evaluate(prepared, str(tmp_path / "cut"), plot=False, clock=clock,
+                                 costs=False)
   assert resumed["resumed_records"] == 2 * 3  # two questions x three methods
   # The resumed run decoded only the last two questions (whose prompts differ).
   done_prompts = {c[1] for c in first}

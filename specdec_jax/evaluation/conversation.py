@@ -12,9 +12,9 @@ conversation so far and asks for the next answer:
   add_generation_prompt=True)` renders it (same jinja2 sandbox, options,
   filters and globals; tests/test_eval_conversation.py compares the two).
 * Without one, the plain fallback (`PLAIN`, the harness's
-  `--chat_template=plain`): the user turns and the answers, in order, joined by
-  single newlines, so a second turn reads "turn 1\\nanswer 1\\nturn 2". One turn
-  is its text unchanged (what the launcher decodes without CHAT_TEMPLATE).
+  `--chat_template=plain`): the user turns and the answers, in order, each on
+  lines of its own, so a second turn reads "turn 1\\nanswer 1\\nturn 2" (no newline
+  added after a piece that ends in one). One turn is its text unchanged (what the launcher decodes without CHAT_TEMPLATE).
 
 API:
   next_prompt(turns_so_far, answers_so_far, template=..., bos_token=, eos_token=)
@@ -36,7 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence
 CHAT_TEMPLATE = "chat_template"
 PLAIN = "plain"
 PLAIN_DESCRIPTION = ("the plain fallback: the user turns and the model's answers, in order, "
-                     "joined by newlines (turn 1, answer 1, turn 2, ...)")
+                     "each on lines of its own (turn 1, answer 1, turn 2, ...; a newline "
+                     "added after a piece that does not end in one)")
 # transformers refuses older jinja2: earlier releases have known sandbox escapes, and
 # chat templates are code from the checkpoint's author.
 _MIN_JINJA2 = (3, 1, 6)
@@ -67,8 +68,12 @@ def chat_messages(turns_so_far: Sequence[str],
 
 
 def plain_prompt(turns_so_far: Sequence[str], answers_so_far: Sequence[str]) -> str:
-  """The fallback without a chat template: turns and answers joined by newlines."""
-  return "\n".join(m["content"] for m in chat_messages(turns_so_far, answers_so_far))
+  """The fallback without a chat template: turns and answers, each on lines of its own
+  (a newline added after a piece that does not end in one, so that code turns made of
+  whole lines read on as one file, without blank lines between them)."""
+  pieces = [m["content"] for m in chat_messages(turns_so_far, answers_so_far)]
+  return "".join(p if p.endswith("\n") or i == len(pieces) - 1 else p + "\n"
+                 for i, p in enumerate(pieces))
 
 
 def _jinja2_version(version: str):

@@ -77,6 +77,10 @@ def assemble(methods, records: Dict[str, List[Dict[str, Any]]], benchmark,
               settings=settings, machine=machine(), methods=out_methods, equality=equality)
 
 
+def _fmt(value, spec: str, suffix: str = "") -> str:
+  return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
 def _cell(figures: Dict[str, Any]) -> str:
   if figures["speedup"] is None:
     return "–"
@@ -93,20 +97,24 @@ def markdown(result: Dict[str, Any]) -> str:
   for name, m in result["methods"].items():
     cells = [_cell(m["categories"][c]) for c in categories] + [_cell(m["overall"])]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
-  lines += ["", "| method | α | tokens/s | s per input | compile s | equal | γ | W | what |",
-            "|---|---|---|---|---|---|---|---|---|"]
+  lines += ["", "| method | α | c | C(W) | predicted | tokens/s | s per input | compile s "
+            "| equal | γ | W | what |", "|" + "---|" * 12]
   for name, m in result["methods"].items():
     o = m["overall"]
-    alpha = "–" if o["alpha"] is None else f"{o['alpha']:.3f}"
     equal = "n/a (sampled)" if o["equal"] is None else f"{o['equal']}/{o['total']}"
-    lines.append(f"| {name} | {alpha} | {o['tokens_per_s']:.1f} | {o['seconds_per_input']:.3f} "
-                 f"| {m['compile_seconds']:.1f} | {equal} | {m['gamma']} | {m['block_width']} "
-                 f"| {m['description']} |")
+    lines.append(f"| {name} | {_fmt(o['alpha'], '.3f')} | {_fmt(m.get('c'), '.3f')} "
+                 f"| {_fmt(m.get('verify_cost'), '.2f')} "
+                 f"| {_fmt(m.get('predicted_speedup'), '.2f', '×')} | {o['tokens_per_s']:.1f} "
+                 f"| {o['seconds_per_input']:.3f} | {m['compile_seconds']:.1f} | {equal} "
+                 f"| {m['gamma']} | {m['block_width']} | {m['description']} |")
   s, eq = result["settings"], result["equality"]
   vanilla = result["methods"]["vanilla"]["overall"]
   lines += ["", f"Speedup: the mean per-input tokens/s over vanilla's (Spec-Bench), each input's "
             f"figure the mean of {s['repeats']} repeats, methods interleaved input by input; "
             "compile time excluded (column 'compile s'). τ: tokens per target call. "
+            "c: the draft's one-token step over the target's (– : no model of its own, "
+            "taken as 0); C(W): the target's call on W tokens over one token; predicted: "
+            "τ / (draft calls · c + C(W)), Theorem 3.8 at the measured τ. "
             f"Vanilla's prefill (the target's one-token decode): "
             f"{vanilla['prefill_seconds_per_input'] or 0:.4f} s per input. "
             f"Equality ({eq['checked']}): {'passed' if eq['passed'] else 'FAILED'}.",
