@@ -11,6 +11,9 @@ Layers (each a folder or module; nothing imports upward from `core/`):
   generation.py (staged: settings.py, placement.py, memory.py, programs.py), slots.py
   (generate_many), loading.py, sharding.py, multihost.py, scaled_pair.py the entry points (scaled_pair: a trained
                                            pair embedded at a large model's cost)
+  evaluation/                              the standard evaluation: benchmarks, methods x
+                                           categories, speedup / tau / equality
+                                           (`python -m experiments.evaluate`)
   t5x/, train/, tools/                     the T5X adapter, training, small tools
 """
 
@@ -60,6 +63,9 @@ from specdec_jax.loading import (export_hf, load_dflash_draft, load_feature_draf
                                  load_sharded_model, save_dflash_draft, save_feature_draft,
                                  save_medusa_draft,
                                  shard_model)
+from specdec_jax import evaluation
+from specdec_jax.evaluation.benchmarks import load_benchmark
+from specdec_jax.evaluation.questions import Benchmark, Question
 from specdec_jax.memory import InsufficientMemory, plan_memory, plan_speculative_memory
 from specdec_jax.sharding import Partitioner, make_partitioners
 from specdec_jax.t5x.model import SpeculativeEncoderDecoderModel
