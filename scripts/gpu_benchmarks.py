@@ -47,6 +47,15 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
     embedded at the 'small' draft's shape; c per drafted token, a chain and a
     tree of each.
 
+- evaluate: the evaluation harness (`python -m experiments.evaluate`, its own process) on
+    the T5 pair's mini-benchmark (demo_pair/benchmark.jsonl) with --scale_to: the target
+    at TARGET_SHAPE, the 'small' draft and PARD's model at DRAFT_SHAPE, the heads grown
+    (`specdec_jax.evaluation.methods.scale_demo_pair`, bfloat16 on the GPU); every method
+    the pair ships, greedy, batch 1, the harness's own greedy-equality check. Its
+    results.json / results.md / speedup_tau.png go to <output_dir>/evaluate/, a summary to
+    evaluate.json. Sized for the device budget (--evaluate_categories,
+    --evaluate_per_category, --evaluate_timeout).
+
   scripts/gpu_benchmarks.sh               # on the GPU machine (<= 6 minutes)
   scripts/gpu_benchmarks.sh --dry_run     # CPU, tiny shapes, seconds (tested)
 """
@@ -54,6 +63,7 @@ Parts (each writes `<output_dir>/<part>.json`; `report` merges them into
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Dict
@@ -61,8 +71,8 @@ from typing import Any, Dict
 from absl import app
 from absl import flags
 
-PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "methods", "features", "report"],
-                         "What to run.")
+PART = flags.DEFINE_enum("part", "ours", ["hf", "ours", "methods", "features", "evaluate",
+                                         "report"], "What to run.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Tiny shapes, few repeats: a CPU check of every "
                             "code path (the numbers mean nothing).")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "gpu_results", "Where JSON and Markdown go.")
@@ -78,6 +88,18 @@ GAMMA = flags.DEFINE_integer("gamma", 0, "Drafted tokens per iteration; 0: the t
 METHOD_INPUTS = flags.DEFINE_integer("method_inputs", 4, "Held-out inputs for the issue-22 rows.")
 METHOD_WIDTHS = flags.DEFINE_list("method_widths", ["8", "16"], "Block widths of the issue-22 "
                                   "rows (chain / block / tree / dynamic tree at one width).")
+# The evaluate part. These three categories' prompts share one padded width (64), so each
+# method compiles once; long_context (512-token inputs) and multi_turn (a 256-token second
+# turn) would each compile every method again: 'all' adds them where the budget allows.
+EVALUATE_CATEGORIES = flags.DEFINE_list(
+    "evaluate_categories", ["completion", "docstring_to_code", "editing"],
+    "evaluate part: the mini-benchmark's categories ('all': every one).")
+EVALUATE_PER_CATEGORY = flags.DEFINE_integer("evaluate_per_category", 2, "evaluate part: "
+                                             "questions per category.")
+EVALUATE_TIMEOUT = flags.DEFINE_integer(
+    "evaluate_timeout", 150, "evaluate part: seconds the harness may run, its share of the "
+    "script's device budget; past it the harness is stopped (its finished records stay in "
+    "<output_dir>/evaluate/records: rerun the part to resume) and evaluate.json says so.")
 # Per width: a static tree that fits (num_nodes <= W) and a dynamic tree of W nodes.
 TREES = {8: (2, 1, 1), 12: (2, 2, 1), 16: (3, 2, 1)}
 DYNAMIC_TREES = {8: (2, 4, 8), 12: (3, 4, 12), 16: (4, 4, 16)}
@@ -508,6 +530,84 @@ def _grown_parallel_drafts(pair, target, small_config) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# The evaluation harness on the mini-benchmark (the evaluate part).
+
+
+def _evaluate_scale_to() -> str:
+  """The harness's --scale_to: TARGET_SHAPE/DRAFT_SHAPE, in a dry run DRY_SHAPES spelt as
+  overrides of those names (`scaled_pair.shape_config`)."""
+  if not DRY_RUN.value:
+    return f"{TARGET_SHAPE.value}/{DRAFT_SHAPE}"
+  spell = lambda name, role: name + ":" + ",".join(  # noqa: E731
+      f"{k}={v}" for k, v in DRY_SHAPES[role].items())
+  return f"{spell(TARGET_SHAPE.value, 'target')}/{spell(DRAFT_SHAPE, 'draft')}"
+
+
+def _records_summary(root: str) -> Dict[str, Any]:
+  """{method: questions, equal, tau} over the harness's finished records (one file per
+  method and question, `specdec_jax.evaluation.store`)."""
+  out = {}
+  for method in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    records = []
+    for name in sorted(os.listdir(os.path.join(root, method))):
+      with open(os.path.join(root, method, name)) as f:
+        records.append(json.load(f))
+    runs = [run for r in records for run in r["runs"]]
+    calls = sum(sum(run["target_calls"]) for run in runs)
+    out[method] = dict(questions=len(records), equal=sum(bool(r.get("equal")) for r in records),
+                       tau=sum(sum(run["new_tokens"]) for run in runs) / calls if calls else None)
+  return out
+
+
+def run_evaluate() -> Dict[str, Any]:
+  """The harness in its own process (its flags are the launcher's, not these), then a
+  summary of its results.json: every method's overall speedup, tau, alpha, equality."""
+  out = os.path.join(OUTPUT_DIR.value, "evaluate")
+  categories, per_category = list(EVALUATE_CATEGORIES.value), EVALUATE_PER_CATEGORY.value
+  if DRY_RUN.value:  # every method on one question: the paths, not the figures
+    if not flags.FLAGS["evaluate_categories"].present:
+      categories = categories[:1]
+    if not flags.FLAGS["evaluate_per_category"].present:
+      per_category = 1
+  command = [sys.executable, "-m", "experiments.evaluate", "--pair=demo_t5", "--benchmark=demo",
+             "--methods=all", f"--scale_to={_evaluate_scale_to()}", "--temperature=0",
+             "--batch_size=1", "--chat_template=plain", f"--repeats={REPEATS.value}",
+             f"--limit_per_category={per_category}", f"--output_dir={out}"]
+  if categories != ["all"]:
+    command.append(f"--categories={','.join(categories)}")
+  print(" ".join(command), flush=True)
+  start = time.perf_counter()
+  try:
+    returncode = subprocess.run(command, timeout=EVALUATE_TIMEOUT.value).returncode
+  except subprocess.TimeoutExpired:
+    returncode = None
+  seconds = time.perf_counter() - start
+  path = os.path.join(out, "results.json")
+  result = None
+  if returncode is not None and os.path.exists(path):
+    with open(path) as f:
+      result = json.load(f)
+  summary = dict(part="evaluate", machine=_machine(), dry_run=DRY_RUN.value,
+                 scale_to=_evaluate_scale_to(), command=command, returncode=returncode,
+                 timed_out=returncode is None, seconds=seconds, output_dir=out)
+  if result is not None:
+    summary.update(
+        equality=result["equality"], questions=result["benchmark"]["questions"],
+        categories=result["benchmark"]["categories"], target=result["methods"]["vanilla"][
+            "description"],
+        methods={name: dict(speedup=m["overall"]["speedup"], tau=m["overall"]["tau"],
+                            alpha=m["overall"]["alpha"], block_width=m["block_width"],
+                            compile_seconds=m["compile_seconds"], equal=m["overall"]["equal"],
+                            total=m["overall"]["total"])
+                 for name, m in result["methods"].items()})
+  else:  # stopped or failed: what the records it finished say (tau, equal outputs)
+    summary["finished_records"] = _records_summary(os.path.join(out, "records"))
+  print(f"evaluate: {'timed out' if returncode is None else f'exit {returncode}'} after "
+        f"{seconds:.0f} s; {out}", flush=True)
+  return summary
+
+
+# ---------------------------------------------------------------------------
 # Report.
 
 
@@ -608,6 +708,11 @@ def main(argv):
     _write("methods", run_methods())
   elif PART.value == "features":
     _write("features", run_features())
+  elif PART.value == "evaluate":
+    summary = run_evaluate()
+    _write("evaluate", summary)
+    if summary["returncode"] != 0:  # the harness failed, timed out or found outputs differ
+      sys.exit(1)
   else:
     print(report())
 

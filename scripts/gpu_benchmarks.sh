@@ -5,7 +5,8 @@
 # 11B model), against transformers on the same device, C(k), c of the demo and
 # T5-small-shaped drafts, and the demo drafts' real acceptance at that cost.
 # See scripts/gpu_benchmarks.py. Results: $OUT (default ./gpu_results):
-# hf.json, ours.json, methods.json, features.json, gpu_benchmarks.json, gpu_benchmarks.md, logs.
+# hf.json, ours.json, methods.json, features.json, gpu_benchmarks.json, gpu_benchmarks.md, logs;
+# the evaluation harness's tables in evaluate/ (its summary in evaluate.json).
 #
 #   scripts/gpu_benchmarks.sh              # on the accelerator
 #   scripts/gpu_benchmarks.sh --dry_run    # CPU, tiny shapes (tests/test_gpu_benchmarks.py)
@@ -66,4 +67,14 @@ if [[ " $* " == *" --dry_run "* ]]; then MOE_FLAGS=(--small --max_k=3 --repeats=
 "$PY" scripts/moe_cost_curve.py "${MOE_FLAGS[@]}" --output_json="$OUT/moe_cost_curve.json" \
   2>&1 | tee "$OUT/moe_cost_curve.log" \
   || echo "gpu_benchmarks.sh: the MoE cost-curve part failed (see $OUT/moe_cost_curve.log)" >&2
+# The evaluation harness (experiments.evaluate) on the T5 pair's mini-benchmark, the target
+# grown to the XXL shape and the 'small' draft and PARD's model to t5_1_1_small (--scale_to),
+# every method, greedy, batch 1, --chat_template=plain: $OUT/evaluate/results.{json,md}, the
+# plot, and evaluate.json. Sized for the device budget: the three categories whose prompts
+# share one width (one compile per method), 2 questions each, stopped after
+# --evaluate_timeout seconds (150; see scripts/gpu_benchmarks.py), the finished records
+# then summarised.
+"$PY" scripts/gpu_benchmarks.py --part=evaluate --output_dir="$OUT" "$@" 2>&1 \
+  | tee "$OUT/evaluate.log" \
+  || echo "gpu_benchmarks.sh: the evaluate part failed (see $OUT/evaluate.log)" >&2
 "$PY" scripts/gpu_benchmarks.py --part=report --output_dir="$OUT" "$@"

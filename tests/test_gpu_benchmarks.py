@@ -81,3 +81,14 @@ def test_gpu_benchmarks_dry_run(tmp_path):
       assert r["speedup_paired"] == rounds[len(rounds) // 2], mode  # one round or three
       assert 0 < r["occupancy"] <= 1 and r["live_iterations"] <= r["iterations"] * row[
           "batch_size"], mode
+  # The evaluation harness on the T5 pair's mini-benchmark at the grown shape (here the
+  # tiny dry-run shapes): every method the pair ships on one question, its own greedy
+  # equality check passed, its tables written beside.
+  evaluate = json.loads((tmp_path / "evaluate.json").read_text())
+  assert evaluate["returncode"] == 0 and evaluate["equality"]["passed"], evaluate
+  assert set(evaluate["methods"]) == {
+      "vanilla", "model", "block", "tree", "dynamic_tree", "prompt_lookup", "model_tiny",
+      "ngram", "eagle", "medusa", "dflash", "pard"}
+  assert "demo target embedded at t5_1_1_xxl:" in evaluate["target"]
+  assert all(m["equal"] == m["total"] == 1 for m in evaluate["methods"].values())
+  assert (tmp_path / "evaluate" / "results.md").exists()
