@@ -598,7 +598,9 @@ def run_evaluate() -> Dict[str, Any]:
         methods={name: dict(speedup=m["overall"]["speedup"], tau=m["overall"]["tau"],
                             alpha=m["overall"]["alpha"], block_width=m["block_width"],
                             compile_seconds=m["compile_seconds"], equal=m["overall"]["equal"],
-                            total=m["overall"]["total"])
+                            total=m["overall"]["total"], c=m.get("c"),
+                            verify_cost=m.get("verify_cost"),
+                            predicted_speedup=m.get("predicted_speedup"))
                  for name, m in result["methods"].items()})
   else:  # stopped or failed: what the records it finished say (tau, equal outputs)
     summary["finished_records"] = _records_summary(os.path.join(out, "records"))
