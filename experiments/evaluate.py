@@ -65,6 +65,9 @@ BATCH_SIZE = flags.DEFINE_integer(
     "throughput split: its concurrency).")
 SEED = flags.DEFINE_integer("seed", 0, "Root of the sampling keys.")
 MAX_INPUT_LENGTH = flags.DEFINE_integer("max_input_length", 2048, "The widest prompt.")
+WIDTH_FACTOR = flags.DEFINE_integer(
+    "width_factor", 2, "Prompts are padded to 32 x width_factor^k tokens: each method "
+    "compiles one program per width (4: fewer programs, more padding).")
 CHAT_TEMPLATE = flags.DEFINE_enum(
     "chat_template", "auto", ["auto", "plain"],
     "auto: turns through the target tokenizer's chat template (required for multi-turn "
@@ -157,7 +160,8 @@ def main(argv):
           max_new_tokens=MAX_NEW_TOKENS.value, repeats=REPEATS.value,
           temperature=TEMPERATURE.value, topk=TOPK.value, topp=TOPP.value, gamma=GAMMA.value,
           batch_size=BATCH_SIZE.value, seed=SEED.value,
-          max_input_length=MAX_INPUT_LENGTH.value, chat_template=CHAT_TEMPLATE.value,
+          max_input_length=MAX_INPUT_LENGTH.value, width_factor=WIDTH_FACTOR.value,
+          chat_template=CHAT_TEMPLATE.value,
           gin_files=GIN_FILES.value, gin_bindings=GIN_BINDINGS.value,
           gin_search_paths=GIN_SEARCH_PATHS.value, scale_to=SCALE_TO.value))
       result = evaluate(prepared, OUTPUT_DIR.value, PLOT.value, progress=_progress,

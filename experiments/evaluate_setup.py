@@ -47,6 +47,7 @@ class Options:
   batch_size: Optional[int] = None
   seed: int = 0
   max_input_length: int = 2048
+  width_factor: int = 2
   chat_template: str = "auto"
   gin_files: Sequence[str] = ()
   gin_bindings: Sequence[str] = ()
@@ -87,6 +88,7 @@ def _check_options(options: Options) -> None:
   for name, value, low in (("repeats", options.repeats, 1), ("gamma", options.gamma, 1),
                            ("batch_size", options.batch_size or 1, 1),
                            ("max_input_length", options.max_input_length, 2),
+                           ("width_factor", options.width_factor, 2),
                            ("max_new_tokens", options.max_new_tokens or 1, 1)):
     if value < low:
       problems.append(f"--{name} must be >= {low}, got {value}")
@@ -300,7 +302,8 @@ def prepare(options: Options) -> Prepared:
   settings = runner.Settings(max_new_tokens=steps, repeats=options.repeats, batch_size=batch_size,
                              temperature=options.temperature, topk=options.topk,
                              topp=options.topp, seed=options.seed,
-                             max_input_length=options.max_input_length)
+                             max_input_length=options.max_input_length,
+                             width_factor=options.width_factor)
   _check_prompts(subject, benchmark, settings)
   for note in notes:
     logging.info("%s", note)

@@ -62,6 +62,8 @@ class Settings:
     category's questions streamed through that many slots by `generate_many`, turn by
     turn, each call timed whole and its seconds shared among its inputs by their
     tokens (so every input of a call shows the call's tokens/s).
+  width_factor: prompts are padded to 32 x width_factor^k tokens (`padded_width`): one
+    compiled program per method and width.
   """
   max_new_tokens: int = 1024
   repeats: int = 3
@@ -71,6 +73,7 @@ class Settings:
   seed: int = 0
   max_input_length: int = 2048
   batch_size: int = 1
+  width_factor: int = 2
 
   @property
   def greedy(self) -> bool:
@@ -105,12 +108,13 @@ def prompt_ids(subject: Subject, turns: Sequence[str], answers: Sequence[str]) -
   return list(subject.tokenizer.encode(prompt))
 
 
-def padded_width(length: int, cap: int) -> int:
-  """The width a prompt of `length` ids is padded to: MIN_WIDTH doubled until it holds
-  the prompt and its T5 EOS, at most `cap`."""
+def padded_width(length: int, cap: int, factor: int = 2) -> int:
+  """The width a prompt of `length` ids is padded to: MIN_WIDTH times `factor` until it
+  holds the prompt and its T5 EOS, at most `cap` (factor 4 compiles half the programs
+  of factor 2 for a benchmark of varied lengths, and pads up to 4x)."""
   width = MIN_WIDTH
   while width < length + 1 and width < cap:
-    width *= 2
+    width *= factor
   return min(width, cap)
 
 
@@ -142,7 +146,7 @@ class Decoder:
     """(inputs [1, C], prompt_lengths [1] or None) of one prompt."""
     target = self.subject.target
     family, config = family_of(target), target.config
-    width = padded_width(len(ids), self.settings.max_input_length)
+    width = padded_width(len(ids), self.settings.max_input_length, self.settings.width_factor)
     if family.name != "t5" and len(ids) > width:
       raise ValueError(f"a prompt of {len(ids)} tokens is longer than --max_input_length="
                        f"{self.settings.max_input_length}: raise it, or shorten the input")
