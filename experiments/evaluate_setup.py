@@ -208,8 +208,11 @@ def _benchmark(options: Options, demo_path: Optional[str]) -> Benchmark:
     return _table2_benchmark(options)
   else:
     source = options.benchmark
-  return benchmarks.load_benchmark(source, categories=options.categories,
-                                   limit_per_category=options.limit_per_category)
+  benchmark = benchmarks.load_benchmark(source, categories=options.categories,
+                                        limit_per_category=options.limit_per_category)
+  if options.benchmark == "demo":
+    benchmark = dataclasses.replace(benchmark, name=f"demo mini-benchmark ({options.pair})")
+  return benchmark
 
 
 def _table2_benchmark(options: Options) -> Benchmark:
