@@ -239,7 +239,7 @@ def test_a_wrong_verifier_fails_the_equality_check(tmp_path, monkeypatch):
   prepared = setup_lib.dataclasses.replace(
       prepared, methods=dict(prepared.methods, wrong=wrong),
       settings=setup_lib.dataclasses.replace(prepared.settings, repeats=1))
-  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False)
+  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False, costs=False)
   equality = result["equality"]
   assert not equality["passed"]
   assert "model" not in equality["differing"]
@@ -291,7 +291,8 @@ def test_prompt_past_the_positions_is_refused(tmp_path, no_decode):
 
 
 def test_bad_flags(tmp_path, no_decode):
-  with pytest.raises(ValueError, match="unknown pair 'demo_llama'.*or a demo pair: demo_decoder_only"):
+  with pytest.raises(ValueError,
+                     match="unknown pair 'demo_llama'.*or a demo pair: demo_decoder_only"):
     setup_lib.prepare(setup_lib.Options(pair="demo_llama"))
   with pytest.raises(ValueError, match="--repeats must be >= 1"):
     setup_lib.prepare(setup_lib.Options(pair="demo_t5", repeats=0))
@@ -306,7 +307,7 @@ def test_batches_through_slots_keep_outputs_exact(tmp_path):
   assert prepared.settings.batch_size == 2
   prepared = setup_lib.dataclasses.replace(
       prepared, settings=setup_lib.dataclasses.replace(prepared.settings, repeats=1))
-  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False)
+  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False, costs=False)
   assert result["equality"]["passed"], result["equality"]
   records = [json.loads(p.read_text()) for p in (tmp_path / "out" / "records" / "model").iterdir()]
   completion = [r for r in records if r["category"] == "completion"]

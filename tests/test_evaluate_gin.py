@@ -61,6 +61,11 @@ def test_gin_methods_on_a_local_pair(pairs, tmp_path):  # noqa: F811
     assert overall["equal"] == overall["total"] == 3
     assert overall["tau"] >= 1.0
   assert str(target) in json.dumps(json.loads((tmp_path / "out" / "identity.json").read_text()))
+  # The theory's columns: the draft model's c timed, the tables' taken as 0.
+  model = result["methods"]["model"]
+  assert model["c"] > 0 and model["verify_cost"] > 0 and model["predicted_speedup"] > 0
+  assert result["methods"]["prompt_lookup"]["c"] is None
+  assert result["methods"]["tree"]["draft_calls"] == 3
 
 
 def test_multi_turn_through_the_chat_template(pairs, tmp_path):  # noqa: F811
@@ -71,7 +76,7 @@ def test_multi_turn_through_the_chat_template(pairs, tmp_path):  # noqa: F811
                                    f"DRAFT_CHECKPOINT = '{draft}'"], methods=["model"],
       max_input_length=64))
   assert prepared.subject.template is not None
-  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False)
+  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False, costs=False)
   assert result["equality"]["passed"]
   record = json.loads(next((tmp_path / "out" / "records" / "model").iterdir()).read_text())
   tokenizer = text.checkpoint_tokenizer(str(target))
@@ -102,7 +107,8 @@ def test_table2_drafts_and_tasks_at_both_temperatures(pairs, tmp_path):  # noqa:
         "table2", bindings, pair=None, gin_files=[setup_lib.TABLE2_GIN],
         methods=["small", "base", "large"], temperature=temperature, repeats=2))
     assert prepared.benchmark.categories == ["ende", "cnndm"]
-    result = evaluate_lib.evaluate(prepared, str(tmp_path / f"t{temperature:g}"), plot=False)
+    result = evaluate_lib.evaluate(prepared, str(tmp_path / f"t{temperature:g}"), plot=False,
+                                   costs=False)
     assert set(result["methods"]) == {"vanilla", "small", "base", "large"}
     if temperature == 0.0:
       assert result["equality"]["passed"]

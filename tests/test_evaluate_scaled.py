@@ -51,7 +51,7 @@ def test_scaled_t5_pair_is_exact(tmp_path):
   assert prepared.methods["pard"].draft.model.config.emb_dim == 256
   assert prepared.methods["eagle"].draft.config.emb_dim == 512
   out = tmp_path / "out"
-  result = evaluate_lib.evaluate(prepared, str(out), plot=False)
+  result = evaluate_lib.evaluate(prepared, str(out), plot=False, costs=False)
   assert result["equality"]["passed"], result["equality"]
   assert result["methods"]["eagle"]["overall"]["equal"] == len(QUESTIONS)
   assert result["methods"]["model"]["overall"]["tau"] > 1
@@ -74,7 +74,7 @@ def test_accelerator_path_trees_fit_block_width_8(tmp_path, monkeypatch):
             for n, m in prepared.methods.items()}
   assert widths == {"vanilla": 8, "tree": 8, "dynamic_tree": 8}
   assert tuple(prepared.methods["tree"].draft.shape.branching) == methods_lib.FIXED_WIDTH_TREE
-  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False)
+  result = evaluate_lib.evaluate(prepared, str(tmp_path / "out"), plot=False, costs=False)
   assert result["equality"]["passed"], result["equality"]
 
 

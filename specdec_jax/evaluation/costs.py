@@ -59,8 +59,9 @@ def method_costs(target, probe_inputs, probe_lengths, max_decode_steps: int, met
   steps are timed on; widths: each method's block width W; figures: results.json's
   per-method figures (their overall τ)."""
   def step(model, k: int) -> float:
-    return block_step_seconds(model, probe_inputs, k, max_decode_steps, TIMING_REPEATS,
-                              lengths=probe_lengths)
+    # The cache must hold a k-token block even when the answers are shorter.
+    return block_step_seconds(model, probe_inputs, k, max(max_decode_steps, k + 1),
+                              TIMING_REPEATS, lengths=probe_lengths)
 
   target_step = step(target, 1)
   verify_costs: Dict[int, float] = {}
