@@ -56,7 +56,7 @@ demo-methods: $(VENV)/.core
 # Issue 51: the standard evaluation (Spec-Bench's table: every method x every category,
 # speedup, tau, equality) for both demo pairs on their shipped mini-benchmarks
 # (demo_pair*/benchmark.jsonl), into EVAL_DIR/<pair>/ (results.json, results.md,
-# speedup_tau.png); a rerun resumes. EVAL_FLAGS adds flags (--repeats=1, --methods=...).
+# speedup_tau.png); a rerun resumes. EVAL_FLAGS adds flags (--runs=1, --methods=...).
 # --width_factor=4: prompts padded to 32, 128 or 512 tokens, so every method compiles two
 # programs a pair, not three (a fresh machine spends most of the run compiling).
 EVAL_DIR ?= results/evaluate

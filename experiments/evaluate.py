@@ -54,7 +54,10 @@ CATEGORIES = flags.DEFINE_list("categories", None, "Only these categories (defau
 LIMIT = flags.DEFINE_integer("limit_per_category", None, "At most N questions a category.")
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Tokens per turn at most "
                                       "(default 1024, Spec-Bench's; a demo pair: its own).")
-REPEATS = flags.DEFINE_integer("repeats", 3, "Timed decodes of every input per method.")
+# --runs, --sampling_seed: not --repeats / --seed, which scripts/benchmark.py and
+# experiments/mini_table2.py define with other meanings (tests import them together).
+REPEATS = flags.DEFINE_integer("runs", 3, "Timed decodes of every input per method, "
+                               "interleaved (Spec-Bench: the mean of 3 runs).")
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy (Spec-Bench); > 0 samples.")
 TOPK = flags.DEFINE_integer("topk", 0, "Sampling: keep the k likeliest tokens (0: all).")
 TOPP = flags.DEFINE_float("topp", None, "Sampling: nucleus mass in (0, 1].")
@@ -63,7 +66,7 @@ BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", None, "Inputs decoded together: 1 (Spec-Bench's; the default), or a "
     "category's inputs through that many generate_many slots (default for SPEED-Bench's "
     "throughput split: its concurrency).")
-SEED = flags.DEFINE_integer("seed", 0, "Root of the sampling keys.")
+SEED = flags.DEFINE_integer("sampling_seed", 0, "Root of the sampling keys.")
 MAX_INPUT_LENGTH = flags.DEFINE_integer("max_input_length", 2048, "The widest prompt.")
 WIDTH_FACTOR = flags.DEFINE_integer(
     "width_factor", 2, "Prompts are padded to 32 x width_factor^k tokens: each method "

@@ -122,7 +122,7 @@ def _demo(options: Options):
     pair, scaled = methods_lib.scale_demo_pair(pair, options.scale_to)
   else:
     pair, scaled = demo_pair_lib.load_demo_pair(PAIRS[options.pair]), None
-  known = list(methods_lib._demo_builders(pair))
+  known = list(methods_lib.demo_builders(pair))
   names = _method_names(options.methods, known)
   built = methods_lib.demo_methods(pair, names, options.gamma)
   if scaled:

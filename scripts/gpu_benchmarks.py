@@ -571,7 +571,7 @@ def run_evaluate() -> Dict[str, Any]:
       per_category = 1
   command = [sys.executable, "-m", "experiments.evaluate", "--pair=demo_t5", "--benchmark=demo",
              "--methods=all", f"--scale_to={_evaluate_scale_to()}", "--temperature=0",
-             "--batch_size=1", "--chat_template=plain", f"--repeats={REPEATS.value}",
+             "--batch_size=1", "--chat_template=plain", f"--runs={REPEATS.value}",
              f"--limit_per_category={per_category}", f"--output_dir={out}"]
   if categories != ["all"]:
     command.append(f"--categories={','.join(categories)}")

@@ -8,7 +8,6 @@ draft whose tokenizer is not the target's refused before any decode.
 """
 
 import json
-import shutil
 
 import gin
 import pytest
@@ -17,7 +16,7 @@ from experiments import evaluate as evaluate_lib
 from experiments import evaluate_setup as setup_lib
 from specdec_jax import text
 from specdec_jax.evaluation import conversation, runner
-from test_launcher import CORPUS, pairs  # noqa: F401  (the module's checkpoints fixture)
+from test_launcher import draft_with_another_tokenizer, pairs  # noqa: F401  (a fixture)
 
 STEPS = 8
 
@@ -122,14 +121,7 @@ def test_table2_drafts_and_tasks_at_both_temperatures(pairs, tmp_path):  # noqa:
 
 def test_a_draft_with_another_tokenizer_is_refused(pairs, tmp_path, monkeypatch):  # noqa: F811
   target, draft = pairs["llama"]
-  other = tmp_path / "other_draft"
-  shutil.copytree(draft, other)
-  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(
-      vocab_size=90, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False))
-  tok.save(str(other / "tokenizer.json"))
+  other = draft_with_another_tokenizer(draft, tmp_path)
   monkeypatch.setattr(runner, "generate", lambda *a, **k: pytest.fail("decoded"))
   with pytest.raises(ValueError, match="method 'model': the draft checkpoint's tokenizer"):
     setup_lib.prepare(_options(_questions(tmp_path, SINGLE),

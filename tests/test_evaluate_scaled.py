@@ -88,7 +88,7 @@ def test_decoder_only_scaled_pair_is_built():
   shipped = demo_pair.load_demo_pair("decoder_only")
   assert pair.drafts["draft"].config == shipped.drafts["draft"].config
   assert pair.drafts["feature"].config == pair.target.config
-  assert set(methods_lib._demo_builders(pair)) == set(methods_lib._demo_builders(shipped))
+  assert set(methods_lib.demo_builders(pair)) == set(methods_lib.demo_builders(shipped))
 
 
 def test_scale_to_refused_before_decoding(tmp_path):

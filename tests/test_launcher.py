@@ -598,19 +598,25 @@ def test_an_interrupted_run_resumes_to_the_same_results(pairs, tmp_path, monkeyp
     _run(files, bindings + ["GAMMA = 2"], out)
 
 
-def test_results_name_checkpoints_explain_columns_and_warn_on_another_tokenizer(pairs, tmp_path):
-  """results.json names the checkpoints; results.md has a legend; a draft checkpoint whose
-  own tokenizer encodes text differently is warned about (outputs stay exact)."""
-  target_dir, draft_dir = pairs["llama"]
-  other = tmp_path / "other_draft"
+def draft_with_another_tokenizer(draft_dir, tmp_path):
+  """A copy of `draft_dir` whose own tokenizer.json (word level) encodes text otherwise."""
   import shutil
-  shutil.copytree(draft_dir, other)
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  other = tmp_path / "other_draft"
+  shutil.copytree(draft_dir, other)
   tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
   tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(
       vocab_size=90, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False))
   tok.save(str(other / "tokenizer.json"))
+  return other
+
+
+def test_results_name_checkpoints_explain_columns_and_warn_on_another_tokenizer(pairs, tmp_path):
+  """results.json names the checkpoints; results.md has a legend; a draft checkpoint whose
+  own tokenizer encodes text differently is warned about (outputs stay exact)."""
+  target_dir, draft_dir = pairs["llama"]
+  other = draft_with_another_tokenizer(draft_dir, tmp_path)
   out = tmp_path / "out"
   run_lib.parse_gin(["configs/pairs/local.gin"], SMALL + [
       f"TARGET_CHECKPOINT = '{target_dir}'", f"DRAFT_CHECKPOINT = '{other}'"])

@@ -103,7 +103,7 @@ def _tree_shapes(target):
   return FIXED_WIDTH_TREE, FIXED_WIDTH_DYNAMIC_TREE
 
 
-def _demo_builders(pair) -> Dict[str, Callable[[int], Method]]:
+def demo_builders(pair) -> Dict[str, Callable[[int], Method]]:
   """{name: gamma -> Method} for what `pair` ships."""
   describe = DEMO_METHODS
   branching, dynamic = _tree_shapes(pair.target)
@@ -157,7 +157,7 @@ def demo_methods(pair, names: Sequence[str], gamma: int = DEFAULT_GAMMA,
   names: any of what the pair ships (`DEMO_METHODS`; T5's 'model_tiny' only there).
   gamma: the chains' gamma; gammas: per-method overrides ({'prompt_lookup': 6}).
   """
-  builders = _demo_builders(pair)
+  builders = demo_builders(pair)
   check_names(names, list(builders), f"the {pair.family} demo pair")
   gammas = dict(gammas or {})
   return {n: builders[n](gammas.get(n, gamma)) for n in with_vanilla(names)}
