@@ -42,7 +42,7 @@ from specdec_jax.families.registry import family_of, is_model
 from specdec_jax.results import atomic_writer, write_json_atomic
 
 # Bump when what a cache file holds, or how it is built, changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: bfloat16 (any ml_dtypes type) stored as its bit pattern
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "specdec_jax", "scaled_pairs")
 DEFAULT_MEMORY_BUDGET = 4 * 1024 ** 3
 # What the process holds besides the embedded arrays (the runtime, the small pair, caches).
@@ -226,11 +226,27 @@ def _file_checksum(path: str) -> int:
   return crc
 
 
+def _storable(x: np.ndarray) -> np.ndarray:
+  """x as .npz can read it back: numpy knows no bfloat16 (ml_dtypes' types load as
+  void, '|V2'), so such an array is stored as its bit pattern, unsigned of its width."""
+  if x.dtype.kind == "V" or x.dtype.type.__module__.startswith("ml_dtypes"):
+    return x.view(np.dtype(f"uint{8 * x.dtype.itemsize}"))
+  return x
+
+
+def _restored(x: np.ndarray, dtype) -> np.ndarray:
+  """The inverse of `_storable` for an array that should be `dtype`."""
+  dtype = np.dtype(dtype)
+  if x.dtype != dtype and x.dtype.kind == "u" and x.dtype.itemsize == dtype.itemsize:
+    return x.view(dtype)
+  return x
+
+
 def _write_cache(path: str, key: str, arrays: Dict[str, Any]) -> None:
   """arrays {group/path: array} to path (.npz, streamed, atomic), then its manifest (.json):
   a cache entry is complete when its manifest exists and matches."""
   with atomic_writer(path) as f:
-    np.savez(f, **{name: np.asarray(x) for name, x in arrays.items()})
+    np.savez(f, **{name: _storable(np.asarray(x)) for name, x in arrays.items()})
   write_json_atomic(path + ".json", dict(key=key, checksum=_file_checksum(path),
                                           bytes=os.path.getsize(path),
                                           arrays=sorted(arrays)))
@@ -254,7 +270,7 @@ def _read_cache(path: str, key: str, expected: Dict[str, Any]) -> Optional[Dict[
       if sorted(npz.files) != sorted(expected):
         raise ValueError("it holds other arrays than this pair needs")
       for name, want in expected.items():
-        x = npz[name]
+        x = _restored(npz[name], want.dtype)
         if x.shape != tuple(want.shape) or x.dtype != np.dtype(want.dtype):
           raise ValueError(f"{name} is {x.dtype}{list(x.shape)}, expected "
                            f"{np.dtype(want.dtype)}{list(want.shape)}")

@@ -4,6 +4,7 @@ file is corrupted), the memory budget checked before any work, the kernel layout
 "identical outputs" that is computed (a lossy rule reads "no")."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,12 @@ def test_cache_is_reused_rebuilt_when_inputs_change_and_when_corrupted(tmp_path)
   # The dtype is an input too.
   other = sj.scale_pair(pair, shape, dtype="bfloat16", cache_dir=str(tmp_path), log=None)
   assert not other.from_cache and other.target.config.dtype == "bfloat16"
+  # ... and read back as bfloat16, bit for bit (numpy alone loads it as '|V2').
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    back = sj.scale_pair(pair, shape, dtype="bfloat16", cache_dir=str(tmp_path), log=None)
+  assert back.from_cache
+  jax.tree_util.tree_map(np.testing.assert_array_equal, back.target.params, other.target.params)
 
   # A corrupted file: a warning naming it, then rebuilt (and the same function).
   rebuilt = sj.scale_pair(pair, shape, cache_dir=str(tmp_path), log=None)
