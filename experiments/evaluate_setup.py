@@ -241,22 +241,15 @@ def _check_prompts(subject: runner.Subject, benchmark: Benchmark,
   """Every first turn must fit the target (later turns grow with the answers: checked as
   they come)."""
   family, config = family_of(subject.target), subject.target.config
+  decoder = runner.Decoder(subject, settings)
   for question in benchmark.questions:
     ids = runner.prompt_ids(subject, question.turns[:1], [])
-    if not ids:
-      raise ValueError(f"question {question.question_id} ({question.category}): its first "
-                       "turn encodes to no tokens")
-    if family.name == "t5":
-      continue
-    if len(ids) > settings.max_input_length:
-      raise ValueError(f"question {question.question_id} ({question.category}): {len(ids)} "
-                       f"prompt tokens, more than --max_input_length={settings.max_input_length}")
-    limit = getattr(config, "max_positions", None)
-    if limit is not None and len(ids) + settings.max_new_tokens - 1 > limit:
-      raise ValueError(
-          f"question {question.question_id} ({question.category}): {len(ids)} prompt tokens + "
-          f"--max_new_tokens={settings.max_new_tokens} exceed the target's {limit} positions: "
-          "lower --max_new_tokens or drop the question (--categories)")
+    try:  # The family's own checks: width, positions (learned tables), token ids.
+      inputs, lengths = decoder.inputs(ids)
+      family.check_inputs(config, inputs, lengths, settings.max_new_tokens)
+    except ValueError as e:
+      raise ValueError(f"question {question.question_id} ({question.category}): {e}; lower "
+                       "--max_new_tokens or drop the question (--categories)") from None
 
 
 def _identity(options: Options, benchmark: Benchmark, methods: Dict[str, Method],

@@ -147,10 +147,11 @@ class Decoder:
     target = self.subject.target
     family, config = family_of(target), target.config
     width = padded_width(len(ids), self.settings.max_input_length, self.settings.width_factor)
-    if family.name != "t5" and len(ids) > width:
-      raise ValueError(f"a prompt of {len(ids)} tokens is longer than --max_input_length="
-                       f"{self.settings.max_input_length}: raise it, or shorten the input")
-    return family.text_inputs(config, [ids], width)
+    try:  # The family's convention: a prompt longer than the width is refused, T5 cuts.
+      return family.text_inputs(config, [ids], width)
+    except ValueError as e:
+      raise ValueError(f"{e} (--max_input_length is {self.settings.max_input_length}: raise "
+                       "it, or shorten the input)") from None
 
   def _kwargs(self, method: Method, rng, width: Optional[int]) -> Dict[str, Any]:
     kwargs = dict(temperature=self.settings.temperature, topk=self.settings.topk,
