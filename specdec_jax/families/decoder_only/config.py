@@ -168,6 +168,12 @@ class DecoderOnlyConfig:
     swiglu_limit / swiglu_alpha: gpt-oss's clamped SwiGLU experts: gate clamped above
       and up on both sides at the limit, (up + 1) * gate * sigmoid(alpha * gate); gpt-oss
       also has router and expert biases and per-head attention sinks.
+    attention_chunk: a cached block's self-attention reads the cache this many keys at
+      a time, only up to the block's last write (and, on a sliding-window layer, from
+      its lowest query's position - window): a step costs the tokens written, not the
+      cache allocated (`prefix_attention`). Caches of at most this many positions are
+      read whole; 0 reads every cache whole. The result does not depend on the cache's
+      length; against whole-cache reading it differs in float rounding only.
   """
   family: str = "llama"
   vocab_size: int = 32000
@@ -231,10 +237,14 @@ class DecoderOnlyConfig:
   first_k_dense_replace: int = 0
   swiglu_limit: Optional[float] = None
   swiglu_alpha: float = 1.702
+  attention_chunk: int = 256
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"DecoderOnlyConfig.family must be one of {FAMILIES}, got {self.family!r}")
+    if int(self.attention_chunk) != self.attention_chunk or self.attention_chunk < 0:
+      raise ValueError(f"DecoderOnlyConfig.attention_chunk must be an int >= 0 (0: read the "
+                       f"whole cache), got {self.attention_chunk!r}")
     for field in ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "mlp_dim", "max_positions", "rope_original_max_positions"):
       value = getattr(self, field)

@@ -173,14 +173,15 @@ import numpy as np
 from specdec_jax.core import rows
 from specdec_jax.core.token_tree import TreeAttention, tree_positions
 from specdec_jax.families.decoder_only.config import DecoderOnlyConfig
+from specdec_jax.families.decoder_only.prefix_attention import MASK_VALUE, KeyMask, attend
 from specdec_jax.families.kernel_layout import kernel_shape, project
 
 Array = jax.Array
 Cache = Dict[str, Any]
 
 # Large negative instead of -inf so a fully masked row gives a uniform softmax
-# rather than NaN.
-_MASK_VALUE = -1e10
+# rather than NaN (heads build their own mask arrays with it).
+_MASK_VALUE = MASK_VALUE
 
 # HF initialises every weight of these models with normal(0.02).
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -363,51 +364,6 @@ def _set_block(cache: Array, block: Array, positions: Array) -> Array:
   return cache.at[jnp.arange(batch)[:, None], index].set(block.astype(cache.dtype), mode="drop")
 
 
-def _attend(query: Array, key: Array, value: Array, bias: Array, num_kv_heads: int,
-            scale: float, softcap: Optional[float] = None, sinks: Optional[Array] = None
-            ) -> Array:
-  """Grouped-query dot-product attention, scores multiplied by `scale`.
-
-  Query head h reads key/value head h // (heads / kv_heads), as HF's
-  `repeat_kv` does, without materialising the repeated keys. With `softcap`
-  (Gemma 2) scaled scores become softcap * tanh(scores / softcap) before the
-  mask is added, HF's order.
-
-  With `sinks` (gpt-oss, [heads]) head h's softmax denominator also holds exp(sinks[h]),
-  a logit no value belongs to (transformers' eager_attention_forward concatenates it
-  and drops its probability).
-
-  Args:
-    query: [batch, q, heads, head_dim]; key: [batch, k, kv_heads, head_dim]; value:
-      [batch, k, kv_heads, value_dim].
-    bias: [batch|1, 1, q, k] float32 (the mask folded in).
-    scale: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5.
-  Returns:
-    [batch, q, heads, value_dim] in the value's dtype.
-  """
-  batch, q_len, heads, head_dim = query.shape
-  groups = heads // num_kv_heads
-  grouped = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-  scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key, preferred_element_type=jnp.float32)
-  scores = scores * np.float32(scale)
-  if softcap is not None:
-    scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
-  scores = scores + bias[:, :, None]
-  # Max and sum as trees (`core.rows`): a reduction's library, so its order, changes
-  # with the batch on XLA CPU, and with it a row's bits.
-  if sinks is None:
-    weights = rows.softmax(scores, axis=-1).astype(value.dtype)
-  else:
-    # Query head h = kv head h // groups, group h % groups (the reshape above).
-    sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, groups, 1, 1)
-    top = jnp.maximum(rows.row_max(scores), sink)
-    exp = jnp.exp(scores - top)
-    weights = (exp / (rows.row_sum(exp) + jnp.exp(sink - top))).astype(
-        value.dtype)
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value)
-  return out.reshape(batch, q_len, heads, value.shape[-1])
-
-
 class Attention(nn.Module):
   """Causal self-attention with q/k/v/o projections, rotary for Llama/Qwen2."""
   config: DecoderOnlyConfig
@@ -428,9 +384,10 @@ class Attention(nn.Module):
     x = x.reshape(x.shape[:-1] + (heads, self.config.head_dim))
     return _axes(x, ("batch", "length", "heads", "kv"))
 
-  def __call__(self, x: Array, bias: Array, rotary: Optional[Tuple[Array, Array]],
+  def __call__(self, x: Array, mask, rotary: Optional[Tuple[Array, Array]],
                layer_cache: Optional[Dict[str, Array]], positions: Optional[Array]):
-    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None)."""
+    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None); mask: a
+    `prefix_attention.KeyMask`, or [batch|1, 1, q, keys] float32 (heads' own masks)."""
     cfg = self.config
     query = self._split(self.q_proj(x), cfg.num_heads)
     key = self._split(self.k_proj(x), cfg.num_kv_heads)
@@ -446,8 +403,9 @@ class Attention(nn.Module):
       key = _set_block(layer_cache["self_key"], key, positions)
       value = _set_block(layer_cache["self_value"], value, positions)
       new_cache = dict(layer_cache, self_key=key, self_value=value)
-    heads = _attend(query, key, value, bias, cfg.num_kv_heads, cfg.attention_scale,
-                    cfg.attn_logit_softcap, self.sinks if cfg.attention_sinks else None)
+    heads = attend(query, key, value, mask, cfg.num_kv_heads, cfg.attention_scale,
+                   cfg.attn_logit_softcap, self.sinks if cfg.attention_sinks else None,
+                   cfg.attention_chunk)
     return self.o_proj(heads.reshape(heads.shape[:-2] + (-1,))), new_cache
 
 
@@ -470,9 +428,10 @@ class MlaAttention(nn.Module):
     self.kv_b_proj = Dense(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg)
     self.o_proj = Dense(cfg.emb_dim, cfg, cfg.out_bias)
 
-  def __call__(self, x: Array, bias: Array, rotary: Tuple[Array, Array],
+  def __call__(self, x: Array, mask, rotary: Tuple[Array, Array],
                layer_cache: Optional[Dict[str, Array]], positions: Optional[Array]):
-    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None)."""
+    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None); mask as
+    `Attention`'s."""
     cfg = self.config
     batch, q_len = x.shape[:2]
     heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -501,7 +460,8 @@ class MlaAttention(nn.Module):
       key = _set_block(layer_cache["self_key"], key, positions)
       value = _set_block(layer_cache["self_value"], value, positions)
       new_cache = dict(layer_cache, self_key=key, self_value=value)
-    out = _attend(query, key, value, bias, heads, cfg.attention_scale)
+    out = attend(query, key, value, mask, heads, cfg.attention_scale,
+                 chunk=cfg.attention_chunk)
     return self.o_proj(out.reshape(batch, q_len, heads * cfg.v_head_dim)), new_cache
 
 
@@ -707,9 +667,9 @@ class DecoderLayer(nn.Module):
       self.post_feedforward_layernorm = Norm(cfg)
     self.mlp = MoeMlp(cfg) if self.moe else Mlp(cfg)
 
-  def __call__(self, x, bias, rotary, layer_cache=None, positions=None):
+  def __call__(self, x, mask, rotary, layer_cache=None, positions=None):
     attended, new_cache = self.self_attn(self.input_layernorm(x) if self.input_norm else x,
-                                         bias, rotary, layer_cache, positions)
+                                         mask, rotary, layer_cache, positions)
     if self.config.sandwich_norms:
       x = x + self.post_attention_layernorm(attended)
       x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -774,24 +734,20 @@ class DecoderOnly(nn.Module):
       x = x * jnp.asarray(cfg.emb_dim ** 0.5, x.dtype)
     if not cfg.uses_rotary:
       x = x + self.embed_positions(query_positions)
+    # Masks by absolute positions: exact for any block of any row, whatever the cache
+    # holds past a row's length or before its window. A cached block reads the cache
+    # in chunks up to its last write (`prefix_attention`).
     if cache is None:
-      key_positions = query_positions
-    elif key_positions is None:
-      key_positions = jnp.arange(cache["layers"][0]["self_key"].shape[1])[None]
-    # Masks by absolute positions [batch|1, 1, q, k]: exact for any block of
-    # any row, whatever the cache holds past a row's length or before its window.
-    query_at = query_positions[:, None, :, None]
-    key_at = key_positions[:, None, None, :]
-    causal = key_at <= query_at
-    if allowed is not None:
-      causal = causal & allowed[:, None]
+      full = KeyMask(query_positions, jnp.int32(tokens.shape[1]), query_positions, allowed)
+    else:
+      full = KeyMask(query_positions, jnp.max(positions) + tokens.shape[1], key_positions,
+                     allowed)
     types = cfg.attention_types
-    biases = {"full_attention": jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)}
+    masks = {"full_attention": full}
     rotaries = {"full_attention": rotary_tables(query_positions, cfg) if cfg.uses_rotary
                 else None}
     if "sliding_attention" in types:
-      in_window = causal & (key_at > query_at - cfg.sliding_window)
-      biases["sliding_attention"] = jnp.where(in_window, 0.0, _MASK_VALUE).astype(jnp.float32)
+      masks["sliding_attention"] = full.with_window(cfg.sliding_window)
       rotaries["sliding_attention"] = (
           rotary_tables(query_positions, cfg, sliding=True)
           if cfg.uses_rotary and cfg.sliding_rope_theta is not None else
@@ -803,7 +759,7 @@ class DecoderOnly(nn.Module):
       if taps is not None and i in taps:
         tapped[i] = x
       layer_cache = None if cache is None else cache["layers"][i]
-      x, new_layer = layer(x, biases[types[i]], rotaries[types[i]], layer_cache, positions)
+      x, new_layer = layer(x, masks[types[i]], rotaries[types[i]], layer_cache, positions)
       new_layers.append(new_layer)
     hidden = self.norm(x)
     if taps is None:
