@@ -100,8 +100,15 @@ def _scores(grouped: Array, keys: Array, scale: float, softcap: Optional[float])
   return scores
 
 
+def _values(key: Array, value) -> Array:
+  """The value array: `value` itself, or (an int n) the keys' first n dimensions (a latent
+  cache whose keys hold the values: DeepSeek's absorbed attention)."""
+  return key[..., :value] if isinstance(value, int) else value
+
+
 def _attend_whole(grouped, key, value, bias, scale, softcap, sinks):
   """One softmax over every key: [b, q, kvh, g, dv] in value's dtype."""
+  value = _values(key, value)
   scores = _scores(grouped, key, scale, softcap) + bias[:, :, None]
   if sinks is None:
     weights = rows.softmax(scores, axis=-1).astype(value.dtype)
@@ -140,22 +147,25 @@ def _attend_chunks(grouped, key, value, mask: KeyMask, scale, softcap, sinks, ch
     start = i * chunk
     inside = start + jnp.arange(chunk) < length
     bias = jnp.where(inside, mask.bias(start, chunk), MASK_VALUE)
-    scores = _scores(grouped, _chunk(key, start, chunk), scale, softcap) + bias[:, :, None]
+    keys = _chunk(key, start, chunk)
+    scores = _scores(grouped, keys, scale, softcap) + bias[:, :, None]
     new_top = jnp.maximum(top, rows.row_max(scores))
     rescale = jnp.exp(top - new_top)
     weights = jnp.exp(scores - new_top)
     total = total * rescale + rows.row_sum(weights)
-    out = out * rescale + jnp.einsum("bhgqk,bkhd->bhgqd", weights.astype(value.dtype),
-                                     _chunk(value, start, chunk), preferred_element_type=f32)
+    values = _values(keys, value) if isinstance(value, int) else _chunk(value, start, chunk)
+    out = out * rescale + jnp.einsum("bhgqk,bkhd->bhgqd", weights.astype(key.dtype), values,
+                                     preferred_element_type=f32)
     return new_top, total, out
 
   if sinks is None:
     top, total = jnp.full(stats, jnp.finfo(f32).min, f32), jnp.zeros(stats, f32)
   else:  # The sink: a first key of logit `sinks` and no value.
     top, total = jnp.broadcast_to(sinks, stats).astype(f32), jnp.ones(stats, f32)
-  out = jnp.zeros(stats[:-1] + (value.shape[-1],), f32)
+  width = value if isinstance(value, int) else value.shape[-1]
+  out = jnp.zeros(stats[:-1] + (width,), f32)
   _, total, out = jax.lax.fori_loop(first, last, merge, (top, total, out))
-  return jnp.moveaxis(out / total, 3, 1).astype(value.dtype)
+  return jnp.moveaxis(out / total, 3, 1).astype(key.dtype)
 
 
 def attend(query: Array, key: Array, value: Array, mask: Union[KeyMask, Array],
@@ -172,7 +182,8 @@ def attend(query: Array, key: Array, value: Array, mask: Union[KeyMask, Array],
 
   Args:
     query: [batch, q, heads, head_dim]; key: [batch, L, kv_heads, head_dim]; value:
-      [batch, L, kv_heads, value_dim].
+      [batch, L, kv_heads, value_dim] (the key's dtype), or an int value_dim: the keys'
+      first value_dim dimensions are the values (a latent cache).
     mask: a `KeyMask` (a cached block: read in chunks up to what was written when L >
       chunk), or an array [batch|1, 1, q, L] float32 with the mask folded in (read whole).
     scale: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5.
@@ -191,4 +202,4 @@ def attend(query: Array, key: Array, value: Array, mask: Union[KeyMask, Array],
   else:
     bias = mask.bias(0, key.shape[1]) if isinstance(mask, KeyMask) else mask
     out = _attend_whole(grouped, key, value, bias, scale, softcap, sinks)
-  return out.reshape(batch, q_len, heads, value.shape[-1])
+  return out.reshape(batch, q_len, heads, out.shape[-1])
