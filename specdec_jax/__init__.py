@@ -7,7 +7,8 @@ Layers (each a folder or module; nothing imports upward from `core/`):
              (t5/, decoder_only/): network, fused decode, configs, checkpoints, axes
   drafts/    ModelDraft, NgramDraft, PromptLookupDraft, AdaptiveGammaDraft, TreeDraft,
              FeatureDraft, MedusaDraft, ParallelDraft and DFlashDraft (parallel.py: one-call
-             drafters), MtpDraft (a checkpoint's own MTP modules)
+             drafters), MtpDraft (a checkpoint's own MTP modules), SparseCacheDraft (the
+             target over a budgeted view of its own cache)
   generation.py (staged: settings.py, placement.py, memory.py, programs.py), slots.py
   (generate_many), loading.py, sharding.py, multihost.py, scaled_pair.py the entry points (scaled_pair: a trained
                                            pair embedded at a large model's cost)
@@ -32,8 +33,8 @@ from specdec_jax.core.token_tree import TreeShape
 from specdec_jax.drafts import (AdaptiveGammaDraft, DFlashDraft, Draft, DraftStart,
                                 DynamicTreeDraft, FeatureDraft, MedusaDraft, ModelDraft,
                                 MtpDraft, NgramDraft, ParallelDraft, ParallelDrafter,
-                                PromptLookupDraft, ProposalPlan, Reads, TreeDraft, as_draft,
-                                chain_proposer, target_features)
+                                PromptLookupDraft, ProposalPlan, Reads, SparseCacheDraft,
+                                TreeDraft, as_draft, chain_proposer, target_features)
 from specdec_jax.core.decoding import ChainProposer, TargetFns
 from specdec_jax.core.sampling import Sampling
 from specdec_jax.core.tree_decoding import TreeProposer

@@ -17,6 +17,8 @@
   block of masks in one call (both families; T5's also cross-attends to the encoder).
 * `MtpDraft`: a checkpoint's own multi-token-prediction modules (DeepSeek-V3, Qwen3-Next,
   MiMo) drafting through the feature-draft machinery (`sj.load_mtp_draft`).
+* `SparseCacheDraft`: the target itself over a budgeted view of its own cache (a
+  StreamingLLM window or TriForce-style retrieved chunks), no second model.
 """
 
 from specdec_jax.drafts.base import (NOTHING, Draft, DraftStart, ProposalPlan, Reads,  # noqa: F401
@@ -44,3 +46,4 @@ from specdec_jax.drafts.pard import ParallelDraft  # noqa: E402,F401
 from specdec_jax.drafts.parallel import ParallelDrafter  # noqa: E402,F401
 from specdec_jax.drafts.dflash import DFlashDraft  # noqa: E402,F401
 from specdec_jax.drafts.mtp import MtpDraft  # noqa: E402,F401
+from specdec_jax.drafts.sparse_cache import SparseCacheDraft  # noqa: E402,F401

@@ -352,6 +352,16 @@ class Family(abc.ABC):
     return EmbeddingError(f"the {self.name} family has no function-preserving embedding into "
                           "a larger shape")
 
+  # -- Sparse views (self-speculation) --------------------------------------
+
+  def sparse_view(self, config, params):
+    """A `families.sparse_view.SparseView` of this family's cache for a target of `config`
+    with `params` (traced), which `drafts.sparse_cache.SparseCacheDraft` drafts through.
+    The default says the family gives none."""
+    raise ValueError(f"the {self.name} family gives no budgeted view of its cache "
+                     f"({type(self).__name__}.sparse_view): a SparseCacheDraft cannot serve "
+                     "it; use a model, n-gram or prompt-lookup draft")
+
   # -- Token trees -----------------------------------------------------------
 
   def _no_trees(self, what: str) -> ValueError:

@@ -29,6 +29,7 @@ from specdec_jax.families.base import Context, DecodeStart, Family
 from specdec_jax.families.decoder_only import batch as lm_data
 from specdec_jax.families.decoder_only import checkpoints, eagle_checkpoints, embed
 from specdec_jax.families.decoder_only import sharding as decoder_only_sharding
+from specdec_jax.families.decoder_only import sparse_view as decoder_only_sparse_view
 from specdec_jax.families.decoder_only.feature_head import DecoderOnlyFeatureHead
 from specdec_jax.families.decoder_only.config import (DECODER_CONFIGS, DecoderOnlyConfig,
                                                       canonical_name)
@@ -123,6 +124,9 @@ class DecoderOnlyFamily(Family):
 
   def block_fn(self, config: DecoderOnlyConfig, params):
     return absolute_block_fn(config, params)
+
+  def sparse_view(self, config: DecoderOnlyConfig, params):
+    return decoder_only_sparse_view.sparse_view(config, params)
 
   # -- Features (feature drafts) -------------------------------------------
 

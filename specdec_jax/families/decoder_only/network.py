@@ -866,3 +866,13 @@ class DecoderOnly(nn.Module):
     # would dwarf the cache for long prompts and large vocabularies.
     last = hidden[jnp.arange(batch), prompt_lengths - 1]
     return self.project_logits(last), dict(cache, layers=layers)
+
+  def decode_view(self, tokens: Array, query_positions: Array, write_index: Array,
+                  cache: Cache, key_positions: Array) -> Tuple[Array, Cache]:
+    """Scores tokens [batch, k] at absolute query_positions [batch, k] from a compact cache
+    whose index i holds the key of absolute position key_positions[b, i] ([batch, L]; a
+    position past every query hides it), writing the block at cache indices
+    write_index [batch] + 0..k-1 (`families/decoder_only/sparse_view.py`). Returns
+    (logits [batch, k, vocab] float32, cache)."""
+    hidden, layers = self._hidden(tokens, query_positions, cache, write_index, key_positions)
+    return self.project_logits(hidden), dict(cache, layers=layers)
