@@ -145,6 +145,8 @@ def _gin_subject(options: Options):
   specs = {"model": exp.draft, **extra}
   specs.update({"prompt_lookup": run_lib.DraftKind("prompt_lookup"),
                 "ngram": run_lib.DraftKind("ngram")})
+  specs.update({"sparse_cache": run_lib.DraftKind("sparse_cache"),
+                "sparse_retrieval": run_lib.DraftKind("sparse_cache", policy="retrieval")})
   for name, kind in (("eagle", "feature"), ("medusa", "medusa"), ("dflash", "dflash"),
                      ("pard", "parallel")):
     if name in paths:
@@ -162,6 +164,10 @@ def _gin_subject(options: Options):
         raise ValueError(f"method {name!r}: {warning} (cross-tokenizer drafts are not "
                          "served by the harness)")
   target = run_lib.load_spec(exp.target, "target")
+  if list(options.methods) in (["all"], []) and not family_of(target).supports_sparse_view:
+    # 'all' means what this target can run; asked for by name, the draft says why not.
+    names = [n for n in names if specs.get(n) is None or
+             getattr(specs[n], "kind", None) != "sparse_cache"]
   return exp, tokenizer, target, specs, names
 
 

@@ -82,7 +82,7 @@ from specdec_jax.tools.profiling import block_step_seconds
 from specdec_jax.core.token_tree import TreeShape
 from specdec_jax.drafts import (DFlashDraft, Draft, DynamicTreeDraft, FeatureDraft,
                                 MedusaDraft, ModelDraft, NgramDraft, ParallelDraft,
-                                PromptLookupDraft, TreeDraft)
+                                PromptLookupDraft, SparseCacheDraft, TreeDraft)
 from specdec_jax.drafts.tree_draft import LAWS as TREE_LAWS
 from specdec_jax.core.outputs import SpeculativeStats
 from specdec_jax.families.hub import check_hub_id, looks_like_hub_id
@@ -271,8 +271,13 @@ class DraftKind(DraftSpec):
       configs/drafts/feature.gin), or a drafter that fills a whole proposal in
       one call: 'medusa' (`MedusaDraft`), 'dflash' (`DFlashDraft`;
       configs/drafts/dflash.gin) or 'parallel' (PARD, `ParallelDraft`;
-      configs/drafts/parallel.gin).
+      configs/drafts/parallel.gin); or 'sparse_cache' (the target drafting for itself
+      from a budgeted view of its own cache, `SparseCacheDraft`;
+      configs/drafts/sparse_cache.gin).
     max_ngram / min_ngram: prompt lookup's n-gram lengths.
+    budget / policy / sinks / chunk: 'sparse_cache': the cache positions each draft
+      step reads, 'window' (sinks + most recent) or 'retrieval' (chunks by key
+      similarity), the window's sink positions, the retrieval's chunk.
     positions: 'dflash' / 'parallel' without a trained drafter: the laws one call
       gives (K; a DFlash block of K + 1).
     path: n-gram: a file `NgramDraft.save` wrote; None fits a bigram on the
@@ -292,8 +297,13 @@ class DraftKind(DraftSpec):
   min_ngram: int = 1
   path: Optional[str] = None
   positions: int = 4
+  budget: int = 256
+  policy: str = "window"
+  sinks: int = 4
+  chunk: int = 32
 
-  KINDS = ("prompt_lookup", "ngram", "feature", "medusa", "dflash", "parallel")
+  KINDS = ("prompt_lookup", "ngram", "feature", "medusa", "dflash", "parallel",
+           "sparse_cache")
   # Kinds built from the target's own arrays (they are built again for a placed target).
   READS_TARGET = ("feature", "medusa", "dflash")
 
@@ -326,6 +336,8 @@ class DraftKind(DraftSpec):
       return self._head_draft(target)
     if self.kind == "parallel":
       return self._parallel_draft(target)
+    if self.kind == "sparse_cache":
+      return self._sparse_cache_draft(target)
     if self.kind == "prompt_lookup":
       return PromptLookupDraft(target_config.vocab_size, self.max_ngram, self.min_ngram)
     if self.path is not None:
@@ -335,8 +347,15 @@ class DraftKind(DraftSpec):
                           pad_id=target_config.pad_id)
 
   def place(self, draft: Draft, target, partitioner: sharding.Partitioner) -> Draft:
-    # Heads read the target's arrays: built again from the placed target.
+    # Heads and the sparse-cache draft read the target's arrays: built again from the
+    # placed target.
+    if self.kind == "sparse_cache":
+      return self._sparse_cache_draft(target)
     return self._head_draft(target) if self.kind in self.READS_TARGET else draft
+
+  def _sparse_cache_draft(self, target) -> Draft:
+    return SparseCacheDraft(target, budget=self.budget, policy=self.policy, sinks=self.sinks,
+                            chunk=self.chunk)
 
   def _head_draft(self, target) -> Draft:
     """A feature, Medusa or DFlash draft: random, trained here (a demo pair directory) or

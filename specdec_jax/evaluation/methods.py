@@ -18,7 +18,8 @@ import os
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from specdec_jax.drafts import (DynamicTreeDraft, ModelDraft, ParallelDraft, PromptLookupDraft,
-                                TreeDraft, as_draft)
+                                SparseCacheDraft, TreeDraft, as_draft)
+from specdec_jax.families.registry import family_of
 
 VANILLA = "vanilla"
 DEFAULT_GAMMA = 4
@@ -59,6 +60,10 @@ class Method:
     return self.draft is None
 
 
+# The sparse-cache self-drafts' budget on the demo pairs: below every demo decode's cache
+# (prompts of >= 32 tokens plus the decode), so it reads part of it.
+SPARSE_BUDGET, SPARSE_SINKS, SPARSE_CHUNK = 32, 4, 8
+
 # name -> what the method is, for --methods' help, the error on an unknown name and
 # results.md's legend. Each builder takes the pair and gamma.
 DEMO_METHODS = {
@@ -80,6 +85,10 @@ DEMO_METHODS = {
     "pard": "the pair's PARD drafter (one call of a small model with mask tokens)",
     "ngram": "the pair's bigram table (NgramDraft, no model)",
     "prompt_lookup": "prompt lookup: copies what followed the context's last 1-3-gram",
+    "sparse_cache": f"the target drafting for itself from {SPARSE_BUDGET} positions of its "
+                    f"cache: {SPARSE_SINKS} sinks + the most recent (decoder-only)",
+    "sparse_retrieval": f"the target drafting for itself from {SPARSE_BUDGET} positions of its "
+                        f"cache: chunks of {SPARSE_CHUNK} retrieved by key (decoder-only)",
 }
 # The draft each head-like method reads from DemoPair.drafts.
 _PAIR_DRAFTS = {"eagle": "feature", "medusa": "medusa", "dflash": "dflash", "pard": "parallel"}
@@ -121,6 +130,13 @@ def demo_builders(pair) -> Dict[str, Callable[[int], Method]]:
       "prompt_lookup": lambda g: Method("prompt_lookup", PromptLookupDraft(
           pair.target.config.vocab_size, 3, 1), g, description=describe["prompt_lookup"]),
   }
+  if family_of(pair.target).supports_sparse_view:
+    builders["sparse_cache"] = lambda g: Method("sparse_cache", SparseCacheDraft(
+        pair.target, SPARSE_BUDGET, "window", sinks=SPARSE_SINKS), g,
+        description=describe["sparse_cache"])
+    builders["sparse_retrieval"] = lambda g: Method("sparse_retrieval", SparseCacheDraft(
+        pair.target, SPARSE_BUDGET, "retrieval", chunk=SPARSE_CHUNK), g,
+        description=describe["sparse_retrieval"])
   if "tiny" in pair.drafts:
     builders["model_tiny"] = lambda g: Method("model_tiny", ModelDraft(pair.drafts["tiny"]), g,
                                               description=describe["model_tiny"])

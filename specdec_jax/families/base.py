@@ -240,12 +240,15 @@ class Family(abc.ABC):
       `self_attention_cache` (so `move_cache` works). False by default: such
       a family decodes chains only, and `check_tree` / `move_cache` refuse a
       tree for it by name.
+    supports_sparse_view: whether `sparse_view` gives a budgeted view of the cache
+      (`SparseCacheDraft`); False by default.
   """
   name: str
   config_type: type
   model_type: type
   supports_trees: bool = False
   supports_features: bool = False
+  supports_sparse_view: bool = False
 
   def __repr__(self) -> str:
     return f"<family {self.name}>"

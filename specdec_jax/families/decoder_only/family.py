@@ -52,6 +52,7 @@ class DecoderOnlyFamily(Family):
   model_type = DecoderOnlyModel
   supports_trees = True
   supports_features = True
+  supports_sparse_view = True
 
   @property
   def architectures(self) -> Tuple[str, ...]:
