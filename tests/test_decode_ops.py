@@ -122,14 +122,14 @@ def test_bad_layouts_and_options_are_named():
         jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), cache)
 
 
-def _prefix_case(dtype):
+def _prefix_case(dtype, attention="dots"):
   """A 3-layer model whose cache rows were filled to different depths, block by block."""
   model = sj.load_model("tiny", dtype=dtype, seed=2, vocab_size=97, num_heads=3, head_dim=8,
                         num_decoder_layers=3)
   prepared = t5_decode.prepare_decode_params(model.params, model.config)
   enc = testing.random_encoder_tokens(3, 7, 97, seed=1)
   block = jax.jit(lambda tokens, positions, cache, chunk: t5_decode.decode_block(
-      prepared, model.config, tokens, positions, cache, "dots", prefix_chunk=chunk),
+      prepared, model.config, tokens, positions, cache, attention, prefix_chunk=chunk),
       static_argnums=3)
 
   def filled_cache(max_len, chunk):
@@ -145,11 +145,14 @@ def _prefix_case(dtype):
 
 
 # bf16 (34 s here) runs in make test-slow (the make test budget); its bits are checked below.
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_prefix_attention_equals_attention_over_the_whole_cache(dtype):
+@pytest.mark.parametrize("dtype,attention", [
+    ("float32", "dots"), ("float32", "in_layout"),
+    pytest.param("bfloat16", "dots", marks=pytest.mark.slow)])
+def test_prefix_attention_equals_attention_over_the_whole_cache(dtype, attention):
   """Chunks that divide the cache and chunks that do not (the last one shifted back),
-  rows at different depths, one row's block running past the cache's end."""
-  block, filled_cache, tokens = _prefix_case(dtype)
+  rows at different depths, one row's block running past the cache's end; on both paths
+  (the prefix loop is every backend's default)."""
+  block, filled_cache, tokens = _prefix_case(dtype, attention)
   positions = jnp.array([40, 20, 98], jnp.int32)
   f32 = lambda x: np.asarray(x, np.float32)
   rtol = 1e-5 if dtype == "float32" else 3e-2

@@ -23,7 +23,7 @@ larger operations (counted per layer by `specdec_jax.tools.hlo_ops`):
   (`attention='in_layout'`) scores and outputs are multiply-and-sum fusions
   into which the softmax fuses (fewest operations); on CPU (`'dots'`),
   batched dots, which XLA CPU runs far faster than its reductions;
-* on CPU, self-attention over a cache longer than `PREFIX_CHUNK` reads only
+* on every backend, self-attention over a cache longer than `PREFIX_CHUNK` reads only
   the positions written so far, a chunk at a time, merged as FlashAttention
   merges them (`_attend_dots_prefix`): a decode step then costs the tokens it
   has, not the cache it was given, and its bits do not depend on how many
@@ -417,9 +417,10 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
     prefix_chunk: self-attention reads only the cache positions written so
       far (up to the batch's max(positions) + k), this many keys at a time
       (`_attend_dots_prefix`), when the cache holds more than this many;
-      0: every position, masked. Default: `PREFIX_CHUNK` on the 'dots' path
-      (CPU), 0 on 'in_layout' (accelerators, where a loop per layer would
-      add launches to a launch-bound step).
+      0: every position, masked. Default: `PREFIX_CHUNK` on every path: on an
+      accelerator a loop per layer adds a few launches to a short cache's step,
+      but a long cache's step then reads what was written, not what was allocated
+      (issue 52); caches of at most `PREFIX_CHUNK` positions attend whole, as before.
   Returns:
     logits [batch, k, vocab] float32 (row b, index j predicts the token
     after token j: at position positions[b] + j + 1 without a tree), and the
@@ -435,7 +436,7 @@ def decode_block(prepared: Prepared, config: T5Config, tokens: Array, positions:
   dtype = jnp.dtype(config.dtype)
   max_len = cache["layers"][0]["self_key"].shape[2]
   if prefix_chunk is None:
-    prefix_chunk = PREFIX_CHUNK if attention == "dots" else 0
+    prefix_chunk = PREFIX_CHUNK
   if int(prefix_chunk) != prefix_chunk or prefix_chunk < 0:
     raise ValueError(f"prefix_chunk must be an int >= 0 (0: attend to the whole cache), "
                      f"got {prefix_chunk!r}")
