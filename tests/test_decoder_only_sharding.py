@@ -226,6 +226,34 @@ def test_multidevice_indivisible_errors_and_replicate_mode(pair):
              partitioner=part_2d)
 
 
+@multidevice
+def test_multidevice_deepseek_latent_cache_replicated_over_model_equals_unsharded():
+  """DeepSeek-V3's latent cache [batch, length, 1, kv_lora + rope] has no heads axis: batch
+  over `data`, replicated over `model` (families/decoder_only/sharding.py), while the
+  absorbed queries split with the heads. Greedy speculative decoding under a 2x4 mesh
+  equals unsharded, and the planner's per-device bytes are the allocated ones."""
+  base = loading.load_model("deepseek_v3_tiny", vocab_size=96, seed=3, dtype="float32")
+  target = DecoderOnlyModel(base.config, jax.tree_util.tree_map(
+      lambda x: x * 3.0 if x.ndim == 2 else x, base.params))
+  draft = loading.load_model("llama_tiny", vocab_size=96, seed=5, dtype="float32")
+  prompts = np.random.RandomState(0).randint(3, 96, (BATCH, WIDTH)).astype(np.int32)
+  target_part, draft_part = sharding.make_partitioners("2,4")
+  sharded = loading.shard_model(target, target_part)
+  cache = sharding.init_sharded_cache(sharded, target_part, prompts, STEPS, LENGTHS)
+  key = cache["layers"][0]["self_key"]
+  assert set(cache["layers"][0]) == {"self_key"} and key.sharding.spec == P("data")
+  plan = memory.plan_memory(target.config, batch=BATCH, context_len=WIDTH, max_decode_len=STEPS,
+                            mesh_shape="2,4")
+  assert memory.device_bytes(cache, jax.devices()[0]) == plan.cache_bytes_per_device == (
+      plan.cache_bytes // 2)
+  kw = dict(max_decode_steps=STEPS, draft=draft, gamma=3, eos_id=-1)
+  want = generate(target, prompts, LENGTHS, **kw)
+  got = generate(sharded, prompts, LENGTHS, partitioner=target_part,
+                 draft_partitioner=draft_part, **kw)
+  np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+  np.testing.assert_array_equal(got.stats.accepted, want.stats.accepted)
+
+
 def _at(tree, key):
   for name in key:
     tree = tree[name]

@@ -487,8 +487,9 @@ def test_named_shapes_hub_configs_and_memory_plan():
     for field in dataclasses.fields(named):
       if field.name not in ("pad_id", "bos_id"):  # gpt-oss's hub file names neither's BOS.
         assert getattr(parsed, field.name) == getattr(named, field.name), (name, field.name)
-  for name, layers, kv, key_dim, value_dim in (("deepseek_v3", 61, 128, 192, 128),
-                                               ("gpt_oss_20b", 24, 8, 64, 64)):
+  # Values cached per token and layer: DeepSeek-V3's latent (512) and rotary key (64);
+  # gpt-oss's 8 kv heads' keys and values (64 + 64 each).
+  for name, layers, per_token in (("deepseek_v3", 61, 512 + 64), ("gpt_oss_20b", 24, 8 * 128)):
     config = DECODER_CONFIGS[name]
     assert family_of(config).name == "decoder_only"
     # Planned from shapes alone (nothing allocated), with a 4-way model axis (the experts'
@@ -497,8 +498,8 @@ def test_named_shapes_hub_configs_and_memory_plan():
                           mesh_shape="1,4", dtype="bfloat16")
     assert plan.params_bytes == 2 * config.num_params
     assert plan.params_bytes_per_device < 0.27 * plan.params_bytes, name
-    # The cache holds full per-head keys and values (DeepSeek: not the latent).
-    assert plan.cache_bytes == 2 * layers * (512 + 127) * kv * (key_dim + value_dim) * 2
+    # DeepSeek: the latent cache (mla_cache 'latent'), replicated over `model`.
+    assert plan.cache_bytes == 2 * layers * (512 + 127) * per_token * 2
   # The tiny named shapes: parameter counts from the abstract tree (both are built and
   # decoded by the per-config tests of test_decoder_only_sharding / load_model).
   for name in ("deepseek_v3_tiny", "gpt_oss_tiny"):

@@ -27,6 +27,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma", "gemma2", "ge
 # DeepSeek-V3).
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 MOE_DISPATCHES = ("auto", "dense", "gather")
+MLA_CACHES = ("latent", "full")  # DecoderOnlyConfig.mla_cache
 ACTIVATIONS = ("silu", "gelu_new", "gelu", "relu")
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -174,6 +175,12 @@ class DecoderOnlyConfig:
       cache allocated (`prefix_attention`). Caches of at most this many positions are
       read whole; 0 reads every cache whole. The result does not depend on the cache's
       length; against whole-cache reading it differs in float rounding only.
+    mla_cache: what a DeepSeek-V3 (multi-head latent attention) cache holds per token and
+      layer. 'latent' (default; DeepSeek's and vLLM's): the normed kv latent and the
+      rotated shared rotary key, kv_lora_rank + qk_rope_head_dim values, attended
+      through the absorbed projections (`network.MlaAttention`); 'full': per-head keys
+      and values, num_heads * (head_dim + v_head_dim) values (~71x the latent for
+      DeepSeek-V3), the same function to float rounding. Other families ignore it.
   """
   family: str = "llama"
   vocab_size: int = 32000
@@ -238,6 +245,7 @@ class DecoderOnlyConfig:
   swiglu_limit: Optional[float] = None
   swiglu_alpha: float = 1.702
   attention_chunk: int = 256
+  mla_cache: str = "latent"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -245,6 +253,10 @@ class DecoderOnlyConfig:
     if int(self.attention_chunk) != self.attention_chunk or self.attention_chunk < 0:
       raise ValueError(f"DecoderOnlyConfig.attention_chunk must be an int >= 0 (0: read the "
                        f"whole cache), got {self.attention_chunk!r}")
+    if self.mla_cache not in MLA_CACHES:
+      raise ValueError(f"DecoderOnlyConfig.mla_cache must be one of {MLA_CACHES} ('latent': "
+                       f"DeepSeek-V3's compressed cache, 'full': per-head keys and values), "
+                       f"got {self.mla_cache!r}")
     for field in ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "mlp_dim", "max_positions", "rope_original_max_positions"):
       value = getattr(self, field)

@@ -55,10 +55,18 @@ Layouts (`DecoderOnlyConfig.family`):
   the rotated part in that de-interleaved order for both q and k, so the scores are
   the same); YaRN frequencies, cos/sin times yarn's attention factor, the softmax
   scale (qk_nope + qk_rope) ** -0.5 times mscale(factor, mscale_all_dim) ** 2. The
-  cache holds the full per-head keys [heads, qk_nope + qk_rope] and values [heads,
-  v_head_dim] (not the latent: simplest, exact, and the cache layout of every other
-  layout; 128 heads x 320 values vs 576 latent values per token and layer, so a
-  long DeepSeek-V3 context costs ~70x the latent cache). The first
+  cache (`mla_cache` 'latent', the default: DeepSeek's and vLLM's) holds per token and
+  layer [normed latent | rotated k_rope], kv_lora_rank + qk_rope_head_dim values (576
+  for DeepSeek-V3, against 128 heads x 320 = 40960 for full keys and values: 71x
+  less). A cached block attends through the absorbed projections: kv_b_proj's kernel
+  splits per head into W_uk [kv_lora, heads, nope] and W_uv [kv_lora, heads, v]; the
+  query [q_nope W_uk^T (formed in float32) | rotated q_rope] scores the cached [latent |
+  k_rope] exactly as [q_nope | q_rope] scores [k_nope | k_rope]; that is grouped-query
+  attention with one kv head whose values are the keys' first kv_lora dims, and the
+  attended latent times W_uv is the head's value mix. The uncached forward (and
+  `mla_cache` 'full', which caches per-head keys [heads, qk_nope + qk_rope] and values
+  [heads, v_head_dim]) expands keys and values as transformers does; both forms agree to
+  float rounding. The first
   first_k_dense_replace layers have a dense MLP; the others a MoE with DeepSeek's
   router (below) plus `shared_experts`, a SwiGLU of n_shared_experts * moe_mlp_dim
   units that every token runs.
@@ -155,7 +163,9 @@ their transpose; `checkpoints_decoder_only` holds the name mapping):
 Cache layout (a dict, one entry per layer; keys are stored already rotated, as
 HF does, so a cached key never needs its position again):
   cache['layers'][i]['self_key'], ['self_value']: [batch, max_len, kv_heads, head_dim]
-  (DeepSeek-V3: keys [.., heads, qk_nope + qk_rope], values [.., heads, v_head_dim])
+  DeepSeek-V3 (mla_cache 'latent'): ['self_key'] alone, [batch, max_len, 1, kv_lora_rank
+  + qk_rope_head_dim] = [normed latent | rotated k_rope]; mla_cache 'full': keys [..,
+  heads, qk_nope + qk_rope], values [.., heads, v_head_dim]
 
 Dtypes follow the T5 model: params are stored in float32 at init (cast to
 `config.dtype` by the caller), matmuls run in `config.dtype`, norms, softmax
@@ -409,9 +419,64 @@ class Attention(nn.Module):
     return self.o_proj(heads.reshape(heads.shape[:-2] + (-1,))), new_cache
 
 
+class LatentUp(nn.Module):
+  """DeepSeek-V3's `kv_b_proj`: the latent's up-projection, one `kernel` [kv_lora, heads *
+  (nope + v)] ([out, in] with kernel_layout 'out_in'), the param `Dense` would hold. Its
+  per-head halves are W_uk [kv_lora, heads, nope] (keys) and W_uv [kv_lora, heads, v]
+  (values), which the latent cache's attention absorbs (`MlaAttention`)."""
+  config: DecoderOnlyConfig
+
+  def setup(self):
+    # A setup param (not a compact Dense): it exists whichever method runs first, so a
+    # cached-only init (the MTP head's) still creates it.
+    cfg = self.config
+    width = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    self.kernel = self.param("kernel", _INIT,
+                             kernel_shape(cfg.kernel_layout, cfg.kv_lora_rank, width), jnp.float32)
+
+  def __call__(self, latent: Array) -> Array:
+    """latent [batch, q, kv_lora] -> [batch, q, heads * (nope + v)], as `Dense`."""
+    dtype = _dtype(self.config)
+    return project(latent.astype(dtype), self.kernel.astype(dtype), self.config.kernel_layout,
+                   preferred_element_type=dtype)
+
+  def _halves(self) -> Tuple[Array, Array, str]:
+    """(W_uk, W_uv, their einsum axes) in the kernel's stored order: [kv_lora, heads,
+    nope | v] ('chd', in_out) or [heads, nope | v, kv_lora] ('hdc', out_in), no
+    transpose."""
+    cfg = self.config
+    nope = cfg.qk_nope_head_dim
+    if cfg.kernel_layout == "out_in":
+      w = self.kernel.reshape(cfg.num_heads, -1, cfg.kv_lora_rank)
+      return w[:, :nope], w[:, nope:], "hdc"
+    w = self.kernel.reshape(cfg.kv_lora_rank, cfg.num_heads, -1)
+    return w[..., :nope], w[..., nope:], "chd"
+
+  def absorb(self, q_nope: Array) -> Array:
+    """q_nope [batch, q, heads, nope] -> q_nope @ W_uk^T per head [batch, q, heads, kv_lora]
+    in config.dtype. Formed in float32 at full precision (bf16 operands are exact in
+    float32, so only the one final cast rounds, as k_nope was rounded once in the expanded
+    form) and cast: the scores' einsum takes the cache's dtype."""
+    w_uk, _, axes = self._halves()
+    f32 = jnp.float32
+    q = jnp.einsum(f"bqhd,{axes}->bqhc", q_nope.astype(f32), w_uk.astype(f32),
+                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+    return q.astype(_dtype(self.config))
+
+  def values(self, attended: Array) -> Array:
+    """attended latents [batch, q, heads, kv_lora] -> [batch, q, heads, v] (@ W_uv per
+    head) in config.dtype."""
+    _, w_uv, axes = self._halves()
+    dtype = _dtype(self.config)
+    return jnp.einsum(f"bqhc,{axes}->bqhd", attended.astype(dtype), w_uv.astype(dtype),
+                      preferred_element_type=dtype)
+
+
 class MlaAttention(nn.Module):
-  """DeepSeek-V3's multi-head latent attention (module docstring), caching full per-head
-  keys and values."""
+  """DeepSeek-V3's multi-head latent attention (module docstring). With mla_cache 'latent'
+  (default) a cached block stores each token's normed latent and rotated rotary key and
+  attends through the absorbed projections; the uncached forward and mla_cache 'full'
+  expand per-head keys and values (transformers' form; 'full' caches them)."""
   config: DecoderOnlyConfig
 
   def setup(self):
@@ -425,33 +490,37 @@ class MlaAttention(nn.Module):
       self.q_b_proj = Dense(heads * cfg.head_dim, cfg)
     self.kv_a_proj_with_mqa = Dense(cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg, cfg.qkv_bias)
     self.kv_a_layernorm = Norm(cfg, epsilon=1e-6)
-    self.kv_b_proj = Dense(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg)
+    self.kv_b_proj = LatentUp(cfg)
     self.o_proj = Dense(cfg.emb_dim, cfg, cfg.out_bias)
 
-  def __call__(self, x: Array, mask, rotary: Tuple[Array, Array],
-               layer_cache: Optional[Dict[str, Array]], positions: Optional[Array]):
-    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None); mask as
-    `Attention`'s."""
+  def _project(self, x: Array, rotary: Tuple[Array, Array]):
+    """x [batch, q, emb] -> (q_nope [b, q, heads, nope], rotated q_rope [b, q, heads, rope],
+    normed latent [b, q, kv_lora], rotated shared k_rope [b, q, 1, rope])."""
     cfg = self.config
     batch, q_len = x.shape[:2]
-    heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     if cfg.q_lora_rank is None:
       query = self.q_proj(x)
     else:
       query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-    query = query.reshape(batch, q_len, heads, nope + rope)
+    query = query.reshape(batch, q_len, cfg.num_heads, cfg.head_dim)
     compressed = self.kv_a_proj_with_mqa(x)
     latent, k_rot = compressed[..., :cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank:]
-    kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(batch, q_len, heads,
-                                                             nope + cfg.v_head_dim)
-    k_nope, value = kv[..., :nope], kv[..., nope:]
-    q_nope, q_rot = query[..., :nope], query[..., nope:]
+    q_nope, q_rot = query[..., :cfg.qk_nope_head_dim], query[..., cfg.qk_nope_head_dim:]
     k_rot = k_rot[:, :, None, :]  # One rotary key per token, shared by every head.
     if cfg.rope_interleave:
       q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
     q_rot, k_rot = apply_rotary(q_rot, *rotary), apply_rotary(k_rot, *rotary)
+    return q_nope, q_rot, self.kv_a_layernorm(latent), k_rot
+
+  def _expanded(self, q_nope, q_rot, normed, k_rot, mask, layer_cache, positions):
+    """Per-head keys [nope | rope] and values from kv_b_proj (cached as such with
+    mla_cache 'full'): ([batch, q, heads, v], updated layer cache or None)."""
+    cfg = self.config
+    batch, q_len, heads, nope = q_nope.shape
+    kv = self.kv_b_proj(normed).reshape(batch, q_len, heads, nope + cfg.v_head_dim)
+    k_nope, value = kv[..., :nope], kv[..., nope:]
     query = _axes(jnp.concatenate([q_nope, q_rot], axis=-1), ("batch", "length", "heads", "kv"))
-    key = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:-1] + (rope,))],
+    key = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:-1] + k_rot.shape[-1:])],
                           axis=-1)
     key = _axes(key, ("batch", "length", "heads", "kv"))
     value = _axes(value, ("batch", "length", "heads", "kv"))
@@ -462,7 +531,37 @@ class MlaAttention(nn.Module):
       new_cache = dict(layer_cache, self_key=key, self_value=value)
     out = attend(query, key, value, mask, heads, cfg.attention_scale,
                  chunk=cfg.attention_chunk)
-    return self.o_proj(out.reshape(batch, q_len, heads * cfg.v_head_dim)), new_cache
+    return out, new_cache
+
+  def _absorbed(self, q_nope, q_rot, normed, k_rot, mask, layer_cache, positions):
+    """The latent cache: self_key [batch, max_len, 1, kv_lora + rope] holds [normed latent |
+    rotated k_rope] per token. Score(h, j) = q_nope_h . (W_uk_h c_j) + q_rope_h . k_rope_j
+    = [q_nope_h W_uk_h^T | q_rope_h] . key_j: grouped-query attention with one kv head,
+    `heads` groups and values the keys' first kv_lora dims; the output's latent through
+    W_uv_h is head h's value mix. Returns ([batch, q, heads, v], updated layer cache)."""
+    cfg = self.config
+    query = jnp.concatenate([self.kv_b_proj.absorb(q_nope), q_rot], axis=-1)
+    query = _axes(query, ("batch", "length", "heads", "kv"))
+    key = jnp.concatenate([normed[:, :, None, :], k_rot.astype(normed.dtype)], axis=-1)
+    # One latent per token, no heads axis: replicated over `model` (sharding.py).
+    key = _set_block(layer_cache["self_key"], _axes(key, ("batch", "length", None, "kv")),
+                     positions)
+    out = attend(query, key, cfg.kv_lora_rank, mask, 1, cfg.attention_scale,
+                 chunk=cfg.attention_chunk)
+    return self.kv_b_proj.values(out), dict(layer_cache, self_key=key)
+
+  def __call__(self, x: Array, mask, rotary: Tuple[Array, Array],
+               layer_cache: Optional[Dict[str, Array]], positions: Optional[Array]):
+    """x [batch, q, emb] -> ([batch, q, emb], updated layer cache or None); mask as
+    `Attention`'s."""
+    cfg = self.config
+    parts = self._project(x, rotary)
+    if layer_cache is not None and cfg.mla_cache == "latent":
+      out, new_cache = self._absorbed(*parts, mask, layer_cache, positions)
+    else:
+      out, new_cache = self._expanded(*parts, mask, layer_cache, positions)
+    batch, q_len = x.shape[:2]
+    return self.o_proj(out.reshape(batch, q_len, cfg.num_heads * cfg.v_head_dim)), new_cache
 
 
 class Mlp(nn.Module):
@@ -681,6 +780,12 @@ class DecoderLayer(nn.Module):
 
 def init_cache(config: DecoderOnlyConfig, batch: int, max_len: int) -> Cache:
   """An all-zero cache of `max_len` positions per row (needs no params)."""
+  if config.uses_mla and config.mla_cache == "latent":
+    # DeepSeek-V3: one key per token, [normed latent | rotated k_rope], no values (they
+    # are the keys' first kv_lora_rank dims; `MlaAttention._absorbed`).
+    latent = (batch, max_len, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+    return dict(layers=[dict(self_key=jnp.zeros(latent, _dtype(config)))
+                        for _ in range(config.num_layers)])
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
   value_shape = shape[:-1] + (config.value_head_dim,)
   return dict(layers=[dict(self_key=jnp.zeros(shape, _dtype(config)),

@@ -26,8 +26,15 @@ bias and DeepSeek-V3's e_score_correction_bias are [expert], gpt-oss's attention
 
 DeepSeek-V3's latent attention: q_a_proj / kv_a_proj_with_mqa [embed, None] and the
 latent norms [None] (the low-rank latents are small and replicated), q_b_proj / kv_b_proj
-[None, joined_kv] (heads over `model`, as q/k/v_proj), o_proj [joined_kv, embed]. Its cache
-is [batch, length, heads, kv] like the others' (all heads: keys and values are per head).
+[None, joined_kv] (heads over `model`, as q/k/v_proj), o_proj [joined_kv, embed]. Its
+latent cache (mla_cache 'latent', the default) is one self_key [batch, length, 1, kv_lora +
+rope] per layer with no heads axis: [batch, length, None, kv], batch over `data` and
+replicated over `model`, as vLLM replicates the latent across tensor-parallel ranks. Every
+device's heads read every latent (the absorbed queries are per head, sharded with the heads;
+the latent is shared by all of them), so splitting it over `model` would only trade a
+576-wide replicated read for an all-gather per step; a long context could shard `length`
+instead (a rule away, not done here). With mla_cache 'full' the cache is [batch, length,
+heads, kv] like the others' (keys and values per head).
 """
 
 from typing import Any, Optional, Sequence, Tuple
@@ -95,15 +102,18 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> LogicalAxes:
 # Unlike T5's head-major cache (sharding.CACHE_KV_AXES), the decoder-only
 # cache is laid out as the projections produce it (families/decoder_only/network.py).
 CACHE_KV_AXES = ("batch", "length", "heads", "kv")
+# DeepSeek-V3's latent cache: one shared latent per token, no heads to split (docstring).
+CACHE_LATENT_AXES = ("batch", "length", None, "kv")
 
 
 def cache_logical_axes(cache) -> Any:
-  """Logical axes of a decoder-only cache: K/V [batch, length, heads, kv] per layer."""
+  """Logical axes of a decoder-only cache: K/V [batch, length, heads, kv] per layer; a
+  layer holding a key alone (DeepSeek-V3's latent cache) [batch, length, None, kv]."""
   if not (isinstance(cache, dict) and set(cache) == {"layers"}):
     raise ValueError(f"expected a decoder-only cache {{'layers': [...]}}, got "
                      f"{sorted(cache) if isinstance(cache, dict) else type(cache).__name__}")
-  return dict(layers=[{name: CACHE_KV_AXES for name in layer}
-                      for layer in cache["layers"]])
+  return dict(layers=[{name: CACHE_LATENT_AXES if set(layer) == {"self_key"} else CACHE_KV_AXES
+                       for name in layer} for layer in cache["layers"]])
 
 
 def abstract_params(config: DecoderOnlyConfig):
