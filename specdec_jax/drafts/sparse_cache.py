@@ -109,20 +109,8 @@ class SparseCacheDraft(Draft):
     self.family = family_of(target)
     config = target.config
     self.family.sparse_view(config, target.params)  # the family names what it lacks, now
-    self._check_windows(config)
+    self.family.check_sparse_budget(config, self.budget)
     self.vocab_size, self.eos_id, self.pad_id = config.vocab_size, config.eos_id, config.pad_id
-
-  def _check_windows(self, config) -> None:
-    """A target whose every layer already reads a window no wider than the budget gains
-    nothing: the draft would be the target itself at the target's cost."""
-    types = getattr(config, "attention_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types and window and all(t == "sliding_attention" for t in types) and (
-        window <= self.budget):
-      raise ValueError(f"every layer of this target attends to a window of {window} <= "
-                       f"budget={self.budget} positions: a sparse view of its cache reads what "
-                       "the target reads, so the draft would cost a target step; use a model "
-                       "draft, or a budget well below the window")
 
   @property
   def params(self) -> Any:

@@ -365,6 +365,10 @@ class Family(abc.ABC):
                      f"({type(self).__name__}.sparse_view): a SparseCacheDraft cannot serve "
                      "it; use a model, n-gram or prompt-lookup draft")
 
+  def check_sparse_budget(self, config, budget: int) -> None:
+    """Raises ValueError when a view of `budget` positions would read what a target of
+    `config` reads anyway (nothing to gain); the default finds nothing to refuse."""
+
   # -- Token trees -----------------------------------------------------------
 
   def _no_trees(self, what: str) -> ValueError:

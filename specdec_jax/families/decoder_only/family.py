@@ -129,6 +129,17 @@ class DecoderOnlyFamily(Family):
   def sparse_view(self, config: DecoderOnlyConfig, params):
     return decoder_only_sparse_view.sparse_view(config, params)
 
+  def check_sparse_budget(self, config: DecoderOnlyConfig, budget: int) -> None:
+    # Every layer already reading a window no wider than the budget: the draft would be
+    # the target itself at the target's cost.
+    window = config.sliding_window
+    if window and all(t == "sliding_attention" for t in config.attention_types) and (
+        window <= budget):
+      raise ValueError(f"every layer of this target attends to a window of {window} <= "
+                       f"budget={budget} positions: a sparse view of its cache reads what the "
+                       "target reads, so the draft would cost a target step; use a model "
+                       "draft, or a budget well below the window")
+
   # -- Features (feature drafts) -------------------------------------------
 
   def feature_dim(self, config: DecoderOnlyConfig, layers=None) -> int:

@@ -71,16 +71,9 @@ def gather(cache, index: Array, valid: Array, room: int) -> Dict[str, Any]:
               start=index.shape[1])
 
 
-def _view_config(config: DecoderOnlyConfig) -> DecoderOnlyConfig:
-  """The compact cache is one flat array per layer (no ring, read whole)."""
-  if hasattr(config, "window_cache"):
-    config = config.replace(window_cache="full")
-  return config
-
-
 def step_fn(config: DecoderOnlyConfig, params):
   """`step(view, tokens [batch], positions [batch], slot) -> (logits [batch, vocab], view)`."""
-  module = DecoderOnly(_view_config(config))
+  module = DecoderOnly(config)
 
   def step(view, tokens, positions, slot):
     index = view["start"] + slot
